@@ -1,0 +1,33 @@
+"""Replicated metadata: which node holds which block in which tier (Raft on pysyncobj).
+
+Imports nothing of the project. Keys are opaque ``bytes``; ``Tier`` and ``NodeId`` are
+defined here and re-exported by kvdb. See README.md in this folder.
+"""
+
+from __future__ import annotations
+
+from kvflow.replication.config import MetadataConfig
+from kvflow.replication.errors import (
+    MetadataTimeoutError,
+    MetadataUnavailableError,
+    NotLeaderError,
+    ReplicationError,
+)
+from kvflow.replication.group import MetadataGroup
+from kvflow.replication.table import MetadataTable
+from kvflow.replication.types import NodeId, NodeInfo, Tier
+from kvflow.replication.view import MetadataView
+
+__all__ = [
+    "MetadataConfig",
+    "MetadataGroup",
+    "MetadataTable",
+    "MetadataTimeoutError",
+    "MetadataUnavailableError",
+    "MetadataView",
+    "NodeId",
+    "NodeInfo",
+    "NotLeaderError",
+    "ReplicationError",
+    "Tier",
+]

@@ -1,0 +1,398 @@
+"""One replica of the Raft metadata group: lifecycle, tick thread, blocking writes.
+
+``MetadataGroup`` owns a pysyncobj ``SyncObj`` (no auto-tick: this class runs the tick
+thread, so the group keeps running whichever thread started it) with one consumer, the
+:class:`ReplicatedTable`. Writes are proposed on any replica (a follower forwards them to
+the leader) and block until this replica has applied them, so a write is visible in this
+replica's :meth:`view` when it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException
+
+from kvflow.replication.codec import (
+    check_key,
+    check_keys,
+    check_node,
+    check_now,
+    chunk_bounds,
+    pack_keys,
+    split_stored,
+)
+from kvflow.replication.config import MetadataConfig
+from kvflow.replication.errors import (
+    MetadataTimeoutError,
+    MetadataUnavailableError,
+    NotLeaderError,
+    ReplicationError,
+)
+from kvflow.replication.shell import ReplicatedTable
+from kvflow.replication.types import NodeId, Tier
+from kvflow.replication.view import MetadataView
+
+logger = logging.getLogger(__name__)
+
+_FAST_TICKS = 4
+"""Zero-wait ticks run after a write is proposed, so it commits without waiting a period."""
+
+_LEADER_LOST = {
+    FAIL_REASON.NOT_LEADER: "leader changed before commit",
+    FAIL_REASON.LEADER_CHANGED: "leader changed before commit",
+    FAIL_REASON.DISCARDED: "entry discarded by a new leader",
+    FAIL_REASON.UNKNOWN_OUTCOME: "outcome unknown after leader restart",
+}
+
+
+class _Pending:
+    """The outcome of one proposed entry, filled in by pysyncobj's callback."""
+
+    __slots__ = ("done", "error", "result")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: int | None = None
+
+    def __call__(self, result: Any, error: int) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+def _syncobj_conf(config: MetadataConfig) -> SyncObjConf:
+    journal, dump = config.journal_path, config.dump_path
+    return SyncObjConf(
+        autoTick=False,
+        appendEntriesUseBatch=False,  # send entries as soon as proposed: lower commit latency
+        appendEntriesPeriod=config.append_entries_period_s,
+        raftMinTimeout=config.raft_min_timeout_s,
+        raftMaxTimeout=config.raft_max_timeout_s,
+        connectionTimeout=max(3.5, config.raft_max_timeout_s * 2),
+        connectionRetryTime=config.connection_retry_s,
+        leaderFallbackTimeout=max(30.0, config.raft_max_timeout_s * 4),
+        # One entry never exceeds max_entry_bytes of keys (+ tiers and framing), so it is
+        # never sent through pysyncobj's chunked "transmission" path.
+        appendEntriesBatchSizeBytes=2 * config.max_entry_bytes + (1 << 16),
+        journalFile=None if journal is None else str(journal),
+        # A file journal is compacted into this dump; without it compaction would drop
+        # journal entries whose effect lives only in memory.
+        fullDumpFile=None if dump is None else str(dump),
+        useFork=False,  # no fork() in a threaded (torch, grpc) process
+        logCompactionMinEntries=config.log_compaction_min_entries,
+        logCompactionMinTime=config.log_compaction_min_time_s,
+        bindRetryTime=config.bind_retry_s,
+        maxBindRetries=config.bind_retries,
+        commandsWaitLeader=True,
+        dynamicMembershipChange=False,
+    )
+
+
+class MetadataGroup:
+    """One replica of the metadata group (see the module docstring).
+
+    Lifecycle: ``start()`` binds ``self_address`` and starts the tick thread; ``wait_ready``
+    waits for a leader and for this replica to catch up; ``close()`` (idempotent) stops the
+    tick thread and closes sockets and journal. Usable as a context manager (start/close).
+
+    Writes (thread-safe, blocking up to ``commit_timeout_s``) raise:
+    ``MetadataTimeoutError`` (not committed in time: outcome unknown),
+    ``NotLeaderError`` (leadership changed before commit: outcome unknown),
+    ``MetadataUnavailableError`` (not started / closed / no leader / queue full),
+    ``TypeError``/``ValueError`` for bad arguments (nothing proposed). Every command is
+    idempotent, so retrying after any of these is safe.
+    """
+
+    def __init__(self, config: MetadataConfig) -> None:
+        if not isinstance(config, MetadataConfig):
+            raise TypeError(f"config: expected MetadataConfig, got {type(config).__name__}")
+        self._config = config
+        self._shell = ReplicatedTable()
+        self._syncobj: SyncObj | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._kick = threading.Event()
+        self._state_lock = threading.Lock()
+        self._closed = False
+        self._view = MetadataView(lambda: self._shell.table, self._shell.lock, self)
+
+    @property
+    def config(self) -> MetadataConfig:
+        return self._config
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind, replay the journal, and start ticking. Raises MetadataUnavailableError if
+        the address cannot be bound or the group was closed; a second call is a no-op."""
+        with self._state_lock:
+            if self._closed:
+                raise MetadataUnavailableError("metadata group is closed")
+            if self._syncobj is not None:
+                return
+            if self._config.journal_dir is not None:
+                self._config.journal_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self._syncobj = SyncObj(
+                    self._config.self_address,
+                    list(self._config.partner_addresses),
+                    conf=_syncobj_conf(self._config),
+                    consumers=[self._shell],
+                )
+            except SyncObjException as exc:
+                raise MetadataUnavailableError(
+                    f"cannot bind metadata replica at {self._config.self_address}: {exc}"
+                ) from exc
+            self._thread = threading.Thread(
+                target=self._tick_loop,
+                name=f"kvflow-meta-{self._config.self_address}",
+                daemon=True,
+            )
+            self._thread.start()
+        logger.info(
+            "metadata replica started: self=%s partners=%s journal=%s",
+            self._config.self_address,
+            ",".join(self._config.partner_addresses) or "-",
+            self._config.journal_dir,
+        )
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until a leader is known and this replica has applied what the leader had
+        committed when it joined. Raises MetadataTimeoutError after ``timeout`` seconds."""
+        syncobj = self._require_started()
+        deadline = time.monotonic() + timeout
+        while True:
+            if syncobj.isReady() and syncobj._getLeader() is not None:
+                return
+            if time.monotonic() >= deadline:
+                raise MetadataTimeoutError(
+                    f"metadata replica {self._config.self_address} not ready after {timeout}s "
+                    f"(leader: {self.leader() or 'none'})"
+                )
+            self._kick.set()
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        """Stop the tick thread, close sockets and the journal. Idempotent; never raises."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+            syncobj, thread = self._syncobj, self._thread
+        self._stop.set()
+        self._kick.set()
+        if thread is not None:
+            thread.join()
+        if syncobj is not None:
+            try:
+                syncobj.destroy()
+            except Exception:
+                logger.exception(
+                    "metadata replica %s: error while closing", self._config.self_address
+                )
+        logger.info("metadata replica closed: self=%s", self._config.self_address)
+
+    def __enter__(self) -> MetadataGroup:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ writes
+
+    def record_batch(
+        self,
+        node: NodeId,
+        stored: Sequence[tuple[bytes, Tier]],
+        removed: Sequence[bytes],
+        now: float,
+    ) -> None:
+        """Record that ``node`` now holds ``stored`` and no longer holds ``removed``.
+
+        One Raft entry for the whole batch as long as its keys fit in ``max_entry_bytes``
+        (~58k 16-byte keys at the default 1 MiB); a larger batch is split into consecutive
+        entries (stores, then removals), each applied atomically. An empty batch proposes
+        nothing. Semantics as :meth:`MetadataTable.record_batch`.
+        """
+        check_node(node)
+        keys, tiers = split_stored(stored)
+        gone = check_keys(removed, "removed")
+        now = check_now(now)
+        if not keys and not gone:
+            return
+        syncobj = self._require_started()
+        limit = self._config.max_entry_bytes
+        proposals: list[Callable[[_Pending], None]] = []
+        for start, end in chunk_bounds(keys, limit) if keys else []:
+            width, blob = pack_keys(keys[start:end])
+            part = tiers[start:end]
+            proposals.append(
+                self._proposer(self._shell.cmd_record, node, width, blob, part, 0, b"", now)
+            )
+        for start, end in chunk_bounds(gone, limit) if gone else []:
+            width, blob = pack_keys(gone[start:end])
+            proposals.append(
+                self._proposer(self._shell.cmd_record, node, 0, b"", b"", width, blob, now)
+            )
+        self._submit(syncobj, proposals)
+
+    def replace_holdings(
+        self, node: NodeId, holdings: Sequence[tuple[bytes, Tier]], now: float
+    ) -> None:
+        """Make ``holdings`` exactly what is recorded for ``node`` (node re-adoption/rebuild).
+
+        Atomic when the keys fit in ``max_entry_bytes``. A larger set is split: the first
+        entry clears the node and records the first chunk, the others add chunks; between
+        them readers see part of the node's blocks (misses, never wrong holders). An empty
+        ``holdings`` clears the node (one entry).
+        """
+        check_node(node)
+        keys, tiers = split_stored(holdings)
+        now = check_now(now)
+        syncobj = self._require_started()
+        proposals: list[Callable[[_Pending], None]] = []
+        for i, (start, end) in enumerate(chunk_bounds(keys, self._config.max_entry_bytes)):
+            width, blob = pack_keys(keys[start:end])
+            if i == 0:
+                proposals.append(
+                    self._proposer(
+                        self._shell.cmd_replace, node, width, blob, tiers[start:end], now
+                    )
+                )
+            else:
+                proposals.append(
+                    self._proposer(
+                        self._shell.cmd_record, node, width, blob, tiers[start:end], 0, b"", now
+                    )
+                )
+        self._submit(syncobj, proposals)
+
+    def set_replica_target(self, key: bytes, n: int, now: float) -> None:
+        """Set how many replicas ``key`` should have (``n >= 1``; 1 resets to the default).
+        A target is dropped when the block's last replica goes."""
+        check_key(key)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n: replica target must be an int >= 1, got {n!r}")
+        self._run_one(self._shell.cmd_target, key, n, check_now(now))
+
+    def register_node(self, node: NodeId, address: str, kind: str, now: float) -> None:
+        """Add ``node`` (or update its address and kind); counts as a heartbeat."""
+        check_node(node)
+        if not isinstance(address, str) or not isinstance(kind, str):
+            raise TypeError("address and kind: expected str")
+        self._run_one(self._shell.cmd_register, node, address, kind, check_now(now))
+
+    def heartbeat(self, node: NodeId, now: float) -> bool:
+        """Mark ``node`` alive at ``now``. Returns False if the metadata did not know the node
+        (never registered, or reaped as dead): it is registered again with no blocks and
+        should call :meth:`replace_holdings` with what it holds."""
+        check_node(node)
+        return bool(self._run_one(self._shell.cmd_heartbeat, node, check_now(now)))
+
+    def reap_dead_nodes(self, now: float) -> list[NodeId]:
+        """Drop every node whose last heartbeat is older than ``node_dead_after_s`` at
+        ``now``, with all its replicas. Returns the dropped nodes, sorted. The threshold
+        travels in the entry, so every replica drops the same nodes."""
+        result = self._run_one(
+            self._shell.cmd_reap, check_now(now), float(self._config.node_dead_after_s)
+        )
+        return [NodeId(node) for node in result or ()]
+
+    # ------------------------------------------------------------------ reads
+
+    def view(self) -> MetadataView:
+        """The read-only view of this replica's applied state (the same object each call)."""
+        return self._view
+
+    def is_leader(self) -> bool:
+        """Whether this replica believes it is the leader (may be briefly stale)."""
+        syncobj = self._syncobj
+        return syncobj is not None and not self._closed and bool(syncobj._isLeader())
+
+    def leader(self) -> str | None:
+        """The leader's address as this replica knows it, or None."""
+        syncobj = self._syncobj
+        if syncobj is None or self._closed:
+            return None
+        node = syncobj._getLeader()
+        return None if node is None else str(node.id)
+
+    def raft_status(self) -> dict[str, Any]:
+        """pysyncobj's debug status of this replica (log length, commit index, term...).
+        Read from another thread than the tick thread, so values may be mid-update."""
+        return dict(self._require_started().getStatus())
+
+    # ------------------------------------------------------------------ internals
+
+    def _require_started(self) -> SyncObj:
+        syncobj = self._syncobj
+        if syncobj is None or self._closed:
+            state = "closed" if self._closed else "not started"
+            raise MetadataUnavailableError(f"metadata group is {state}")
+        return syncobj
+
+    @staticmethod
+    def _proposer(method: Callable[..., Any], *args: Any) -> Callable[[_Pending], None]:
+        return lambda pending: method(*args, callback=pending)
+
+    def _run_one(self, method: Callable[..., Any], *args: Any) -> Any:
+        syncobj = self._require_started()
+        return self._submit(syncobj, [self._proposer(method, *args)])
+
+    def _submit(self, syncobj: SyncObj, proposals: list[Callable[[_Pending], None]]) -> Any:
+        """Propose entries in order (pipelined), wait for all; return the last result."""
+        pendings: list[_Pending] = []
+        for propose in proposals:
+            pending = _Pending()
+            propose(pending)
+            pendings.append(pending)
+        self._kick.set()
+        deadline = time.monotonic() + self._config.commit_timeout_s
+        for pending in pendings:
+            if not pending.done.wait(max(deadline - time.monotonic(), 0.0)):
+                raise MetadataTimeoutError(
+                    f"metadata write not committed within {self._config.commit_timeout_s}s "
+                    f"(leader: {self.leader() or 'none'})"
+                )
+            self._raise_for(pending.error)
+        return pendings[-1].result if pendings else None
+
+    def _raise_for(self, error: int | None) -> None:
+        if error == FAIL_REASON.SUCCESS:
+            return
+        if error in _LEADER_LOST:
+            raise NotLeaderError(self.leader(), _LEADER_LOST[error])
+        if error == FAIL_REASON.MISSING_LEADER:
+            raise MetadataUnavailableError("no metadata leader is known")
+        if error == FAIL_REASON.QUEUE_FULL:
+            raise MetadataUnavailableError("metadata command queue is full")
+        raise ReplicationError(f"metadata write failed (pysyncobj reason {error})")
+
+    def _tick_loop(self) -> None:
+        """The only thread that ticks pysyncobj: applies entries, sends and receives."""
+        syncobj = self._syncobj
+        assert syncobj is not None
+        period = self._config.tick_period_s
+        fast_ticks = 0
+        while not self._stop.is_set():
+            if self._kick.is_set():
+                self._kick.clear()
+                fast_ticks = _FAST_TICKS
+            try:
+                syncobj.doTick(0.0 if fast_ticks else period)
+            except Exception:
+                logger.exception("metadata replica %s: tick failed", self._config.self_address)
+                self._stop.wait(period)
+            fast_ticks = max(fast_ticks - 1, 0)
