@@ -1,0 +1,180 @@
+"""What the conductor knows about one engine instance: its queue, its decode batch, its health.
+
+The caller (the server, or the simulator) owns these objects and mutates them as work is routed,
+started and finished; the conductor only reads them. Every method is thread-safe (one lock per
+instance), and every reader returns a consistent snapshot.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from dataclasses import dataclass
+
+from kvflow.router.errors import UnknownInstanceError
+
+
+class InstanceKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class InstanceSnapshot:
+    """A consistent read of one instance at ``now`` (what a policy sees)."""
+
+    instance_id: str
+    kind: InstanceKind
+    healthy: bool
+    queued_requests: int
+    queued_seconds: float
+    decode_batch_size: int
+    decode_context_tokens: int
+
+
+@dataclass
+class _Queued:
+    predicted_s: float
+    started_at: float | None = None
+
+
+class InstanceState:
+    """Mutable load of one instance.
+
+    Prefill side: a FIFO of predicted prefill seconds keyed by request id (``enqueue`` /
+    ``start`` / ``finish``); :meth:`queued_seconds` is the paper's EstimatePrefillQueueTime — the
+    sum of what is queued plus what remains of what is running.
+
+    Decode side: the requests in (or reserved for) the decode batch with their context tokens
+    (``add_decode`` / ``grow_decode`` / ``remove_decode``).
+    """
+
+    def __init__(self, instance_id: str, kind: InstanceKind | str, healthy: bool = True) -> None:
+        if not instance_id:
+            raise ValueError("instance_id must be a non-empty string")
+        self.instance_id = instance_id
+        self.kind = InstanceKind(kind)
+        self._healthy = healthy
+        self._queue: dict[str, _Queued] = {}
+        self._decode: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # --- health -------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        with self._lock:
+            return self._healthy
+
+    def set_healthy(self, healthy: bool) -> None:
+        with self._lock:
+            self._healthy = healthy
+
+    # --- prefill queue ------------------------------------------------------------------------
+    def enqueue(self, request_id: str, predicted_s: float) -> None:
+        """Add a request's predicted prefill seconds. ValueError on a duplicate id or bad time."""
+        if not (math.isfinite(predicted_s) and predicted_s >= 0):
+            raise ValueError(f"predicted_s must be finite and >= 0, got {predicted_s}")
+        with self._lock:
+            if request_id in self._queue:
+                raise ValueError(f"request_id {request_id!r} already queued on {self.instance_id}")
+            self._queue[request_id] = _Queued(predicted_s)
+
+    def start(self, request_id: str, now: float) -> None:
+        """Mark a queued request as running since ``now``; UnknownInstanceError if not queued."""
+        with self._lock:
+            entry = self._queue.get(request_id)
+            if entry is None:
+                raise UnknownInstanceError(
+                    f"request {request_id!r} not queued on {self.instance_id}"
+                )
+            entry.started_at = now
+
+    def finish(self, request_id: str) -> None:
+        """Remove a request from the queue; UnknownInstanceError if it is not there."""
+        with self._lock:
+            if self._queue.pop(request_id, None) is None:
+                raise UnknownInstanceError(
+                    f"request {request_id!r} not queued on {self.instance_id}"
+                )
+
+    def queued_seconds(self, now: float | None = None) -> float:
+        """Predicted seconds of prefill work ahead of a new request.
+
+        A started request counts only its remaining predicted time when ``now`` is given
+        (never below 0); without ``now`` it counts in full.
+        """
+        with self._lock:
+            return self._queued_seconds_locked(now)
+
+    def _queued_seconds_locked(self, now: float | None) -> float:
+        total = 0.0
+        for entry in self._queue.values():
+            if now is not None and entry.started_at is not None:
+                total += max(0.0, entry.predicted_s - (now - entry.started_at))
+            else:
+                total += entry.predicted_s
+        return total
+
+    @property
+    def queued_requests(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    # --- decode batch -------------------------------------------------------------------------
+    def add_decode(self, request_id: str, context_tokens: int) -> None:
+        """Add (or reserve) a request in the decode batch. ValueError on duplicates / negatives."""
+        if context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
+        with self._lock:
+            if request_id in self._decode:
+                raise ValueError(
+                    f"request_id {request_id!r} already decoding on {self.instance_id}"
+                )
+            self._decode[request_id] = context_tokens
+
+    def grow_decode(self, request_id: str, tokens: int = 1) -> None:
+        """Account ``tokens`` more context for a decoding request (one per generated token)."""
+        with self._lock:
+            if request_id not in self._decode:
+                raise UnknownInstanceError(
+                    f"request {request_id!r} not decoding on {self.instance_id}"
+                )
+            self._decode[request_id] += tokens
+
+    def remove_decode(self, request_id: str) -> None:
+        with self._lock:
+            if self._decode.pop(request_id, None) is None:
+                raise UnknownInstanceError(
+                    f"request {request_id!r} not decoding on {self.instance_id}"
+                )
+
+    @property
+    def decode_batch_size(self) -> int:
+        with self._lock:
+            return len(self._decode)
+
+    @property
+    def decode_context_tokens(self) -> int:
+        with self._lock:
+            return sum(self._decode.values())
+
+    def snapshot(self, now: float | None = None) -> InstanceSnapshot:
+        """A consistent read of every field at once."""
+        with self._lock:
+            return InstanceSnapshot(
+                instance_id=self.instance_id,
+                kind=self.kind,
+                healthy=self._healthy,
+                queued_requests=len(self._queue),
+                queued_seconds=self._queued_seconds_locked(now),
+                decode_batch_size=len(self._decode),
+                decode_context_tokens=sum(self._decode.values()),
+            )
+
+    def __repr__(self) -> str:
+        s = self.snapshot()
+        return (
+            f"InstanceState({s.instance_id!r}, {s.kind.value}, healthy={s.healthy}, "
+            f"queued={s.queued_requests}/{s.queued_seconds:.3f}s, decode={s.decode_batch_size})"
+        )

@@ -1,0 +1,28 @@
+"""Cache-aware policies: the conductor's Algorithm 1 (with cache load balancing) and §4.1's local
+variant (the same TTFT estimate, without pulling blocks from another instance)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvflow.router.policies.base import Policy, argmin
+from kvflow.router.types import PolicyChoice, PrefillCandidate
+
+
+class CacheAwarePolicy(Policy):
+    """Lowest predicted TTFT over the balanced options (pulls the best match when it pays)."""
+
+    name = "cache-aware"
+
+    def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
+        index = argmin([c.balanced.ttft for c in candidates])
+        return PolicyChoice(index, pull=candidates[index].balanced.pull_blocks > 0)
+
+
+class LocalCacheAwarePolicy(Policy):
+    """Lowest predicted TTFT reusing only each instance's own prefix (no remote pulls)."""
+
+    name = "local-cache-aware"
+
+    def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
+        return PolicyChoice(argmin([c.local.ttft for c in candidates]))
