@@ -1,0 +1,38 @@
+"""The torch model engine: a Llama-architecture decoder with paged KV, chunked prefill and
+continuous batching. See README.md in this folder for the layers and the API."""
+
+from __future__ import annotations
+
+from kvflow.stages.engine.config import EngineConfig, SamplingParams
+from kvflow.stages.engine.demo import PRESETS, write_demo_model
+from kvflow.stages.engine.engine import Engine
+from kvflow.stages.engine.errors import (
+    EngineError,
+    InvalidRequestError,
+    ModelLoadError,
+    OutOfPagesError,
+    PageLayoutError,
+    UnknownRequestError,
+)
+from kvflow.stages.engine.pages import KVLayout
+from kvflow.stages.engine.sequence import RequestOutput
+from kvflow.stages.engine.spec import ModelSpec
+from kvflow.stages.engine.tokenizer import Tokenizer
+
+__all__ = [
+    "PRESETS",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "InvalidRequestError",
+    "KVLayout",
+    "ModelLoadError",
+    "ModelSpec",
+    "OutOfPagesError",
+    "PageLayoutError",
+    "RequestOutput",
+    "SamplingParams",
+    "Tokenizer",
+    "UnknownRequestError",
+    "write_demo_model",
+]

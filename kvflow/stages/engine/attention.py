@@ -1,0 +1,162 @@
+"""KV attention backends: where a layer's K/V is stored and which context a token attends to.
+
+- `PagedPrefill`: one request's chunk of consecutive tokens; K/V written into its pages,
+  attention over all its tokens so far (the chunk's offset gives the causal mask).
+- `PagedDecode`: one token for each of several requests; each request's pages are gathered
+  into a padded batch and masked by its own length.
+- `ContiguousKV`: the plain reference path: one sequence, one contiguous K/V per layer.
+
+All use `scaled_dot_product_attention` with grouped-query attention (`enable_gqa`), and an
+optional sliding window (Mistral): key j is visible to query i iff i - window < j <= i.
+Each backend is built for one forward pass and is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.stages.engine.pages import PagePool
+
+
+def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean mask [..., Tq, Tk]: True where key position k_pos may be attended from q_pos.
+    q_pos [..., Tq, 1] and k_pos [..., 1, Tk] broadcast."""
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    return mask
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool = False,
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[-3] != k.shape[-3]
+    )
+
+
+class PagedPrefill:
+    """Chunk [start, start + T) of one request whose pages are `page_ids` (in block order).
+
+    `page_ids` must cover position start + T - 1. `attend` writes the chunk's K/V into the
+    pool, then attends over positions [0, start + T)."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        page_ids: torch.Tensor,
+        start: int,
+        num_tokens: int,
+        window: int | None,
+    ) -> None:
+        device = pool.tensor.device
+        bs = pool.layout.block_size
+        self.pool, self.start, self.num_tokens = pool, start, num_tokens
+        end = start + num_tokens
+        positions = torch.arange(start, end, device=device)
+        self.slot_pages = page_ids[positions // bs]
+        self.slot_offsets = positions % bs
+        self.ctx_pages = page_ids[: (end + bs - 1) // bs]
+        self.ctx_len = end
+        # The first chunk without a window needs no gather: its own K/V are the context.
+        self.fast = start == 0 and (window is None or window >= num_tokens)
+        self.mask = None
+        if not self.fast:
+            self.mask = visible_mask(
+                positions[:, None], torch.arange(end, device=device)[None, :], window
+            )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pool = self.pool.tensor
+        pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
+        qh = q.transpose(0, 1).unsqueeze(0)
+        if self.fast:
+            kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            out = _sdpa(qh, kh, vh, None, causal=True)
+        else:
+            ctx = pool[self.ctx_pages, layer]  # [pages, 2, kvh, bs, d]
+            n, _, kvh, bs, d = ctx.shape
+            ctx = ctx.permute(1, 2, 0, 3, 4).reshape(2, kvh, n * bs, d)[:, :, : self.ctx_len]
+            out = _sdpa(qh, ctx[0].unsqueeze(0), ctx[1].unsqueeze(0), self.mask)
+        return out.squeeze(0).transpose(0, 1).reshape(self.num_tokens, -1)
+
+
+class PagedDecode:
+    """One new token for each of B requests. `page_table` [B, max_pages] lists each request's
+    pages (padded with any valid page id); `positions` [B] is each new token's position."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        page_table: torch.Tensor,
+        positions: torch.Tensor,
+        window: int | None,
+    ) -> None:
+        bs = pool.layout.block_size
+        self.pool, self.page_table = pool, page_table
+        rows = torch.arange(page_table.shape[0], device=page_table.device)
+        self.slot_pages = page_table[rows, positions // bs]
+        self.slot_offsets = positions % bs
+        k_pos = torch.arange(page_table.shape[1] * bs, device=page_table.device)
+        mask = visible_mask(positions[:, None], k_pos[None, :], window)
+        self.mask = mask[:, None, None, :]  # [B, 1, 1, ctx]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pool = self.pool.tensor
+        pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
+        ctx = pool[self.page_table, layer]  # [B, pages, 2, kvh, bs, d]
+        b, n, _, kvh, bs, d = ctx.shape
+        ctx = ctx.permute(2, 0, 3, 1, 4, 5).reshape(2, b, kvh, n * bs, d)
+        out = _sdpa(q.unsqueeze(2), ctx[0], ctx[1], self.mask)  # [B, heads, 1, d]
+        return out.reshape(b, -1)
+
+
+class ContiguousKV:
+    """Plain reference KV cache for one sequence: K/V [layers][kv_heads, capacity, head_dim].
+
+    Call `advance(start, T)` before each forward over tokens [start, start + T)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        window: int | None = None,
+    ) -> None:
+        shape = (num_layers, 2, num_kv_heads, capacity, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.window = window
+        self.start = 0
+        self.num_tokens = 0
+
+    def advance(self, start: int, num_tokens: int) -> None:
+        if start + num_tokens > self.kv.shape[3]:
+            raise ValueError(f"ContiguousKV capacity {self.kv.shape[3]} exceeded")
+        self.start, self.num_tokens = start, num_tokens
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start, end = self.start, self.start + self.num_tokens
+        self.kv[layer, 0, :, start:end] = k.transpose(0, 1)
+        self.kv[layer, 1, :, start:end] = v.transpose(0, 1)
+        qh = q.transpose(0, 1).unsqueeze(0)
+        keys = self.kv[layer, 0, :, :end].unsqueeze(0)
+        values = self.kv[layer, 1, :, :end].unsqueeze(0)
+        if start == 0 and (self.window is None or self.window >= self.num_tokens):
+            out = _sdpa(qh, keys, values, None, causal=True)
+        else:
+            device = q.device
+            mask = visible_mask(
+                torch.arange(start, end, device=device)[:, None],
+                torch.arange(end, device=device)[None, :],
+                self.window,
+            )
+            out = _sdpa(qh, keys, values, mask)
+        return out.squeeze(0).transpose(0, 1).reshape(self.num_tokens, -1)

@@ -1,0 +1,364 @@
+"""Engine: the façade over loader, page pool, scheduler, runner and sampler.
+
+Typical use::
+
+    engine = Engine.open("path/to/model", EngineConfig(dtype="bfloat16"))
+    engine.add_request("r1", engine.tokenizer.encode("hello"), SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():
+            ...
+
+NOT thread-safe: one thread owns the engine and calls every method (add_request, step,
+export_page, ...). Validation errors raise from the call that was given bad input and leave
+the engine and its other requests untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from kvflow.stages.engine.config import EngineConfig, SamplingParams
+from kvflow.stages.engine.errors import (
+    InvalidRequestError,
+    ModelLoadError,
+    PageLayoutError,
+    UnknownRequestError,
+)
+from kvflow.stages.engine.loader import fingerprint, load_weights
+from kvflow.stages.engine.model import CausalLM
+from kvflow.stages.engine.pages import KVLayout, PageData, PagePool
+from kvflow.stages.engine.runner import ModelRunner
+from kvflow.stages.engine.sampler import sample
+from kvflow.stages.engine.scheduler import plan_step
+from kvflow.stages.engine.sequence import FinishReason, RequestOutput, Sequence
+from kvflow.stages.engine.spec import ModelSpec, load_spec
+from kvflow.stages.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """A Llama-architecture model with a paged KV pool, chunked prefill and continuous
+    batching. Build with `Engine.open`. Not thread-safe (see module docstring)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        model_fingerprint: str,
+    ) -> None:
+        spec = model.spec
+        self.config = config
+        self.spec: ModelSpec = spec
+        self.tokenizer = tokenizer
+        self.model_fingerprint = model_fingerprint
+        self.max_model_len = config.max_model_len or spec.max_position_embeddings
+        self.device = torch.device(config.device)
+        self.kv_layout = KVLayout(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype
+        )
+        self._pool = PagePool(config.num_pages, self.kv_layout, config.torch_dtype, self.device)
+        self._runner = ModelRunner(model, self._pool, self.device)
+        self.model = model
+        self._seqs: dict[str, Sequence] = {}  # live and retained-finished, in arrival order
+        self._pending: list[RequestOutput] = []  # aborts reported by the next step
+        self._arrivals = 0
+        self._steps = 0
+
+    @classmethod
+    def open(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        """Load config.json, the safetensors weights and tokenizer.json from `model_dir`.
+
+        Raises ModelLoadError naming a missing file, an unsupported architecture or a weight
+        mismatch; ValueError for a max_model_len above the model's."""
+        config = config or EngineConfig()
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ModelLoadError(f"model directory {path} does not exist")
+        spec, config_bytes = load_spec(path)
+        tokenizer = Tokenizer.from_dir(path)
+        if config.max_model_len and config.max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {spec.max_position_embeddings}"
+            )
+        model = load_weights(path, spec, config.torch_dtype, torch.device(config.device))
+        fp = fingerprint(path, config_bytes, config.dtype)
+        return cls(model, tokenizer, config, fp)
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's (first) EOS token id, or None if the config names none."""
+        return self.spec.eos_token_ids[0] if self.spec.eos_token_ids else None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        """(layers, 2, kv_heads, block_size, head_dim)."""
+        return self.kv_layout.page_shape
+
+    @property
+    def page_dtype(self) -> torch.dtype:
+        return self.config.torch_dtype
+
+    @property
+    def page_nbytes(self) -> int:
+        return self._pool.page_nbytes
+
+    @property
+    def num_pages(self) -> int:
+        return self._pool.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._pool.num_free
+
+    def has_unfinished(self) -> bool:
+        """True while some request still has work (or an abort is not yet reported)."""
+        return bool(self._pending) or any(s.finish_reason is None for s in self._seqs.values())
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_computed
+
+    def token_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's tokens (prompt + generated)."""
+        return list(self._get(request_id).token_ids)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: Seq[int],
+        sampling: SamplingParams | None = None,
+        prefix_pages: Seq[PageData] = (),
+        num_prefix_tokens: int = 0,
+        retain_pages: bool = False,
+    ) -> None:
+        """Queue a request. Its first `num_prefix_tokens` tokens already have their KV in
+        `prefix_pages` (page i holds tokens [i*B, (i+1)*B); the last page may be partial);
+        at least one token must remain to compute. Pages for the whole request (prompt plus
+        max_tokens) are reserved now. Imported pages are copied; the caller keeps its buffers.
+
+        Raises InvalidRequestError (duplicate id, empty or out-of-vocabulary tokens, prompt
+        longer than max_model_len, bad num_prefix_tokens), PageLayoutError (wrong page count,
+        size, shape, dtype or non-finite values), OutOfPagesError (pool too full). On any
+        error nothing changes."""
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling)}")
+        tokens = self._check_tokens(request_id, token_ids)
+        n_prefix = self._check_prefix(tokens, prefix_pages, num_prefix_tokens)
+        pages = [self._pool.check_page(i, p) for i, p in enumerate(prefix_pages)]
+        bs = self.config.block_size
+        # KV is computed for the prompt and every generated token but the last.
+        longest = max(len(tokens), self.max_model_len - 1)
+        kv_tokens = min(len(tokens) + sampling.max_tokens - 1, longest)
+        page_ids = self._pool.allocate(-(-kv_tokens // bs))
+        self._pool.write_pages(page_ids[: len(pages)], pages)
+        self._seqs[request_id] = Sequence(
+            request_id=request_id,
+            token_ids=tokens,
+            prompt_len=len(tokens),
+            sampling=sampling,
+            pages=page_ids,
+            num_computed=n_prefix,
+            stop_ids=self._stop_ids(sampling),
+            max_len=self.max_model_len,
+            retain_pages=retain_pages,
+            arrival=self._arrivals,
+            generator=self._generator(request_id, sampling),
+        )
+        self._arrivals += 1
+        logger.debug("req=%s added: %d tokens, %d imported", request_id, len(tokens), n_prefix)
+
+    def _check_tokens(self, request_id: str, token_ids: Seq[int]) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request {request_id!r} already exists")
+        tokens = list(token_ids)
+        if not tokens:
+            raise InvalidRequestError(f"request {request_id!r}: token_ids is empty")
+        vocab = self.spec.vocab_size
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    f"request {request_id!r}: token_ids[{i}] = {t!r} is outside the "
+                    f"vocabulary [0, {vocab})"
+                )
+        if len(tokens) > self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request_id!r}: prompt of {len(tokens)} tokens exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        return tokens
+
+    def _check_prefix(self, tokens: list[int], pages: Seq[PageData], n_prefix: int) -> int:
+        if isinstance(n_prefix, bool) or not isinstance(n_prefix, int):
+            raise InvalidRequestError(f"num_prefix_tokens must be an int, got {n_prefix!r}")
+        if not 0 <= n_prefix < len(tokens):
+            raise InvalidRequestError(
+                f"num_prefix_tokens {n_prefix} must be in [0, {len(tokens)}): at least one "
+                "token must remain to compute"
+            )
+        needed = -(-n_prefix // self.config.block_size)
+        if len(pages) != needed:
+            raise PageLayoutError(
+                f"{n_prefix} prefix tokens need {needed} pages of {self.config.block_size} "
+                f"tokens, got {len(pages)}"
+            )
+        return n_prefix
+
+    def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stops.update(self.spec.eos_token_ids)
+        return frozenset(stops)
+
+    def _generator(self, request_id: str, sampling: SamplingParams) -> torch.Generator | None:
+        if sampling.greedy:
+            return None
+        seed = sampling.seed
+        if seed is None:  # stable across processes: never Python's hash()
+            digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+            seed = (self.config.seed ^ int.from_bytes(digest, "little")) & (2**63 - 1)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def _get(self, request_id: str) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a running request now; the next step() reports it with finish_reason "abort".
+        Its pages are freed unless it was added with retain_pages. Aborting a finished request
+        does nothing. Raises UnknownRequestError for an unknown id."""
+        seq = self._get(request_id)
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = FinishReason.ABORT
+        self._pending.append(self._output(seq, [], (), None))
+        self._finish(seq)
+
+    def release(self, request_id: str) -> None:
+        """Free the pages of a finished request added with retain_pages=True and forget it.
+        Raises UnknownRequestError for an unknown id, InvalidRequestError if still running."""
+        seq = self._get(request_id)
+        if seq.finish_reason is None:
+            raise InvalidRequestError(f"request {request_id!r} is still running; abort it first")
+        self._pool.free(seq.pages)
+        del self._seqs[request_id]
+
+    def _finish(self, seq: Sequence) -> None:
+        if not seq.retain_pages:
+            self._pool.free(seq.pages)
+            del self._seqs[seq.request_id]
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: prefill chunks (at most prefill_chunk prompt tokens in
+        all) and one decode step for up to max_batch running requests. Returns one output
+        per request that made progress or finished (including aborts since the last step)."""
+        outputs, self._pending = self._pending, []
+        cfg = self.config
+        plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch)
+        self._steps += 1
+        for seq, n in plan.prefill:
+            start = seq.num_computed
+            logits = self._runner.prefill(seq, n)
+            seq.num_computed += n
+            outputs.append(self._advance(seq, start, None if logits is None else logits[None]))
+        if plan.decode:
+            logits = self._runner.decode(plan.decode)
+            for row, seq in enumerate(plan.decode):
+                start = seq.num_computed
+                seq.num_computed += 1
+                seq.last_decode_step = self._steps
+                outputs.append(self._advance(seq, start, logits[row : row + 1]))
+        return outputs
+
+    def _advance(self, seq: Sequence, start: int, logits: torch.Tensor | None) -> RequestOutput:
+        bs = self.config.block_size
+        completed = tuple(range(start // bs, seq.num_computed // bs))
+        new: list[int] = []
+        if logits is not None:
+            new = sample(logits, [seq.sampling], [seq.generator])
+            if seq.append_token(new[0]) is not None:
+                self._finish(seq)
+        keep = logits.clone() if logits is not None and self.config.return_logits else None
+        return self._output(seq, new, completed, keep)
+
+    @staticmethod
+    def _output(
+        seq: Sequence, new: list[int], completed: tuple[int, ...], logits: torch.Tensor | None
+    ) -> RequestOutput:
+        reason = seq.finish_reason
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tuple(new),
+            finished=reason is not None,
+            finish_reason=None if reason is None else str(reason),
+            num_computed_tokens=seq.num_computed,
+            completed_blocks=completed,
+            logits=keep_cpu(logits),
+        )
+
+    # ----------------------------------------------------------------- pages
+    def _page_id(self, request_id: str, block_index: int) -> int:
+        seq = self._get(request_id)
+        written = -(-seq.num_computed // self.config.block_size)
+        if isinstance(block_index, bool) or not isinstance(block_index, int):
+            raise InvalidRequestError(f"block_index must be an int, got {block_index!r}")
+        if not 0 <= block_index < written:
+            raise InvalidRequestError(
+                f"request {request_id!r} has {written} pages with computed KV; "
+                f"block_index {block_index} is out of range"
+            )
+        return seq.pages[block_index]
+
+    def export_page(self, request_id: str, block_index: int) -> torch.Tensor:
+        """The page holding tokens [i*B, (i+1)*B) of the request: a VIEW into the pool
+        (contiguous, page_shape, page_dtype), valid until the request's pages are freed.
+        Slots past num_computed_tokens hold stale data. Copy it to keep it longer."""
+        return self._pool.page(self._page_id(request_id, block_index))
+
+    def export_page_bytes(self, request_id: str, block_index: int) -> bytes:
+        """A copy of the page's raw bytes (page_nbytes long), importable by add_request."""
+        return self._pool.page_bytes(self._page_id(request_id, block_index))
+
+    # ----------------------------------------------------------------- convenience
+    def generate(
+        self, prompts: Seq[Seq[int]], sampling: SamplingParams | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion (alongside any requests already queued) and return each
+        prompt's generated tokens. Request ids are "generate-<n>"."""
+        base = self._arrivals
+        ids = [f"generate-{base + i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, sampling)
+        result: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in result:
+                    result[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [result[rid] for rid in ids]
+
+
+def keep_cpu(logits: torch.Tensor | None) -> torch.Tensor | None:
+    return None if logits is None else logits.detach().to("cpu")

@@ -1,0 +1,125 @@
+"""Loading a Hugging Face model directory: weights from safetensors (single file or sharded
+with `model.safetensors.index.json`) into a `CausalLM`, and the model's fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from kvflow.stages.engine.errors import ModelLoadError
+from kvflow.stages.engine.model import CausalLM
+from kvflow.stages.engine.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint entries that carry no weights of ours (precomputed RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of `model_dir`, in a stable order; ModelLoadError if none."""
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    index = model_dir / INDEX_FILE
+    if not index.is_file():
+        raise ModelLoadError(
+            f"model directory {model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+        )
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+    files = [model_dir / n for n in names]
+    missing = [str(f.name) for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{index} names missing shard files: {missing}")
+    return files
+
+
+def _read_state(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            tensors = load_file(str(path), device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read weights {path}: {exc}") from exc
+        for name, tensor in tensors.items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            state[name] = tensor.to(dtype)
+    return state
+
+
+def load_weights(
+    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """Build a CausalLM for `spec` holding the checkpoint's weights in `dtype` on `device`.
+
+    Raises ModelLoadError naming missing, unexpected or misshapen weights."""
+    state = _read_state(weight_files(model_dir), dtype)
+    if spec.tie_word_embeddings or "lm_head.weight" not in state:
+        if not spec.tie_word_embeddings:
+            raise ModelLoadError("checkpoint has no lm_head.weight and embeddings are not tied")
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight", torch.empty(0))
+    with torch.device("meta"):
+        model = CausalLM(spec)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"weights do not match {spec.architecture} config: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}"
+        )
+    for name, param in expected.items():
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise ModelLoadError(
+                f"weight {name} has shape {tuple(state[name].shape)}, config implies "
+                f"{tuple(param.shape)}"
+            )
+    model.load_state_dict(state, assign=True, strict=True)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(device).eval().requires_grad_(False)
+    model.setup_rotary(device)
+    logger.info("loaded %s: %d params, dtype=%s", spec.architecture, spec.num_params, dtype)
+    return model
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ModelLoadError(f"{path} is too short to be a safetensors file")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100_000_000:
+            raise ModelLoadError(f"{path} has an implausible header size {size}")
+        return fh.read(size)
+
+
+def fingerprint(model_dir: Path, config_bytes: bytes, dtype: str) -> str:
+    """A stable identity of (architecture, weights, dtype): blake2b over config.json, each
+    weight file's name, size and safetensors header, and the dtype. Reads only headers, so it
+    is fast for big models; it changes whenever a tensor's name, shape, dtype or file offset
+    changes, or the file size changes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"kvflow-model-v1\0")
+    h.update(config_bytes)
+    for path in weight_files(model_dir):
+        h.update(b"\0" + path.name.encode() + b"\0")
+        h.update(struct.pack("<Q", path.stat().st_size))
+        h.update(_safetensors_header(path))
+    h.update(b"\0" + dtype.encode())
+    return h.hexdigest()

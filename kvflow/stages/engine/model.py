@@ -1,0 +1,136 @@
+"""The Llama-architecture decoder as a torch module, independent of how KV is stored.
+
+Parameter names equal the Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...),
+so a checkpoint loads with `load_state_dict`. Attention is delegated to a `KVAttention`
+backend passed to `forward`: the backend stores the new K/V and attends over the stored
+context (paged pool for serving, a contiguous cache for the plain reference path).
+
+Tokens are flattened: `forward` takes T tokens ([T] ids, [T] positions) that may belong to
+one request (a prefill chunk) or to T requests (one decode step each); the backend knows which.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.stages.engine.rope import Rotary, apply_rotary
+from kvflow.stages.engine.spec import ModelSpec
+
+
+class KVAttention(Protocol):
+    """Stores one layer's new K/V and attends over the context it belongs to."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] (RoPE applied)
+        -> [T, heads * head_dim]. Mutates the backend's KV storage."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(kv.attend(self.layer, q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, i, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """`model.*` in the HF checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama/Mistral/Qwen2 causal LM. Not thread-safe only through its KV backends; the
+    module itself is read-only after loading."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderStack(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary: Rotary | None = None
+
+    def setup_rotary(self, device: torch.device) -> None:
+        """Build the RoPE tables on `device`; call once after the weights are in place."""
+        self.rotary = Rotary(self.spec.rope, self.spec.head_dim, device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAttention
+    ) -> torch.Tensor:
+        """input_ids, positions int64 [T] -> final hidden states [T, hidden] (normed)."""
+        if self.rotary is None:
+            raise RuntimeError("CausalLM.setup_rotary() was not called")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).to(torch.float32)

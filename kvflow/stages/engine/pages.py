@@ -1,0 +1,120 @@
+"""The KV page pool: one preallocated tensor and a free list.
+
+The pool tensor is laid out [num_pages, layers, 2 (k, v), kv_heads, block_size, head_dim].
+Page p is `tensor[p]`: one contiguous buffer, so it exports to bytes and imports from bytes
+without a gather, and one layer of it (`tensor[p, l]`) is a contiguous slice.
+
+Not thread-safe: the engine thread owns the pool.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.stages.engine.errors import OutOfPagesError, PageLayoutError
+
+PageData = bytes | bytearray | memoryview | torch.Tensor
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one KV page; two caches are compatible only if their layouts are equal."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+
+class PagePool:
+    """Fixed pool of KV pages. Allocation is first-in first-out over the free list, so the
+    page ids a sequence of calls returns are deterministic."""
+
+    def __init__(
+        self, num_pages: int, layout: KVLayout, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.tensor = torch.zeros((num_pages, *layout.page_shape), dtype=dtype, device=device)
+        self._free: deque[int] = deque(range(num_pages))
+        self._used: set[int] = set()
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def page_nbytes(self) -> int:
+        return int(self.tensor[0].numel() * self.tensor.element_size())
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n free pages; raises OutOfPagesError (and takes none) if fewer are free."""
+        if n > len(self._free):
+            raise OutOfPagesError(n, len(self._free))
+        pages = [self._free.popleft() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages to the pool. Their contents are left as they are (not zeroed)."""
+        for p in pages:
+            if p not in self._used:
+                raise ValueError(f"page {p} is not allocated")
+            self._used.remove(p)
+            self._free.append(p)
+
+    def page(self, page_id: int) -> torch.Tensor:
+        """A view of one page (contiguous); valid while the page stays allocated."""
+        return self.tensor[page_id]
+
+    def page_bytes(self, page_id: int) -> bytes:
+        """A copy of one page's raw bytes in the pool dtype."""
+        page = self.tensor[page_id].detach().cpu()
+        return page.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    def check_page(self, index: int, data: PageData) -> torch.Tensor:
+        """Validate one page to import and return it as a tensor of page shape on the pool's
+        device (a new tensor; `data` is only read). Raises PageLayoutError naming the mismatch."""
+        shape = self.layout.page_shape
+        if isinstance(data, torch.Tensor):
+            if tuple(data.shape) != shape:
+                raise PageLayoutError(f"page {index}: shape {tuple(data.shape)} != {shape}")
+            if data.dtype != self.dtype:
+                raise PageLayoutError(f"page {index}: dtype {data.dtype} != {self.dtype}")
+            page = data.to(self.tensor.device, copy=True)
+        else:
+            try:
+                raw = memoryview(data).cast("B")
+            except TypeError as exc:
+                raise PageLayoutError(f"page {index}: not a contiguous buffer: {exc}") from exc
+            if raw.nbytes != self.page_nbytes:
+                raise PageLayoutError(
+                    f"page {index}: {raw.nbytes} bytes, a page of layout {shape} "
+                    f"{self.layout.dtype} has {self.page_nbytes}"
+                )
+            with warnings.catch_warnings():  # read-only buffers are fine: we copy at once
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(raw, dtype=torch.uint8)
+            page = flat.view(self.dtype).view(shape).to(self.tensor.device, copy=True)
+        if not bool(torch.isfinite(page).all()):
+            raise PageLayoutError(f"page {index}: holds non-finite values")
+        return page
+
+    def write_pages(self, page_ids: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
+        """Copy already-checked pages (from `check_page`) into the pool."""
+        for pid, page in zip(page_ids, pages, strict=True):
+            self.tensor[pid].copy_(page)

@@ -1,0 +1,61 @@
+"""The model runner: turns planned work into forward passes over the paged KV pool.
+
+Each prefill chunk is one forward over that request's tokens; the decode batch is one
+forward over one token per request. Logits are computed only for rows that sample.
+Not thread-safe; runs under torch.inference_mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvflow.stages.engine.attention import PagedDecode, PagedPrefill
+from kvflow.stages.engine.model import CausalLM
+from kvflow.stages.engine.pages import PagePool
+from kvflow.stages.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: PagePool, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.window = model.spec.sliding_window
+
+    def _page_ids(self, seq: Sequence) -> torch.Tensor:
+        if seq.page_table is None:
+            seq.page_table = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
+        return seq.page_table
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, num_tokens: int) -> torch.Tensor | None:
+        """Compute KV for tokens [num_computed, num_computed + num_tokens) of `seq` (does not
+        advance the counter). Returns float32 logits [vocab] of the last token if the chunk
+        reaches the end of the sequence, else None."""
+        start = seq.num_computed
+        end = start + num_tokens
+        ids = torch.tensor(seq.token_ids[start:end], dtype=torch.int64, device=self.device)
+        positions = torch.arange(start, end, dtype=torch.int64, device=self.device)
+        kv = PagedPrefill(self.pool, self._page_ids(seq), start, num_tokens, self.window)
+        hidden = self.model(ids, positions, kv)
+        if end < len(seq.token_ids):
+            return None
+        return self.model.logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Compute KV for the last token of each sequence; float32 logits [len(seqs), vocab]."""
+        bs = self.pool.layout.block_size
+        positions_list = [s.num_computed for s in seqs]
+        width = max(p // bs + 1 for p in positions_list)
+        rows = []
+        for s in seqs:
+            table = s.pages[:width]
+            rows.append(table + [table[0]] * (width - len(table)))  # pad: masked out
+        page_table = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(positions_list, dtype=torch.int64, device=self.device)
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64, device=self.device)
+        kv = PagedDecode(self.pool, page_table, positions, self.window)
+        return self.model.logits(self.model(ids, positions, kv))

@@ -1,0 +1,44 @@
+"""The model's tokenizer, loaded from tokenizer.json through the `tokenizers` library."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvflow.stages.engine.errors import ModelLoadError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    """Text <-> token ids. Thread-safe for encode/decode (the Rust tokenizer is)."""
+
+    def __init__(self, inner: HFTokenizer) -> None:
+        self._inner = inner
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Tokenizer:
+        path = model_dir / TOKENIZER_FILE
+        if not path.is_file():
+            raise ModelLoadError(f"model directory {model_dir} has no {TOKENIZER_FILE}")
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise ModelLoadError(f"cannot load {path}: {exc}") from exc
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer can produce (including added special tokens)."""
+        return int(self._inner.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; no BOS unless add_special_tokens and the tokenizer adds one."""
+        return list(self._inner.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._inner.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._inner.token_to_id(token)
