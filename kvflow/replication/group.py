@@ -222,8 +222,9 @@ class MetadataGroup:
         """Record that ``node`` now holds ``stored`` and no longer holds ``removed``.
 
         One Raft entry for the whole batch as long as its keys fit in ``max_entry_bytes``
-        (~58k 16-byte keys at the default 1 MiB); a larger batch is split into consecutive
-        entries (stores, then removals), each applied atomically. An empty batch proposes
+        (~58k 16-byte keys at the default 1 MiB, stores and removals counted together); a
+        larger batch is split into consecutive entries, stores before removals, each applied
+        atomically. An empty batch proposes
         nothing. Semantics as :meth:`MetadataTable.record_batch`.
         """
         check_node(node)
@@ -233,18 +234,24 @@ class MetadataGroup:
         if not keys and not gone:
             return
         syncobj = self._require_started()
-        limit = self._config.max_entry_bytes
+        # Chunk stores and removals as one sequence, so a batch that fits is one entry.
+        combined = keys + gone
+        split = len(keys)
         proposals: list[Callable[[_Pending], None]] = []
-        for start, end in chunk_bounds(keys, limit) if keys else []:
-            width, blob = pack_keys(keys[start:end])
-            part = tiers[start:end]
+        for start, end in chunk_bounds(combined, self._config.max_entry_bytes):
+            width, blob = pack_keys(combined[start : min(end, split)])
+            removed_width, removed_blob = pack_keys(combined[max(start, split) : end])
             proposals.append(
-                self._proposer(self._shell.cmd_record, node, width, blob, part, 0, b"", now)
-            )
-        for start, end in chunk_bounds(gone, limit) if gone else []:
-            width, blob = pack_keys(gone[start:end])
-            proposals.append(
-                self._proposer(self._shell.cmd_record, node, 0, b"", b"", width, blob, now)
+                self._proposer(
+                    self._shell.cmd_record,
+                    node,
+                    width,
+                    blob,
+                    tiers[start : min(end, split)],
+                    removed_width,
+                    removed_blob,
+                    now,
+                )
             )
         self._submit(syncobj, proposals)
 
