@@ -1,0 +1,1 @@
+"""Transfer backends: base (the interface), local, shm, tcp, rdma (see transfer.registry)."""
