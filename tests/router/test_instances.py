@@ -1,0 +1,64 @@
+"""InstanceState: queue accounting, decode batch, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvflow.router import InstanceKind, InstanceState, UnknownInstanceError
+
+
+def test_queue_sums_and_started_work_shrinks():
+    s = InstanceState("p", InstanceKind.PREFILL)
+    s.enqueue("a", 1.0)
+    s.enqueue("b", 0.5)
+    s.start("a", now=100.0)
+    assert s.queued_seconds() == pytest.approx(1.5)
+    assert s.queued_seconds(now=100.25) == pytest.approx(1.25)
+    assert s.queued_seconds(now=200.0) == pytest.approx(0.5)
+    s.finish("a")
+    assert (s.queued_requests, s.queued_seconds()) == (1, 0.5)
+
+
+def test_bad_calls_raise_and_change_nothing():
+    s = InstanceState("p", "prefill")
+    s.enqueue("a", 1.0)
+    with pytest.raises(ValueError, match="already queued"):
+        s.enqueue("a", 2.0)
+    with pytest.raises(ValueError, match="predicted_s"):
+        s.enqueue("b", -1.0)
+    with pytest.raises(UnknownInstanceError):
+        s.finish("zzz")
+    with pytest.raises(UnknownInstanceError):
+        s.start("zzz", 0.0)
+    assert (s.queued_requests, s.queued_seconds()) == (1, 1.0)
+
+
+def test_decode_batch():
+    s = InstanceState("d", InstanceKind.DECODE)
+    s.add_decode("a", 100)
+    s.add_decode("b", 50)
+    s.grow_decode("a", 3)
+    snap = s.snapshot()
+    assert (snap.decode_batch_size, snap.decode_context_tokens) == (2, 153)
+    s.remove_decode("b")
+    with pytest.raises(UnknownInstanceError):
+        s.remove_decode("b")
+    assert s.decode_context_tokens == 103
+
+
+def test_concurrent_enqueue_finish():
+    s = InstanceState("p", InstanceKind.PREFILL)
+
+    def worker(t: int) -> None:
+        for i in range(200):
+            s.enqueue(f"{t}-{i}", 0.001)
+            s.finish(f"{t}-{i}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert (s.queued_requests, s.queued_seconds()) == (0, 0.0)

@@ -1,0 +1,60 @@
+"""The trace simulator on 300 requests of the Mooncake synthetic trace (records 3600-3899)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvflow.router import SimulationConfig, SimulationReport, read_trace, simulate
+
+SLICE = Path(__file__).parent / "data" / "mooncake_slice_3600_3900.jsonl"
+
+
+@pytest.fixture(scope="module")
+def records():
+    return read_trace(SLICE)
+
+
+def run(records, policy: str, seed: int = 0, **router: object) -> SimulationReport:
+    base = SimulationConfig(num_prefill=8, num_decode=4)
+    config = replace(base, router=replace(base.router, policy=policy, seed=seed, **router))
+    return simulate(config, records)
+
+
+def test_deterministic(records):
+    assert run(records, "random").to_dict() == run(records, "random").to_dict()
+    assert run(records, "cache-aware").to_dict() == run(records, "cache-aware").to_dict()
+    other_seed = run(records, "random", seed=1)
+    assert other_seed.per_instance_requests != run(records, "random").per_instance_requests
+
+
+def test_cache_aware_beats_the_baselines_on_mean_ttft(records):
+    reports = {p: run(records, p) for p in ("cache-aware", "local-cache-aware", "random")}
+    cache_aware = reports["cache-aware"]
+    assert cache_aware.served == 300
+    assert cache_aware.ttft_mean_s < reports["random"].ttft_mean_s / 2
+    # §4.2: balancing (pulling from an overloaded holder) improves on local cache-awareness.
+    assert cache_aware.ttft_mean_s < reports["local-cache-aware"].ttft_mean_s
+    assert cache_aware.cache_hit_ratio > reports["random"].cache_hit_ratio
+    assert cache_aware.pulls > 0 and cache_aware.pulled_blocks >= cache_aware.pulls
+    assert reports["local-cache-aware"].pulls == 0
+    assert cache_aware.ttft_p50_s <= cache_aware.ttft_p90_s <= cache_aware.ttft_p99_s
+
+
+def test_slo_rejections_are_counted(records):
+    report = run(records, "round-robin", ttft_slo_s=5.0)
+    assert report.rejected > 0
+    assert report.rejected_by_reason == {"ttft_slo": report.rejected}
+    assert report.served + report.rejected == report.num_requests == 300
+    assert report.rejection_rate == pytest.approx(report.rejected / 300)
+
+
+def test_empty_trace_and_config_validation():
+    report = simulate(SimulationConfig(), [])
+    assert (report.num_requests, report.ttft_mean_s, report.requests_per_s) == (0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="num_prefill"):
+        SimulationConfig(num_prefill=0)
+    with pytest.raises(ValueError, match="time_scale"):
+        SimulationConfig(time_scale=0.0)
