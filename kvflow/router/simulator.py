@@ -19,6 +19,7 @@ The model (one run is deterministic given the config, its seed and the records):
 
 from __future__ import annotations
 
+import enum
 import heapq
 import logging
 from collections.abc import Sequence
@@ -36,11 +37,17 @@ from kvflow.router.types import Rejection, RouteDecision, RouteRequest
 logger = logging.getLogger(__name__)
 
 
+class _EventKind(enum.Enum):
+    PREFILL_START = "prefill_start"
+    PREFILL_DONE = "prefill_done"
+    DECODE_DONE = "decode_done"
+
+
 @dataclass(order=True)
 class _Event:
     time: float
     seq: int
-    kind: str = field(compare=False)
+    kind: _EventKind = field(compare=False)
     request_id: str = field(compare=False)
     instance_id: str = field(compare=False)
     tokens: int = field(compare=False, default=0)
@@ -73,7 +80,7 @@ class _Cluster:
         self.outcomes: dict[str, RequestOutcome] = {}
 
     def push(
-        self, time: float, kind: str, request_id: str, instance_id: str, tokens: int = 0
+        self, time: float, kind: _EventKind, request_id: str, instance_id: str, tokens: int = 0
     ) -> None:
         self.seq += 1
         heapq.heappush(self.events, _Event(time, self.seq, kind, request_id, instance_id, tokens))
@@ -85,12 +92,12 @@ class _Cluster:
             self.apply(event)
 
     def apply(self, event: _Event) -> None:
-        if event.kind == "prefill_start":
+        if event.kind is _EventKind.PREFILL_START:
             find_state(self.prefill, event.instance_id).start(event.request_id, event.time)
-        elif event.kind == "prefill_done":
+        elif event.kind is _EventKind.PREFILL_DONE:
             find_state(self.prefill, event.instance_id).finish(event.request_id)
             self.join_decode(event)
-        else:  # decode_done
+        else:  # DECODE_DONE
             find_state(self.decode, event.instance_id).remove_decode(event.request_id)
 
     def join_decode(self, event: _Event) -> None:
@@ -100,7 +107,7 @@ class _Cluster:
         tbt = self.config.decode_model.predict(state.decode_batch_size, state.decode_context_tokens)
         finish = event.time + outcome.output_len * tbt
         self.outcomes[event.request_id] = replace(outcome, tbt_s=tbt, finish_s=finish)
-        self.push(finish, "decode_done", event.request_id, outcome.decode_id)
+        self.push(finish, _EventKind.DECODE_DONE, event.request_id, outcome.decode_id)
 
     def run_prefill(self, decision: RouteDecision, keys: Sequence[bytes], now: float) -> float:
         """Schedule the decided prefill (and pull); returns the prefill end time."""
@@ -119,8 +126,8 @@ class _Cluster:
         duration = self.config.prefill_model.predict(decision.prompt_len, decision.reused_tokens)
         done = compute_start + duration
         self.busy_until[pid] = done
-        self.push(start, "prefill_start", decision.request_id, pid)
-        self.push(done, "prefill_done", decision.request_id, pid)
+        self.push(start, _EventKind.PREFILL_START, decision.request_id, pid)
+        self.push(done, _EventKind.PREFILL_DONE, decision.request_id, pid)
         self.index.insert(pid, keys)
         return done
 
