@@ -1,0 +1,194 @@
+"""Record codec: checksums, the SSD record header, zstd with byte-shuffling.
+
+An SSD record is a 48-byte header followed by the payload:
+
+    magic "KVDB" | version u8 | codec u8 | shuffle u8 | flags u8 |
+    raw_len u64 | payload_len u64 | checksum u64 | parent key 16 bytes
+
+The checksum is xxh3_64 of the RAW value (before compression), so the same checksum follows a
+block from DRAM to SSD and back and is verified at every read, end to end. Functions here are
+pure and thread-safe (compressor objects are per thread).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from kvflow.kvdb.errors import ChecksumError
+from kvflow.kvdb.keys import KEY_BYTES, BlockKey
+
+MAGIC = b"KVDB"
+RECORD_VERSION = 1
+CODEC_NONE = 0
+CODEC_ZSTD = 1
+_FLAG_PARENT = 1
+_HEADER = struct.Struct("<4sBBBBQQQ16s")
+HEADER_BYTES = _HEADER.size
+_NO_PARENT = bytes(KEY_BYTES)
+_CHUNK = 256 * 1024
+
+_local = threading.local()
+
+
+def checksum(data: np.ndarray | memoryview | bytes) -> int:
+    """xxh3_64 of a contiguous buffer."""
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def copy_and_checksum(dst: np.ndarray, src: np.ndarray) -> int:
+    """Copy ``src`` into ``dst`` (same length, uint8) and return xxh3_64 of the bytes copied.
+
+    Works in 256 KiB chunks and hashes each chunk right after copying it, while it is still
+    in cache, so verification costs a cache read rather than a second trip to memory.
+    """
+    n = src.shape[0]
+    if n <= _CHUNK:
+        dst[:] = src
+        return checksum(dst)
+    hasher = xxhash.xxh3_64()
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        chunk = dst[start:stop]
+        chunk[:] = src[start:stop]
+        hasher.update(chunk)
+    return int(hasher.intdigest())
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """The decoded header of an SSD record."""
+
+    codec: int
+    shuffle: int
+    raw_len: int
+    payload_len: int
+    checksum: int
+    parent: BlockKey | None
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("comp", {})
+    comp = cache.get(level)
+    if comp is None:
+        comp = cache[level] = zstandard.ZstdCompressor(level=level)
+    return comp
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dec = getattr(_local, "dec", None)
+    if dec is None:
+        dec = _local.dec = zstandard.ZstdDecompressor()
+    return dec
+
+
+def shuffle(raw: np.ndarray, width: int) -> np.ndarray:
+    """Byte-shuffle: all first bytes of each ``width``-byte element, then all second bytes..."""
+    return np.ascontiguousarray(raw.reshape(-1, width).T).reshape(-1)
+
+
+def unshuffle_into(dst: np.ndarray, shuffled: np.ndarray, width: int) -> None:
+    """Inverse of ``shuffle``, written into ``dst``."""
+    dst.reshape(-1, width)[:] = shuffled.reshape(width, -1).T
+
+
+def encode_record(
+    raw: np.ndarray,
+    raw_checksum: int,
+    parent: BlockKey | None,
+    *,
+    compress: bool,
+    level: int,
+    shuffle_width: int,
+) -> bytes:
+    """Header + payload for the raw uint8 value ``raw`` (not modified)."""
+    codec = CODEC_NONE
+    width = 1
+    payload: bytes | memoryview = memoryview(raw)
+    if compress:
+        if shuffle_width > 1 and raw.shape[0] % shuffle_width == 0:
+            width = shuffle_width
+            source: np.ndarray = shuffle(raw, width)
+        else:
+            source = raw
+        packed = _compressor(level).compress(memoryview(source))
+        if len(packed) < raw.shape[0]:
+            codec, payload = CODEC_ZSTD, packed
+        else:
+            width = 1
+    flags = _FLAG_PARENT if parent is not None else 0
+    header = _HEADER.pack(
+        MAGIC,
+        RECORD_VERSION,
+        codec,
+        width,
+        flags,
+        raw.shape[0],
+        len(payload),
+        raw_checksum,
+        parent if parent is not None else _NO_PARENT,
+    )
+    return b"".join((header, payload))
+
+
+def decode_header(record: bytes | memoryview) -> RecordHeader:
+    """Parse and sanity-check a record's header. Raises ChecksumError if malformed/truncated."""
+    if len(record) < HEADER_BYTES:
+        raise ChecksumError(f"record truncated: {len(record)} bytes < header {HEADER_BYTES}")
+    magic, version, codec, width, flags, raw_len, payload_len, csum, parent = _HEADER.unpack_from(
+        record
+    )
+    if magic != MAGIC or version != RECORD_VERSION:
+        raise ChecksumError(f"bad record magic/version {magic!r}/{version}")
+    if codec not in (CODEC_NONE, CODEC_ZSTD) or width not in (1, 2, 4, 8):
+        raise ChecksumError(f"bad record codec {codec} / shuffle {width}")
+    if len(record) != HEADER_BYTES + payload_len:
+        raise ChecksumError(
+            f"record truncated: {len(record) - HEADER_BYTES} payload bytes, header says "
+            f"{payload_len}"
+        )
+    if codec == CODEC_NONE and payload_len != raw_len:
+        raise ChecksumError("uncompressed record with payload_len != raw_len")
+    return RecordHeader(
+        codec=codec,
+        shuffle=width,
+        raw_len=raw_len,
+        payload_len=payload_len,
+        checksum=csum,
+        parent=BlockKey(bytes(parent)) if flags & _FLAG_PARENT else None,
+    )
+
+
+def decode_record_into(record: bytes | memoryview, dst: np.ndarray) -> RecordHeader:
+    """Decode ``record`` into ``dst`` (uint8, exactly raw_len bytes) and verify its checksum.
+
+    Raises ChecksumError on any corruption (dst then holds unspecified bytes) and ValueError
+    if ``dst`` has the wrong length (checked before anything is written).
+    """
+    header = decode_header(record)
+    if dst.shape[0] != header.raw_len:
+        raise ValueError(f"destination has {dst.shape[0]} bytes, record holds {header.raw_len}")
+    payload = np.frombuffer(record, dtype=np.uint8, offset=HEADER_BYTES)
+    if header.codec == CODEC_NONE:
+        got = copy_and_checksum(dst, payload)
+    else:
+        try:
+            raw = _decompressor().decompress(memoryview(payload), max_output_size=header.raw_len)
+        except zstandard.ZstdError as exc:
+            raise ChecksumError(f"zstd payload does not decode: {exc}") from exc
+        if len(raw) != header.raw_len:
+            raise ChecksumError(f"zstd payload decoded to {len(raw)} bytes, not {header.raw_len}")
+        plain = np.frombuffer(raw, dtype=np.uint8)
+        if header.shuffle > 1:
+            unshuffle_into(dst, plain, header.shuffle)
+        else:
+            dst[:] = plain
+        got = checksum(dst)
+    if got != header.checksum:
+        raise ChecksumError(f"checksum mismatch: stored {header.checksum:#x}, read {got:#x}")
+    return header

@@ -1,0 +1,103 @@
+"""RocksEngine: RocksDB through rocksdict (raw bytes mode); the default SSD engine."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from rocksdict import Options, Rdict, WriteBatch
+
+from kvflow.kvdb.engines.base import StorageEngine
+from kvflow.kvdb.errors import StorageEngineError, StoreClosedError, StoreFullError
+
+
+def _raise(exc: Exception, what: str) -> NoReturn:
+    text = str(exc)
+    if "No space left" in text or "ENOSPC" in text:
+        raise StoreFullError(f"rocksdb {what}: device full: {text}") from exc
+    raise StorageEngineError(f"rocksdb {what} failed: {text}") from exc
+
+
+class RocksEngine(StorageEngine):
+    """RocksDB in ``path`` (a directory). rocksdict's Rdict is thread-safe; ``close`` takes a
+    lock so no call runs against a closed handle."""
+
+    name = "rocksdb"
+
+    def __init__(self, path: Path) -> None:
+        options = Options(raw_mode=True)
+        options.create_if_missing(True)
+        try:
+            self._db: Rdict | None = Rdict(str(path), options)
+        except Exception as exc:  # rocksdict raises plain Exception
+            _raise(exc, f"open {path}")
+        self._closing = threading.RLock()
+
+    @classmethod
+    def open(cls, path: Path | None, map_size_bytes: int) -> RocksEngine:
+        if path is None:
+            raise ValueError("rocksdb engine needs a path")
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path)
+
+    def _live(self) -> Rdict:
+        if self._db is None:
+            raise StoreClosedError("rocksdb engine is closed")
+        return self._db
+
+    def get(self, key: bytes) -> bytes | None:
+        db = self._live()
+        try:
+            value = db.get(key)
+        except Exception as exc:
+            _raise(exc, "get")
+        return None if value is None else bytes(value)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        db = self._live()
+        try:
+            db.put(key, value)
+        except Exception as exc:
+            _raise(exc, "put")
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        db = self._live()
+        batch = WriteBatch(raw_mode=True)
+        for key, value in items:
+            batch.put(key, value)
+        try:
+            db.write(batch)
+        except Exception as exc:
+            _raise(exc, "write batch")
+
+    def delete(self, key: bytes) -> None:
+        db = self._live()
+        try:
+            db.delete(key)
+        except Exception as exc:
+            _raise(exc, "delete")
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        db = self._live()
+        batch = WriteBatch(raw_mode=True)
+        for key in keys:
+            batch.delete(key)
+        try:
+            db.write(batch)
+        except Exception as exc:
+            _raise(exc, "delete batch")
+
+    def scan(self) -> Iterator[tuple[bytes, bytes]]:
+        it = self._live().iter()
+        it.seek_to_first()
+        while it.valid():
+            yield bytes(it.key()), bytes(it.value())
+            it.next()
+
+    def close(self) -> None:
+        with self._closing:
+            db, self._db = self._db, None
+            if db is not None:
+                db.close()

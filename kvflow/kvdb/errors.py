@@ -1,0 +1,55 @@
+"""Errors of kvdb: one base class, one subclass per broken contract or failure.
+
+Misses, full tiers and partial batches are return values, not exceptions; these are for bad
+input (wrong sizes, malformed buffers), integrity failures and unusable data directories.
+"""
+
+from __future__ import annotations
+
+
+class KVDBError(Exception):
+    """Base class of every kvdb error."""
+
+
+class ValueSizeError(KVDBError, ValueError):
+    """A value or destination buffer has the wrong number of bytes."""
+
+
+class InvalidBufferError(KVDBError, ValueError):
+    """A value or buffer is not a contiguous byte-addressable CPU buffer (or is read-only)."""
+
+
+class InvalidKeyError(KVDBError, ValueError):
+    """A block key is not 16 bytes."""
+
+
+class ChecksumError(KVDBError):
+    """A stored record failed its checksum or could not be decoded (corrupted or truncated)."""
+
+
+class NamespaceMismatchError(KVDBError):
+    """A client's namespace fingerprint differs from the one its shard serves."""
+
+
+class IncompatibleDataDirError(KVDBError):
+    """A data directory was written by an incompatible format version, engine or model."""
+
+
+class StoreFullError(KVDBError):
+    """The storage device reported that it is full (e.g. ENOSPC, LMDB map full)."""
+
+
+class StorageEngineError(KVDBError):
+    """A storage engine failed for a reason other than a full device."""
+
+
+class BlockPinnedError(KVDBError):
+    """An explicit remove was asked for a block that is pinned by a running request."""
+
+
+class NotPinnedError(KVDBError, ValueError):
+    """unpin was asked for a key that holds no pin."""
+
+
+class StoreClosedError(KVDBError):
+    """The shard or client was used after close()."""

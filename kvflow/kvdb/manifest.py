@@ -1,0 +1,66 @@
+"""The data directory's manifest: format version, engine and model fingerprint.
+
+Written atomically (temp file + rename) when a data directory is first used; checked on every
+open so that a directory written by an incompatible version, another engine or another model
+is a clear error rather than garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kvflow.kvdb.errors import IncompatibleDataDirError, NamespaceMismatchError
+
+MANIFEST_NAME = "kvdb-manifest.json"
+FORMAT_NAME = "kvflow.kvdb"
+FORMAT_VERSION = 1
+
+
+def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
+    """Validate ``data_dir``'s manifest, or write one if the directory is new.
+
+    Returns True if the directory already held a store. Raises IncompatibleDataDirError for
+    another format/version/engine or an unreadable manifest, or for existing SSD files with no
+    manifest; NamespaceMismatchError for another model fingerprint.
+    """
+    path = data_dir / MANIFEST_NAME
+    if not path.exists():
+        ssd = data_dir / "ssd"
+        if ssd.exists() and any(ssd.iterdir()):
+            raise IncompatibleDataDirError(
+                f"{data_dir}: SSD files without {MANIFEST_NAME}; not written by this version"
+            )
+        data_dir.mkdir(parents=True, exist_ok=True)
+        body = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "engine": engine,
+            "fingerprint": fingerprint,
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        os.replace(tmp, path)
+        return False
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise IncompatibleDataDirError(f"{path}: unreadable manifest: {exc}") from exc
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise IncompatibleDataDirError(f"{path}: not a kvflow kvdb data directory")
+    if body.get("format_version") != FORMAT_VERSION:
+        raise IncompatibleDataDirError(
+            f"{path}: format version {body.get('format_version')!r}, this build reads "
+            f"{FORMAT_VERSION}"
+        )
+    if body.get("engine") != engine:
+        raise IncompatibleDataDirError(
+            f"{path}: written by engine {body.get('engine')!r}, configured engine is {engine!r}"
+        )
+    if body.get("fingerprint") != fingerprint:
+        raise NamespaceMismatchError(
+            f"{path}: holds blocks of model fingerprint {body.get('fingerprint')!r}, "
+            f"opened for {fingerprint!r}"
+        )
+    return True

@@ -1,0 +1,252 @@
+"""TierMover: the mechanism that moves blocks between tiers — eviction, demotion, promotion.
+
+It applies an EvictionPolicy (which only ranks) to the shard's entries. Every method must be
+called with the shard's lock held; it mutates the shard's index, tiers, counters and outbox.
+Engine I/O (demotion writes, SSD deletes) happens under that lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow.kvdb.dram import DramTier
+from kvflow.kvdb.entry import Entry
+from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored
+from kvflow.kvdb.eviction import Candidate, EvictAction, EvictionPolicy, TierBlock, select_victims
+from kvflow.kvdb.keys import BlockKey
+from kvflow.kvdb.replicas import ReplicaCounter
+from kvflow.kvdb.ssd import SsdTier
+from kvflow.kvdb.stats import TierCounters
+from kvflow.replication import Tier
+
+logger = logging.getLogger(__name__)
+
+_FLUSH_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class ShardState:
+    """The parts of a shard the mover works on (shared by reference with the shard)."""
+
+    index: dict[BlockKey, Entry]
+    dram: DramTier | None
+    ssd: SsdTier | None
+    dram_counters: TierCounters
+    ssd_counters: TierCounters
+    emit: Callable[[BlockEvent], None]
+
+
+class TierMover:
+    """Eviction, demotion and promotion over a ShardState (caller holds the shard lock)."""
+
+    def __init__(
+        self,
+        state: ShardState,
+        policy: EvictionPolicy,
+        replicas: ReplicaCounter,
+        high_watermark: float,
+        low_watermark: float,
+    ) -> None:
+        self.s = state
+        self.policy = policy
+        self.replicas = replicas
+        self.high = high_watermark
+        self.low = low_watermark
+
+    # ----------------------------------------------------------------- candidates
+
+    def tier_blocks(
+        self, tier: Tier, protect: frozenset[bytes] = frozenset()
+    ) -> dict[BlockKey, TierBlock]:
+        """Every block in ``tier`` as the victim selector sees it. A child blocks its parent
+        when it is in the same tier (DRAM) or in any tier (SSD: dropping the parent there
+        would make the child unreachable)."""
+        s = self.s
+        if tier is Tier.DRAM:
+            members = [e for e in s.index.values() if e.dram is not None]
+        else:
+            members = [e for e in s.index.values() if e.on_ssd]
+        member_keys = {e.key for e in members}
+        blocking: Counter[bytes] = Counter()
+        for e in s.index.values():
+            if e.parent is not None and e.parent in member_keys:
+                if tier is Tier.DRAM and e.dram is None:
+                    continue
+                blocking[e.parent] += 1
+        counts = self.replicas.replica_counts([e.key for e in members])
+        sizes = s.ssd.sizes if (tier is Tier.SSD and s.ssd is not None) else None
+        return {
+            e.key: TierBlock(
+                candidate=Candidate(
+                    key=e.key,
+                    last_access=e.last_access,
+                    replicas=count,
+                    nbytes=e.nbytes if sizes is None else sizes[e.key],
+                ),
+                parent=e.parent,
+                evictable=e.evictable and e.key not in protect,
+                blocking_children=blocking[e.key],
+            )
+            for e, count in zip(members, counts, strict=True)
+        }
+
+    # ----------------------------------------------------------------- DRAM
+
+    def reserve_dram(self, nbytes: int, protect: frozenset[bytes] = frozenset()) -> int | None:
+        """An extent for ``nbytes``, evicting down to the low watermark when the high one would
+        be crossed. None if DRAM cannot make room. StoreFullError from a demotion propagates
+        (the victims then stay in DRAM)."""
+        dram = self.s.dram
+        if dram is None or dram.rounded(nbytes) > dram.capacity:
+            return None
+        need = dram.rounded(nbytes)
+        if dram.used + need > dram.capacity * self.high:
+            self.evict_dram(int(dram.used + need - dram.capacity * self.low), protect)
+        for _ in range(8):
+            offset = dram.allocate(nbytes)
+            if offset is not None:
+                return offset
+            if not self.evict_dram(need, protect):
+                break
+        return None
+
+    def drop_dram_copy(self, e: Entry) -> None:
+        assert self.s.dram is not None and e.dram is not None
+        self.s.dram.free(e.dram, e.nbytes)
+        e.dram = None
+
+    def evict_dram(self, need_bytes: int, protect: frozenset[bytes] = frozenset()) -> int:
+        """Evict DRAM blocks freeing >= ``need_bytes`` if possible; returns blocks evicted."""
+        s = self.s
+        assert s.dram is not None
+        blocks = self.tier_blocks(Tier.DRAM, protect)
+        victims = select_victims(blocks, need_bytes, self.policy)
+        to_demote: list[Entry] = []
+        for key in victims:
+            e = s.index[key]
+            if e.on_ssd:  # already has an SSD record: demotion is free
+                self._finish_demotion(e)
+                continue
+            action = self.policy.action(blocks[key].candidate, can_demote=s.ssd is not None)
+            if action is EvictAction.DEMOTE:
+                to_demote.append(e)
+            else:
+                self._drop_block(e, s.dram_counters)
+        if to_demote:
+            self._demote(to_demote)
+        return len(victims)
+
+    def _demote(self, entries: list[Entry]) -> None:
+        s = self.s
+        assert s.ssd is not None and s.dram is not None
+        records = [
+            (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent))
+            for e in entries
+            if e.dram is not None
+        ]
+        total = sum(len(r) for _, r in records)
+        if not self.make_ssd_room(total, frozenset(e.key for e in entries)):
+            logger.warning(
+                "demotion: SSD cannot take %d bytes; dropping %d last copies", total, len(entries)
+            )
+            for e in entries:
+                self._drop_block(e, s.dram_counters)
+            return
+        s.ssd.write_many(records)
+        s.ssd_counters.bytes_written += total
+        for e in entries:
+            e.on_ssd = True
+            self._finish_demotion(e)
+
+    def _finish_demotion(self, e: Entry) -> None:
+        self.drop_dram_copy(e)
+        self.s.dram_counters.demotions += 1
+        self.s.emit(BlockStored(e.key, Tier.SSD, e.nbytes, e.parent))
+
+    def _drop_block(self, e: Entry, counters: TierCounters) -> None:
+        """Remove ``e`` from this node entirely (both tiers) and announce it."""
+        if e.dram is not None:
+            self.drop_dram_copy(e)
+        if e.on_ssd and self.s.ssd is not None:
+            self.s.ssd.delete_many([e.key])
+            e.on_ssd = False
+        del self.s.index[e.key]
+        counters.evictions += 1
+        self.s.emit(BlockRemoved(e.key))
+
+    # ----------------------------------------------------------------- SSD
+
+    def make_ssd_room(self, need_bytes: int, protect: frozenset[bytes] = frozenset()) -> bool:
+        """Ensure ``need_bytes`` more fit in the SSD tier, dropping SSD records by policy down
+        to the low watermark when the high one would be crossed. False if impossible."""
+        s = self.s
+        ssd = s.ssd
+        if ssd is None or need_bytes > ssd.capacity:
+            return False
+        if ssd.used + need_bytes <= ssd.capacity * self.high:
+            return True
+        target = int(ssd.used + need_bytes - ssd.capacity * self.low)
+        victims = select_victims(self.tier_blocks(Tier.SSD, protect), target, self.policy)
+        for key in victims:
+            e = s.index[key]
+            if e.dram is not None:  # still in DRAM: only the SSD copy goes
+                ssd.delete_many([key])
+                e.on_ssd = False
+                s.ssd_counters.evictions += 1
+            else:
+                self._drop_block(e, s.ssd_counters)
+        return ssd.used + need_bytes <= ssd.capacity
+
+    def promote(self, e: Entry, src: np.ndarray) -> bool:
+        """Copy a verified SSD hit (``src``, the caller's buffer) into DRAM. The SSD record is
+        kept, so demoting it again is free. False if DRAM has no room."""
+        s = self.s
+        if s.dram is None or e.dram is not None:
+            return False
+        offset = self.reserve_dram(e.nbytes, frozenset((e.key,)))
+        if offset is None or e.key not in s.index:
+            if offset is not None:
+                s.dram.free(offset, e.nbytes)
+            return False
+        s.dram.view(offset, e.nbytes)[:] = src
+        e.dram = offset
+        s.ssd_counters.promotions += 1
+        s.emit(BlockStored(e.key, Tier.DRAM, e.nbytes, e.parent))
+        return True
+
+    def flush_dram(self) -> int:
+        """Write every DRAM-only block to SSD (most recent first) while it fits; for a clean
+        close. Blocks stay in DRAM. Returns the number written."""
+        s = self.s
+        if s.ssd is None or s.dram is None:
+            return 0
+        pending = sorted(
+            (e for e in s.index.values() if e.dram is not None and not e.on_ssd),
+            key=lambda e: -e.last_access,
+        )
+        written = 0
+        while pending:
+            chunk: list[Entry] = []
+            size = 0
+            while pending and size < _FLUSH_CHUNK_BYTES:
+                chunk.append(pending.pop(0))
+                size += chunk[-1].nbytes
+            records = [
+                (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent))
+                for e in chunk
+                if e.dram is not None
+            ]
+            total = sum(len(r) for _, r in records)
+            if not self.make_ssd_room(total, frozenset(e.key for e in chunk)):
+                logger.warning("flush on close: SSD full; %d blocks not written", len(chunk))
+                break
+            s.ssd.write_many(records)
+            for e in chunk:
+                e.on_ssd = True
+            written += len(chunk)
+        return written

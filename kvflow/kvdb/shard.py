@@ -1,0 +1,494 @@
+"""Shard: one node's tiered block store (DRAM pool over an SSD engine).
+
+Thread-safety: every public method is thread-safe. One lock guards the index, allocator,
+counters and outbox; the bulk copies of put and get_into run OUTSIDE it (reader counts keep an
+extent or record alive while it is copied), so concurrent readers copy in parallel. Tier moves
+(eviction, demotion, promotion) run under the lock.
+
+Keys are 16-byte ``BlockKey``s; values are raw bytes (any contiguous buffer). A key names its
+content (a chained hash), so a put of a key already held is a no-op that refreshes its recency.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvflow.kvdb import manifest
+from kvflow.kvdb.buffers import readable_bytes, writable_bytes
+from kvflow.kvdb.codec import checksum, copy_and_checksum
+from kvflow.kvdb.config import StoreConfig
+from kvflow.kvdb.dram import DramTier
+from kvflow.kvdb.engines import ENGINES, StorageEngine
+from kvflow.kvdb.entry import Entry
+from kvflow.kvdb.errors import (
+    BlockPinnedError,
+    ChecksumError,
+    InvalidKeyError,
+    NotPinnedError,
+    StoreClosedError,
+    ValueSizeError,
+)
+from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored, Outbox
+from kvflow.kvdb.eviction import POLICIES
+from kvflow.kvdb.keys import KEY_BYTES, BlockKey
+from kvflow.kvdb.mover import ShardState, TierMover
+from kvflow.kvdb.replicas import LocalReplicas, ReplicaCounter
+from kvflow.kvdb.ssd import SsdTier
+from kvflow.kvdb.stats import StoreStats, TierCounters
+from kvflow.replication import NodeId, Tier
+
+logger = logging.getLogger(__name__)
+
+LOCAL_NODE = NodeId("local")
+"""The node id of a shard that is not part of a cluster."""
+
+
+def check_key(key: bytes) -> BlockKey:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InvalidKeyError(f"a BlockKey is {KEY_BYTES} bytes, got {key!r:.60}")
+    return BlockKey(key)
+
+
+class Shard:
+    """One node's share of the store. Opening re-adopts the SSD records already in
+    ``config.data_dir`` (a restart loses no SSD data; with ``flush_on_close`` a clean close
+    loses no DRAM data either).
+
+    Raises at open: IncompatibleDataDirError (other format version or engine),
+    NamespaceMismatchError (data dir of another model fingerprint), StorageEngineError.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        fingerprint: str,
+        node_id: NodeId = LOCAL_NODE,
+        replicas: ReplicaCounter | None = None,
+        shuffle_bytes: int = 1,
+        engine: StorageEngine | None = None,
+    ) -> None:
+        self.config = config
+        self.fingerprint = fingerprint
+        self.node_id = node_id
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0
+        self._closed = False
+        self._clock = 0
+        self._writing: set[bytes] = set()
+        self._doomed: dict[bytes, Entry] = {}
+        self._puts = 0
+        self._rejected = 0
+        self.events = Outbox(config.event_outbox_capacity)
+        self._outboxes: list[Outbox] = [self.events]
+        if config.data_dir is not None:
+            manifest.check_or_create(config.data_dir, config.engine, fingerprint)
+        dram = DramTier(config.dram_capacity_bytes, config.dram_alignment)
+        ssd: SsdTier | None = None
+        if config.ssd_capacity_bytes > 0:
+            if engine is None:
+                map_size = config.lmdb_map_size_bytes or (
+                    2 * config.ssd_capacity_bytes + (64 << 20)
+                )
+                engine = ENGINES[config.engine].open(config.ssd_dir(), map_size)
+            ssd = SsdTier(
+                engine,
+                config.ssd_capacity_bytes,
+                compress=config.compression == "zstd",
+                level=config.compression_level,
+                shuffle=shuffle_bytes,
+            )
+        self._state = ShardState(
+            index={},
+            dram=dram if dram.capacity else None,
+            ssd=ssd,
+            dram_counters=TierCounters(),
+            ssd_counters=TierCounters(),
+            emit=self._emit,
+        )
+        self._mover = TierMover(
+            self._state,
+            POLICIES[config.eviction](),
+            replicas or LocalReplicas(),
+            config.high_watermark,
+            config.low_watermark,
+        )
+        if ssd is not None:
+            self._adopt(ssd)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _adopt(self, ssd: SsdTier) -> None:
+        index = self._state.index
+        for record in ssd.adopt():
+            e = Entry(
+                record.key, record.header.raw_len, record.header.checksum, record.header.parent, 0
+            )
+            e.on_ssd = True
+            index[record.key] = e
+        self._state.ssd_counters.corruptions += len(ssd.corrupt_keys)
+        with self._lock:
+            if ssd.used > ssd.capacity:
+                self._mover.make_ssd_room(0)
+        if index:
+            logger.info(
+                "shard node=%s re-adopted %d SSD blocks (%d bytes)",
+                self.node_id,
+                len(index),
+                ssd.used,
+            )
+
+    def _emit(self, event: BlockEvent) -> None:
+        for outbox in self._outboxes:
+            outbox.append(event)
+
+    def add_outbox(self, outbox: Outbox) -> None:
+        """Also append every future event to ``outbox`` (e.g. the metadata sync's)."""
+        with self._lock:
+            self._outboxes.append(outbox)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"shard node={self.node_id} is closed")
+
+    def _check_value_size(self, nbytes: int) -> None:
+        cfg = self.config
+        if cfg.value_size is not None and nbytes != cfg.value_size:
+            raise ValueSizeError(f"value has {nbytes} bytes, the store takes {cfg.value_size}")
+        if nbytes == 0 or nbytes > cfg.max_value_size:
+            raise ValueSizeError(
+                f"value has {nbytes} bytes; allowed 1..{cfg.max_value_size} (max_value_size)"
+            )
+
+    def _release(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.notify_all()
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: bytes, value: Any, parent: bytes | None = None) -> Tier | None:
+        """Store ``value`` (bytes-like, numpy or torch CPU; copied, the caller keeps it).
+
+        Returns the tier it landed in (DRAM unless DRAM cannot make room), the current tier if
+        the key is already held (no write), or None if no tier could take it (counted in
+        ``rejected_puts``). Raises InvalidKeyError, ValueSizeError, InvalidBufferError,
+        StoreFullError (the device is full: the block is not stored, nothing else is lost).
+        """
+        key = check_key(key)
+        if parent is not None:
+            parent = check_key(parent)
+        src = readable_bytes(value)
+        self._check_value_size(src.shape[0])
+        nbytes = src.shape[0]
+        with self._lock:
+            self._check_open()
+            self._puts += 1
+            e = self._state.index.get(key)
+            if e is not None:
+                e.last_access = self._tick()
+                return e.tier
+            if key in self._writing:
+                return Tier.DRAM
+            offset = self._mover.reserve_dram(nbytes)
+            if offset is None:
+                return self._put_ssd(key, src, parent)
+            self._writing.add(key)
+            self._inflight += 1
+        assert self._state.dram is not None
+        try:
+            csum = copy_and_checksum(self._state.dram.view(offset, nbytes), src)
+        finally:
+            with self._lock:
+                self._writing.discard(key)
+                self._release()
+        with self._lock:
+            e = Entry(
+                BlockKey(key), nbytes, csum, BlockKey(parent) if parent else None, self._tick()
+            )
+            e.dram = offset
+            self._state.index[e.key] = e
+            self._state.dram_counters.bytes_written += nbytes
+            self._emit(BlockStored(e.key, Tier.DRAM, nbytes, e.parent))
+        return Tier.DRAM
+
+    def _put_ssd(self, key: BlockKey, src: np.ndarray, parent: bytes | None) -> Tier | None:
+        """Write straight to SSD (DRAM had no room); lock held."""
+        ssd = self._state.ssd
+        if ssd is None:
+            self._rejected += 1
+            return None
+        csum = checksum(src)
+        record = ssd.encode(src, csum, BlockKey(parent) if parent else None)
+        if not self._mover.make_ssd_room(len(record)):
+            self._rejected += 1
+            return None
+        ssd.write_many([(key, record)])
+        e = Entry(key, src.shape[0], csum, BlockKey(parent) if parent else None, self._tick())
+        e.on_ssd = True
+        self._state.index[key] = e
+        self._state.ssd_counters.bytes_written += len(record)
+        self._emit(BlockStored(key, Tier.SSD, e.nbytes, e.parent))
+        return Tier.SSD
+
+    def remove(self, key: bytes) -> bool:
+        """Remove ``key`` from every tier. False if absent; BlockPinnedError if pinned. A block
+        being read is removed from the index now and freed when its readers finish."""
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            e = self._state.index.get(key)
+            if e is None:
+                return False
+            if e.pins:
+                raise BlockPinnedError(f"key={key.hex()} is pinned ({e.pins} pins)")
+            del self._state.index[key]
+            if e.readers:
+                self._doomed[key] = e
+            else:
+                self._free(e)
+            self._emit(BlockRemoved(e.key))
+            return True
+
+    def _free(self, e: Entry) -> None:
+        """Release ``e``'s DRAM extent and SSD record (lock held; ``e`` out of the index)."""
+        if e.dram is not None:
+            self._mover.drop_dram_copy(e)
+        if e.on_ssd and self._state.ssd is not None:
+            current = self._state.index.get(e.key)
+            if current is None or not current.on_ssd:
+                self._state.ssd.delete_many([e.key])
+            e.on_ssd = False
+
+    # ------------------------------------------------------------------ reads
+
+    def get_into(self, key: bytes, buf: Any) -> Tier | None:
+        """Copy ``key``'s value into ``buf`` (writable memoryview / numpy / torch CPU tensor of
+        exactly the value's size). Returns the tier that served it, or None on a miss (buf
+        untouched) or a corrupted record (buf holds unspecified bytes; the record is removed
+        and counted). Raises ValueSizeError (nothing written) on a size mismatch."""
+        key = check_key(key)
+        dst = writable_bytes(buf)
+        s = self._state
+        with self._lock:
+            self._check_open()
+            e = s.index.get(key)
+            if e is None:
+                s.dram_counters.misses += 1
+                s.ssd_counters.misses += 1
+                return None
+            if e.nbytes != dst.shape[0]:
+                raise ValueSizeError(
+                    f"buffer has {dst.shape[0]} bytes, key={key.hex()} holds {e.nbytes}"
+                )
+            e.last_access = self._tick()
+            e.readers += 1
+            self._inflight += 1
+            tier, offset = e.tier, e.dram
+        ok = False
+        try:
+            ok = self._read(e, tier, offset, dst)
+        finally:
+            with self._lock:
+                e.readers -= 1
+                self._release()
+                result = self._after_read(e, tier, ok, dst)
+        return result
+
+    def _read(self, e: Entry, tier: Tier, offset: int | None, dst: np.ndarray) -> bool:
+        """The copy + verification, outside the lock."""
+        if tier is Tier.DRAM:
+            assert self._state.dram is not None and offset is not None
+            return copy_and_checksum(dst, self._state.dram.view(offset, e.nbytes)) == e.checksum
+        assert self._state.ssd is not None
+        try:
+            return self._state.ssd.read_into(e.key, dst)
+        except ChecksumError as exc:
+            logger.warning("ssd record corrupt node=%s key=%s: %s", self.node_id, e.key.hex(), exc)
+            return False
+
+    def _after_read(self, e: Entry, tier: Tier, ok: bool, dst: np.ndarray) -> Tier | None:
+        """Bookkeeping after a read (lock held): stats, corruption handling, promotion."""
+        s = self._state
+        if e.key in self._doomed and e.readers == 0:
+            self._free(self._doomed.pop(e.key))
+        if ok:
+            counters = s.dram_counters if tier is Tier.DRAM else s.ssd_counters
+            counters.hits += 1
+            counters.bytes_read += e.nbytes
+            if tier is Tier.SSD:
+                s.dram_counters.misses += 1
+                if self.config.promote_on_hit and s.index.get(e.key) is e:
+                    self._mover.promote(e, dst)
+            return tier
+        counters = s.dram_counters if tier is Tier.DRAM else s.ssd_counters
+        counters.corruptions += 1
+        if s.index.get(e.key) is not e:
+            return None
+        if tier is Tier.DRAM:
+            logger.warning("dram block corrupt node=%s key=%s", self.node_id, e.key.hex())
+            if e.readers == 0:
+                self._mover.drop_dram_copy(e)
+            if e.on_ssd:
+                self._emit(BlockStored(e.key, Tier.SSD, e.nbytes, e.parent))
+                return None
+        elif e.on_ssd and s.ssd is not None:
+            s.ssd.delete_many([e.key])
+            e.on_ssd = False
+            if e.dram is not None:
+                return None
+        if e.readers == 0 and e.dram is None and not e.on_ssd:
+            del s.index[e.key]
+            self._emit(BlockRemoved(e.key))
+        return None
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value as new bytes, or None (miss or corruption)."""
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            e = self._state.index.get(key)
+            nbytes = None if e is None else e.nbytes
+        if nbytes is None:
+            return self._miss()
+        buf = bytearray(nbytes)
+        try:
+            tier = self.get_into(key, buf)
+        except ValueSizeError:  # replaced by a value of another size meanwhile
+            return None
+        return None if tier is None else bytes(buf)
+
+    def _miss(self) -> None:
+        with self._lock:
+            self._check_open()
+            self._state.dram_counters.misses += 1
+            self._state.ssd_counters.misses += 1
+        return None
+
+    def exists(self, key: bytes) -> bool:
+        """Whether ``key`` is held in any tier (no recency update, no stats)."""
+        key = check_key(key)
+        with self._lock:
+            self._check_open()
+            return key in self._state.index
+
+    def tier_of(self, key: bytes) -> Tier | None:
+        """The fastest tier holding ``key``, or None."""
+        key = check_key(key)
+        with self._lock:
+            e = self._state.index.get(key)
+            return None if e is None else e.tier
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        """The number of leading ``keys`` held (stops at the first absent one)."""
+        checked = [check_key(k) for k in keys]
+        with self._lock:
+            self._check_open()
+            index = self._state.index
+            for i, key in enumerate(checked):
+                if key not in index:
+                    return i
+            return len(checked)
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, keys: Sequence[bytes]) -> list[bool]:
+        """Add one pin to each held key (pins are counted); a pinned block is never evicted.
+        Returns, per key, whether it was held (and is now pinned)."""
+        checked = [check_key(k) for k in keys]
+        with self._lock:
+            self._check_open()
+            out = []
+            for key in checked:
+                e = self._state.index.get(key)
+                if e is not None:
+                    e.pins += 1
+                out.append(e is not None)
+            return out
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Drop one pin from each key. Raises NotPinnedError (and changes nothing) if a key
+        (counting repeats) holds fewer pins than asked."""
+        checked = [check_key(k) for k in keys]
+        with self._lock:
+            wanted: dict[bytes, int] = {}
+            for key in checked:
+                wanted[key] = wanted.get(key, 0) + 1
+            for key, n in wanted.items():
+                e = self._state.index.get(BlockKey(key))
+                if e is None or e.pins < n:
+                    raise NotPinnedError(f"key={key.hex()} holds fewer than {n} pins")
+            for key, n in wanted.items():
+                self._state.index[BlockKey(key)].pins -= n
+
+    # ------------------------------------------------------------------ state
+
+    def holdings(self) -> list[tuple[bytes, Tier]]:
+        """(key, fastest tier) of every block held: what the metadata should record."""
+        with self._lock:
+            return [(e.key, e.tier) for e in self._state.index.values()]
+
+    def stats(self, reset: bool = False) -> StoreStats:
+        """A snapshot of per-tier counters and usage; ``reset`` zeroes the counters."""
+        with self._lock:
+            s = self._state
+            dram_blocks = sum(1 for e in s.index.values() if e.dram is not None)
+            ssd_blocks = len(s.ssd.sizes) if s.ssd else 0
+            snap = StoreStats(
+                dram=s.dram_counters.snapshot(
+                    dram_blocks, s.dram.used if s.dram else 0, s.dram.capacity if s.dram else 0
+                ),
+                ssd=s.ssd_counters.snapshot(
+                    ssd_blocks, s.ssd.used if s.ssd else 0, s.ssd.capacity if s.ssd else 0
+                ),
+                puts=self._puts,
+                rejected_puts=self._rejected,
+                events_dropped=self.events.dropped,
+            )
+            if reset:
+                s.dram_counters.reset()
+                s.ssd_counters.reset()
+                self._puts = self._rejected = 0
+            return snap
+
+    def take_events(self) -> list[BlockEvent]:
+        """Drain this shard's default outbox (oldest first)."""
+        return self.events.take()
+
+    def close(self) -> None:
+        """Wait for in-flight copies, flush DRAM-only blocks to SSD (``flush_on_close``), and
+        close the engine. Idempotent; later calls on the shard raise StoreClosedError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._inflight:
+                self._idle.wait()
+            ssd = self._state.ssd
+            if ssd is not None:
+                if self.config.flush_on_close:
+                    try:
+                        n = self._mover.flush_dram()
+                        logger.info("shard node=%s flushed %d DRAM blocks to SSD", self.node_id, n)
+                    except Exception:
+                        logger.exception("shard node=%s: flush on close failed", self.node_id)
+                ssd.engine.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Shard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

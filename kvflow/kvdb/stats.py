@@ -1,0 +1,76 @@
+"""Per-tier statistics: mutable counters inside the shard, frozen snapshots outside."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A snapshot of one tier. Counters count since the shard opened (or the last reset);
+    ``blocks``/``used_bytes``/``capacity_bytes`` are the current state.
+
+    hits/misses: lookups this tier served / could not serve (a miss in DRAM that SSD serves is
+    one DRAM miss and one SSD hit). evictions: blocks dropped from this tier. demotions: DRAM
+    blocks moved down to SSD (counted on DRAM). promotions: SSD hits copied up to DRAM (counted
+    on SSD). corruptions: records that failed their checksum (removed, never returned).
+    """
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    corruptions: int = 0
+    blocks: int = 0
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of a shard: one TierStats per tier plus put outcomes."""
+
+    dram: TierStats
+    ssd: TierStats
+    puts: int = 0
+    rejected_puts: int = 0
+    events_dropped: int = 0
+
+
+_COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_read",
+    "bytes_written",
+    "evictions",
+    "demotions",
+    "promotions",
+    "corruptions",
+)
+
+
+class TierCounters:
+    """Mutable counters of one tier; the shard updates them under its lock."""
+
+    __slots__ = _COUNTERS
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        for name in _COUNTERS:
+            setattr(self, name, 0)
+
+    def snapshot(self, blocks: int, used_bytes: int, capacity_bytes: int) -> TierStats:
+        values = {f.name: getattr(self, f.name) for f in fields(TierStats) if f.name in _COUNTERS}
+        return TierStats(
+            **values, blocks=blocks, used_bytes=used_bytes, capacity_bytes=capacity_bytes
+        )
