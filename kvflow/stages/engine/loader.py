@@ -109,17 +109,34 @@ def _safetensors_header(path: Path) -> bytes:
         return fh.read(size)
 
 
+SAMPLES_PER_FILE = 16
+SAMPLE_BYTES = 4096
+
+
+def _sampled_bytes(path: Path, size: int) -> bytes:
+    """SAMPLES_PER_FILE slices of SAMPLE_BYTES at evenly spaced offsets (64 KiB per file)."""
+    chunks = []
+    with path.open("rb") as fh:
+        for i in range(SAMPLES_PER_FILE):
+            fh.seek(max(0, size - SAMPLE_BYTES) * i // (SAMPLES_PER_FILE - 1))
+            chunks.append(fh.read(SAMPLE_BYTES))
+    return b"".join(chunks)
+
+
 def fingerprint(model_dir: Path, config_bytes: bytes, dtype: str) -> str:
     """A stable identity of (architecture, weights, dtype): blake2b over config.json, each
-    weight file's name, size and safetensors header, and the dtype. Reads only headers, so it
-    is fast for big models; it changes whenever a tensor's name, shape, dtype or file offset
-    changes, or the file size changes."""
+    weight file's name, size, safetensors header and 16 sampled 4 KiB slices of its bytes, and
+    the dtype. It reads ~64 KiB per file, so it is fast for big models; it changes whenever a
+    tensor's name, shape, dtype or offset changes, and (with near certainty) when the weights
+    are re-drawn or retrained, but not for an edit confined to unsampled bytes."""
     h = hashlib.blake2b(digest_size=16)
     h.update(b"kvflow-model-v1\0")
     h.update(config_bytes)
     for path in weight_files(model_dir):
+        size = path.stat().st_size
         h.update(b"\0" + path.name.encode() + b"\0")
-        h.update(struct.pack("<Q", path.stat().st_size))
+        h.update(struct.pack("<Q", size))
         h.update(_safetensors_header(path))
+        h.update(_sampled_bytes(path, size))
     h.update(b"\0" + dtype.encode())
     return h.hexdigest()

@@ -1,0 +1,34 @@
+"""Engine test fixtures: a tiny demo model written once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama made by transformers, with varied weights (greedy tokens differ)."""
+    from tests.stages.engine.hf_models import make_hf_model
+
+    return make_hf_model(tmp_path_factory.mktemp("hf-llama"), "llama", seed=1)
+
+
+def open_engine(model_dir: Path, **overrides: object) -> Engine:
+    """An fp32 engine with small pages so that tests cross page boundaries."""
+    options: dict[str, object] = {
+        "block_size": 8,
+        "num_pages": 64,
+        "prefill_chunk": 64,
+        "return_logits": True,
+    }
+    options.update(overrides)
+    return Engine.open(model_dir, EngineConfig(**options))  # type: ignore[arg-type]

@@ -1,0 +1,91 @@
+"""The scheduling policy and the page pool, tested alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.stages.engine import OutOfPagesError, PageLayoutError, SamplingParams
+from kvflow.stages.engine.pages import KVLayout, PagePool
+from kvflow.stages.engine.scheduler import plan_step
+from kvflow.stages.engine.sequence import Phase, Sequence
+
+
+def _seq(rid: str, n_tokens: int, computed: int, arrival: int, last: int = -1) -> Sequence:
+    return Sequence(
+        request_id=rid,
+        token_ids=list(range(n_tokens)),
+        prompt_len=n_tokens,
+        sampling=SamplingParams(),
+        pages=[],
+        num_computed=computed,
+        stop_ids=frozenset(),
+        max_len=1000,
+        retain_pages=False,
+        arrival=arrival,
+        last_decode_step=last,
+    )
+
+
+def test_prefill_budget_is_shared_in_arrival_order() -> None:
+    a, b, c = _seq("a", 100, 0, 0), _seq("b", 30, 0, 1), _seq("c", 10, 0, 2)
+    plan = plan_step([a, b, c], prefill_budget=120, max_batch=4)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 100), ("b", 20)]
+    assert plan.decode == ()
+
+
+def test_decode_batch_capped_and_rotates() -> None:
+    seqs = [_seq(f"d{i}", 10, 9, i, last=5 if i < 2 else 3) for i in range(4)]
+    assert all(s.phase is Phase.DECODE for s in seqs)
+    plan = plan_step(seqs, prefill_budget=8, max_batch=3)
+    assert [s.request_id for s in plan.decode] == ["d2", "d3", "d0"]
+
+
+def test_prefill_and_decode_in_one_step() -> None:
+    p, d = _seq("p", 50, 10, 0), _seq("d", 20, 19, 1)
+    plan = plan_step([p, d], prefill_budget=16, max_batch=8)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("p", 16)]
+    assert [s.request_id for s in plan.decode] == ["d"]
+
+
+def test_append_token_finish_reasons() -> None:
+    s = _seq("s", 3, 2, 0)
+    s.stop_ids = frozenset({7})
+    s.sampling = SamplingParams(max_tokens=2)
+    assert s.append_token(4) is None
+    assert s.append_token(5) == "length"
+    t = _seq("t", 3, 2, 0)
+    t.stop_ids = frozenset({7})
+    assert t.append_token(7) == "stop"
+    assert t.phase is Phase.FINISHED
+
+
+@pytest.fixture
+def pool() -> PagePool:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
+    return PagePool(4, layout, torch.float32, torch.device("cpu"))
+
+
+def test_pool_allocate_free_is_fifo_and_checked(pool: PagePool) -> None:
+    assert pool.allocate(3) == [0, 1, 2]
+    with pytest.raises(OutOfPagesError, match="needs 2 KV pages but only 1"):
+        pool.allocate(2)
+    assert pool.num_free == 1
+    pool.free([1])
+    assert pool.allocate(2) == [3, 1]
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([1, 1])
+
+
+def test_pool_page_roundtrip_and_checks(pool: PagePool) -> None:
+    (pid,) = pool.allocate(1)
+    pool.tensor[pid].copy_(torch.randn(pool.layout.page_shape))
+    raw = pool.page_bytes(pid)
+    assert len(raw) == pool.page_nbytes == 2 * 2 * 2 * 4 * 4 * 4
+    for data in (raw, bytearray(raw), memoryview(raw)):
+        assert torch.equal(pool.check_page(0, data), pool.page(pid))
+    with pytest.raises(PageLayoutError, match="page 3: 12 bytes"):
+        pool.check_page(3, raw[:12])
+    strided = memoryview(bytearray(raw * 2))[::2]
+    with pytest.raises(PageLayoutError, match="page 0"):
+        pool.check_page(0, strided)
