@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException
+from pysyncobj import SyncObj, SyncObjException
 
 from kvflow.replication.codec import (
     check_key,
@@ -28,12 +28,8 @@ from kvflow.replication.codec import (
     split_stored,
 )
 from kvflow.replication.config import MetadataConfig
-from kvflow.replication.errors import (
-    MetadataTimeoutError,
-    MetadataUnavailableError,
-    NotLeaderError,
-    ReplicationError,
-)
+from kvflow.replication.errors import MetadataTimeoutError, MetadataUnavailableError
+from kvflow.replication.raft import CLOSED, Pending, raise_for, syncobj_conf
 from kvflow.replication.shell import ReplicatedTable
 from kvflow.replication.types import NodeId, Tier
 from kvflow.replication.view import MetadataView
@@ -42,56 +38,6 @@ logger = logging.getLogger(__name__)
 
 _FAST_TICKS = 4
 """Zero-wait ticks run after a write is proposed, so it commits without waiting a period."""
-
-_LEADER_LOST = {
-    FAIL_REASON.NOT_LEADER: "leader changed before commit",
-    FAIL_REASON.LEADER_CHANGED: "leader changed before commit",
-    FAIL_REASON.DISCARDED: "entry discarded by a new leader",
-    FAIL_REASON.UNKNOWN_OUTCOME: "outcome unknown after leader restart",
-}
-
-
-class _Pending:
-    """The outcome of one proposed entry, filled in by pysyncobj's callback."""
-
-    __slots__ = ("done", "error", "result")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: int | None = None
-
-    def __call__(self, result: Any, error: int) -> None:
-        self.result, self.error = result, error
-        self.done.set()
-
-
-def _syncobj_conf(config: MetadataConfig) -> SyncObjConf:
-    journal, dump = config.journal_path, config.dump_path
-    return SyncObjConf(
-        autoTick=False,
-        appendEntriesUseBatch=False,  # send entries as soon as proposed: lower commit latency
-        appendEntriesPeriod=config.append_entries_period_s,
-        raftMinTimeout=config.raft_min_timeout_s,
-        raftMaxTimeout=config.raft_max_timeout_s,
-        connectionTimeout=max(3.5, config.raft_max_timeout_s * 2),
-        connectionRetryTime=config.connection_retry_s,
-        leaderFallbackTimeout=max(30.0, config.raft_max_timeout_s * 4),
-        # One entry never exceeds max_entry_bytes of keys (+ tiers and framing), so it is
-        # never sent through pysyncobj's chunked "transmission" path.
-        appendEntriesBatchSizeBytes=2 * config.max_entry_bytes + (1 << 16),
-        journalFile=None if journal is None else str(journal),
-        # A file journal is compacted into this dump; without it compaction would drop
-        # journal entries whose effect lives only in memory.
-        fullDumpFile=None if dump is None else str(dump),
-        useFork=False,  # no fork() in a threaded (torch, grpc) process
-        logCompactionMinEntries=config.log_compaction_min_entries,
-        logCompactionMinTime=config.log_compaction_min_time_s,
-        bindRetryTime=config.bind_retry_s,
-        maxBindRetries=config.bind_retries,
-        commandsWaitLeader=True,
-        dynamicMembershipChange=False,
-    )
 
 
 class MetadataGroup:
@@ -120,6 +66,7 @@ class MetadataGroup:
         self._kick = threading.Event()
         self._state_lock = threading.Lock()
         self._closed = False
+        self._waiting: set[Pending] = set()
         self._view = MetadataView(lambda: self._shell.table, self._shell.lock, self)
 
     @property
@@ -142,7 +89,7 @@ class MetadataGroup:
                 self._syncobj = SyncObj(
                     self._config.self_address,
                     list(self._config.partner_addresses),
-                    conf=_syncobj_conf(self._config),
+                    conf=syncobj_conf(self._config),
                     consumers=[self._shell],
                 )
             except SyncObjException as exc:
@@ -189,6 +136,11 @@ class MetadataGroup:
         self._kick.set()
         if thread is not None:
             thread.join()
+        with self._state_lock:
+            waiting, self._waiting = self._waiting, set()
+        for pending in waiting:
+            if not pending.done.is_set():
+                pending(None, CLOSED)
         if syncobj is not None:
             try:
                 syncobj.destroy()
@@ -237,7 +189,7 @@ class MetadataGroup:
         # Chunk stores and removals as one sequence, so a batch that fits is one entry.
         combined = keys + gone
         split = len(keys)
-        proposals: list[Callable[[_Pending], None]] = []
+        proposals: list[Callable[[Pending], None]] = []
         for start, end in chunk_bounds(combined, self._config.max_entry_bytes):
             width, blob = pack_keys(combined[start : min(end, split)])
             removed_width, removed_blob = pack_keys(combined[max(start, split) : end])
@@ -269,7 +221,7 @@ class MetadataGroup:
         keys, tiers = split_stored(holdings)
         now = check_now(now)
         syncobj = self._require_started()
-        proposals: list[Callable[[_Pending], None]] = []
+        proposals: list[Callable[[Pending], None]] = []
         for i, (start, end) in enumerate(chunk_bounds(keys, self._config.max_entry_bytes)):
             width, blob = pack_keys(keys[start:end])
             if i == 0:
@@ -339,7 +291,13 @@ class MetadataGroup:
     def raft_status(self) -> dict[str, Any]:
         """pysyncobj's debug status of this replica (log length, commit index, term...).
         Read from another thread than the tick thread, so values may be mid-update."""
-        return dict(self._require_started().getStatus())
+        syncobj = self._require_started()
+        for _ in range(10):
+            try:
+                return dict(syncobj.getStatus())
+            except RuntimeError:  # a dict changed size under us on the tick thread; retry
+                time.sleep(0.001)
+        return dict(syncobj.getStatus())
 
     # ------------------------------------------------------------------ internals
 
@@ -351,41 +309,41 @@ class MetadataGroup:
         return syncobj
 
     @staticmethod
-    def _proposer(method: Callable[..., Any], *args: Any) -> Callable[[_Pending], None]:
+    def _proposer(method: Callable[..., Any], *args: Any) -> Callable[[Pending], None]:
         return lambda pending: method(*args, callback=pending)
 
     def _run_one(self, method: Callable[..., Any], *args: Any) -> Any:
         syncobj = self._require_started()
         return self._submit(syncobj, [self._proposer(method, *args)])
 
-    def _submit(self, syncobj: SyncObj, proposals: list[Callable[[_Pending], None]]) -> Any:
+    def _submit(self, syncobj: SyncObj, proposals: list[Callable[[Pending], None]]) -> Any:
         """Propose entries in order (pipelined), wait for all; return the last result."""
-        pendings: list[_Pending] = []
-        for propose in proposals:
-            pending = _Pending()
-            propose(pending)
-            pendings.append(pending)
+        pendings: list[Pending] = []
+        # Kick before proposing: proposing wakes the tick thread's poll, and the tick thread
+        # must then see the kick, or it would go back to a full-period wait.
         self._kick.set()
-        deadline = time.monotonic() + self._config.commit_timeout_s
-        for pending in pendings:
-            if not pending.done.wait(max(deadline - time.monotonic(), 0.0)):
-                raise MetadataTimeoutError(
-                    f"metadata write not committed within {self._config.commit_timeout_s}s "
-                    f"(leader: {self.leader() or 'none'})"
-                )
-            self._raise_for(pending.error)
+        with self._state_lock:
+            if self._closed:
+                raise MetadataUnavailableError("metadata group is closed")
+            for propose in proposals:
+                pending = Pending()
+                propose(pending)
+                pendings.append(pending)
+            self._waiting.update(pendings)
+        self._kick.set()
+        try:
+            deadline = time.monotonic() + self._config.commit_timeout_s
+            for pending in pendings:
+                if not pending.done.wait(max(deadline - time.monotonic(), 0.0)):
+                    raise MetadataTimeoutError(
+                        f"metadata write not committed within {self._config.commit_timeout_s}s "
+                        f"(leader: {self.leader() or 'none'})"
+                    )
+                raise_for(pending.error, self.leader)
+        finally:
+            with self._state_lock:
+                self._waiting.difference_update(pendings)
         return pendings[-1].result if pendings else None
-
-    def _raise_for(self, error: int | None) -> None:
-        if error == FAIL_REASON.SUCCESS:
-            return
-        if error in _LEADER_LOST:
-            raise NotLeaderError(self.leader(), _LEADER_LOST[error])
-        if error == FAIL_REASON.MISSING_LEADER:
-            raise MetadataUnavailableError("no metadata leader is known")
-        if error == FAIL_REASON.QUEUE_FULL:
-            raise MetadataUnavailableError("metadata command queue is full")
-        raise ReplicationError(f"metadata write failed (pysyncobj reason {error})")
 
     def _tick_loop(self) -> None:
         """The only thread that ticks pysyncobj: applies entries, sends and receives."""

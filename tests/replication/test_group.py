@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from dataclasses import replace
 
 import pytest
+from pysyncobj import FAIL_REASON
 
 from kvflow.replication import (
     MetadataConfig,
@@ -14,8 +17,11 @@ from kvflow.replication import (
     MetadataUnavailableError,
     NodeId,
     NodeInfo,
+    NotLeaderError,
+    ReplicationError,
     Tier,
 )
+from kvflow.replication.raft import raise_for
 from tests.conftest import pick_free_port
 from tests.replication.conftest import GroupFactory, make_config
 from tests.replication.helpers import blocks, commit_index, key, wait_until
@@ -227,3 +233,45 @@ def test_concurrent_writers_and_readers(
     assert errors == []
     assert view.num_blocks() == 400
     assert [view.blocks_on(NodeId(f"node-{w}")) for w in range(4)] == [100] * 4
+
+
+def test_close_fails_writes_in_flight_promptly(open_group: GroupFactory) -> None:
+    self_address, *partners = (f"127.0.0.1:{pick_free_port()}" for _ in range(3))
+    group = open_group(make_config(self_address, tuple(partners), commit_timeout_s=30.0))
+    outcome: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            group.record_batch(A, blocks(0, 1), [], now=1.0)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    wait_until(lambda: bool(group._waiting), 5, "the write to be in flight")
+    started = time.monotonic()
+    group.close()
+    writer.join(timeout=5)
+    assert not writer.is_alive() and time.monotonic() - started < 5
+    assert len(outcome) == 1 and isinstance(outcome[0], MetadataUnavailableError)
+    assert "closed while the write was in flight" in str(outcome[0])
+
+
+@pytest.mark.parametrize(
+    ("reason", "error", "text"),
+    [
+        (FAIL_REASON.NOT_LEADER, NotLeaderError, "leader hint: 127.0.0.1:9"),
+        (FAIL_REASON.DISCARDED, NotLeaderError, "discarded"),
+        (FAIL_REASON.MISSING_LEADER, MetadataUnavailableError, "no metadata leader"),
+        (FAIL_REASON.QUEUE_FULL, MetadataUnavailableError, "queue is full"),
+        (FAIL_REASON.REQUEST_DENIED, ReplicationError, "reason 6"),
+    ],
+)
+def test_pysyncobj_fail_reasons_map_to_errors(
+    reason: int, error: type[Exception], text: str
+) -> None:
+    with pytest.raises(error, match=re.escape(text)) as raised:
+        raise_for(reason, lambda: "127.0.0.1:9")
+    if isinstance(raised.value, NotLeaderError):
+        assert raised.value.leader_hint == "127.0.0.1:9"
+    raise_for(FAIL_REASON.SUCCESS, lambda: None)  # success raises nothing
