@@ -345,7 +345,10 @@ class RequestContext(Generic[StateT]):
         try:
             yield SpanHandle(self, span_id, name)
         except BaseException as exc:
-            self._set_span_attr(span_id, "error", type(exc).__name__)
+            with self._lock:
+                open_span = self._open.get(span_id)
+                if open_span is not None:  # None: force-closed by to_trace meanwhile
+                    open_span.attrs["error"] = type(exc).__name__
             raise
         finally:
             _FRAME.reset(token)
