@@ -15,6 +15,7 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "kvflow.tools.demo_model",
     "kvflow.tools.replay",
+    "kvflow.tools.bench_metadata",
 )
 
 
