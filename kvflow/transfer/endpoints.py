@@ -357,7 +357,7 @@ class EndpointPool:
                 del self._endpoints[endpoint.key]
                 self._sieve.remove(endpoint.key)
 
-    def keys(self) -> list[EndpointKey]:
+    def order(self) -> list[EndpointKey]:
         """Pooled keys, oldest first (SIEVE queue order)."""
         with self._lock:
             return self._sieve.order()

@@ -132,7 +132,8 @@ class TransferEngine:
         or ``"host:port[,host:port...]"`` (a remote engine's server; several addresses are
         several paths). A tcp peer on this host whose segment is in shared memory gets a shm
         handle when config.prefer_shm; one of this engine's own server addresses gets a local
-        handle. Raises UnknownSegmentError, PeerUnreachableError, BackendUnavailableError.
+        handle. Raises UnknownSegmentError, PeerUnreachableError, ValueError for a peer that no
+        enabled backend handles.
         """
         self._check_open()
         if not isinstance(peer, str) or not isinstance(name, str) or not name:
@@ -162,8 +163,9 @@ class TransferEngine:
         for backend in self._backends.values():
             if backend.handles(peer):
                 return backend
-        raise BackendUnavailableError(
-            f"no backend of this engine ({sorted(self._backends)}) handles peer {peer!r}"
+        raise ValueError(
+            f"peer {peer!r} is not 'local', 'shm://<engine_name>' or 'host:port[,host:port...]' "
+            f"for the enabled backends {sorted(self._backends)}"
         )
 
     def _is_self(self, peer: str) -> bool:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import socket
 import struct
+import threading
 from functools import cache
 from multiprocessing import resource_tracker, shared_memory
 
@@ -38,11 +39,18 @@ SHM_HEADER_BYTES = 64
 the id when it unregisters, so a peer still mapping it sees the segment is gone."""
 _MAGIC = b"KVFSHM01"
 
+# Names this process created: the resource tracker is per process, so attaching to one of our
+# own segments must not unregister it (the creator's unlink would then find no entry).
+_created: set[str] = set()
+_created_lock = threading.Lock()
+
 
 def create_shared(name: str, size: int, segment_id: int) -> shared_memory.SharedMemory:
     """Create a segment of ``size`` data bytes; FileExistsError if the name is taken."""
     shm = shared_memory.SharedMemory(name=name, create=True, size=SHM_HEADER_BYTES + size)
     SHM_HEADER.pack_into(shm.buf, 0, _MAGIC, segment_id, size)
+    with _created_lock:
+        _created.add(shm.name)
     return shm
 
 
@@ -70,6 +78,10 @@ def tombstone(shm: shared_memory.SharedMemory) -> None:
 def attach_shared(name: str) -> shared_memory.SharedMemory:
     """Map an existing segment created by another engine; FileNotFoundError if there is none."""
     shm = shared_memory.SharedMemory(name=name, create=False)
+    with _created_lock:
+        ours = shm.name in _created
+    if ours:  # the tracker entry is the creator's own: it must stay for its unlink
+        return shm
     try:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     except Exception:  # pragma: no cover - tracker internals differ across versions
@@ -84,6 +96,8 @@ def close_shared(shm: shared_memory.SharedMemory, *, unlink: bool) -> None:
     except BufferError:
         logger.warning("shm=%s still has views in use; unmapped at garbage collection", shm.name)
     if unlink:
+        with _created_lock:
+            _created.discard(shm.name)
         with contextlib.suppress(FileNotFoundError):
             shm.unlink()
 
