@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -54,3 +55,11 @@ def open_group() -> Iterator[GroupFactory]:
 def single_config(tmp_path: Path) -> MetadataConfig:
     """A single-replica config with its journal in tmp_path."""
     return make_config(f"127.0.0.1:{pick_free_port()}", journal_dir=tmp_path / "meta")
+
+
+@pytest.fixture(autouse=True)
+def _no_tick_threads_left() -> Iterator[None]:
+    """Every test stops every metadata tick thread it started (fixtures close first)."""
+    yield
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("kvflow-meta-")]
+    assert alive == [], f"metadata tick threads still running: {alive}"
