@@ -176,8 +176,8 @@ class MetadataGroup:
         One Raft entry for the whole batch as long as its keys fit in ``max_entry_bytes``
         (~58k 16-byte keys at the default 1 MiB, stores and removals counted together); a
         larger batch is split into consecutive entries, stores before removals, each applied
-        atomically. An empty batch proposes
-        nothing. Semantics as :meth:`MetadataTable.record_batch`.
+        atomically. An empty batch proposes nothing. Semantics as
+        :meth:`MetadataTable.record_batch`.
         """
         check_node(node)
         keys, tiers = split_stored(stored)
