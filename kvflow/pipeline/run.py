@@ -99,11 +99,14 @@ class RequestRun:
         """True once the request failed or finished its last stage; workers drop it."""
         return self._finalizer is not None
 
-    def enter(self, stage: Stage, *, foreground: bool) -> None:
+    def enter(self, stage: Stage) -> None:
+        """The foreground moved into ``stage`` (its task is about to be created)."""
+        self.position = stage.name
+        self.in_stage = True
+
+    def began(self, stage: Stage) -> None:
+        """``stage.run`` is starting (first line of its task): cleanup is now owed."""
         self.entered.append(stage)
-        if foreground:
-            self.position = stage.name
-            self.in_stage = True
 
     def wait_next(self, stage_name: str) -> None:
         self.position = stage_name

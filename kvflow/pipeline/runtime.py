@@ -291,9 +291,9 @@ class Pipeline:
     async def _run_foreground(self, run: RequestRun, index: int) -> None:
         stage = self.stages[index]
         queued_s = run.ctx.clock() - run.queued_at
-        run.enter(stage, foreground=True)
+        run.enter(stage)
         task = asyncio.create_task(
-            self._invoke(run.ctx, stage, queued_s), name=f"{run.ctx.request_id}:{stage.name}"
+            self._invoke(run, stage, queued_s), name=f"{run.ctx.request_id}:{stage.name}"
         )
         run.fg_task = task
         started = asyncio.get_running_loop().time()
@@ -328,13 +328,13 @@ class Pipeline:
             slots.release()
             return
         queued_s = run.ctx.clock() - run.queued_at
-        run.enter(stage, foreground=False)
         if self._metrics is not None:
             self._metrics.inflight.labels(stage.name).inc()
         started = asyncio.get_running_loop().time()
 
         async def body() -> None:
             try:
+                run.began(stage)
                 run.ctx.set_attr("queued_ms", queued_s * 1000.0)
                 run.ctx.set_attr("background", True)
                 await stage.run(run.ctx)
@@ -348,9 +348,12 @@ class Pipeline:
         run.ctx.spawn(stage.name, body())
 
     @staticmethod
-    async def _invoke(ctx: RequestContext[Any], stage: Stage, queued_s: float) -> None:
-        with ctx.stage_span(stage.name, queued_ms=queued_s * 1000.0):
-            await stage.run(ctx)
+    async def _invoke(run: RequestRun, stage: Stage, queued_s: float) -> None:
+        # Cleanup is owed only once run() begins: a task cancelled before its first step
+        # never ran, so it took nothing.
+        run.began(stage)
+        with run.ctx.stage_span(stage.name, queued_ms=queued_s * 1000.0):
+            await stage.run(run.ctx)
 
 
 def _validate_stages(stages: Sequence[Stage]) -> tuple[Stage, ...]:

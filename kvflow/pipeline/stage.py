@@ -28,8 +28,8 @@ class Stage(ABC):
         executors). It must not block the event loop. It may be cancelled at any ``await``
         (request cancelled, deadline, pipeline stopped without drain).
 
-        ``cleanup(ctx, error)`` is called once for every stage the request entered, in
-        reverse order of entry, when the request ends: ``error`` is None on success, else the
+        ``cleanup(ctx, error)`` is called once for every stage the request entered (whose
+        ``run`` began executing), in reverse order of entry, when the request ends: ``error`` is None on success, else the
         error the request ended with. It runs after ``run`` (and every child) has returned
         or been cancelled, so it may release what ``run`` took (pages, pins) without racing
         it. It must tolerate a ``run`` that stopped half-way. Its exceptions are logged and
