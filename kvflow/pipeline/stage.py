@@ -29,11 +29,12 @@ class Stage(ABC):
         (request cancelled, deadline, pipeline stopped without drain).
 
         ``cleanup(ctx, error)`` is called once for every stage the request entered (whose
-        ``run`` began executing), in reverse order of entry, when the request ends: ``error`` is None on success, else the
-        error the request ended with. It runs after ``run`` (and every child) has returned
-        or been cancelled, so it may release what ``run`` took (pages, pins) without racing
-        it. It must tolerate a ``run`` that stopped half-way. Its exceptions are logged and
-        counted, never raised; it is abandoned after ``PipelineConfig.cleanup_timeout_s``.
+        ``run`` began executing), in reverse order of entry, when the request ends:
+        ``error`` is None on success, else the error the request ended with. It runs after
+        ``run`` (and every child) has returned or been cancelled, so it may release what
+        ``run`` took (pages, pins) without racing it. It must tolerate a ``run`` that
+        stopped half-way. Its exceptions are logged and counted, never raised; it is
+        abandoned after ``PipelineConfig.cleanup_timeout_s``.
     """
 
     name: str = ""
