@@ -190,17 +190,24 @@ class TierMover:
             return False
         if ssd.used + need_bytes <= ssd.capacity * self.high:
             return True
-        target = int(ssd.used + need_bytes - ssd.capacity * self.low)
-        victims = select_victims(self.tier_blocks(Tier.SSD, protect), target, self.policy)
+        self.evict_ssd(int(ssd.used + need_bytes - ssd.capacity * self.low), protect)
+        return ssd.used + need_bytes <= ssd.capacity
+
+    def evict_ssd(self, need_bytes: int, protect: frozenset[bytes] = frozenset()) -> int:
+        """Drop SSD records by policy freeing >= ``need_bytes`` if possible; a block also in
+        DRAM loses only its SSD copy. Returns the records dropped."""
+        s = self.s
+        assert s.ssd is not None
+        victims = select_victims(self.tier_blocks(Tier.SSD, protect), need_bytes, self.policy)
         for key in victims:
             e = s.index[key]
             if e.dram is not None:  # still in DRAM: only the SSD copy goes
-                ssd.delete_many([key])
+                s.ssd.delete_many([key])
                 e.on_ssd = False
                 s.ssd_counters.evictions += 1
             else:
                 self._drop_block(e, s.ssd_counters)
-        return ssd.used + need_bytes <= ssd.capacity
+        return len(victims)
 
     def promote(self, e: Entry, src: np.ndarray) -> bool:
         """Copy a verified SSD hit (``src``, the caller's buffer) into DRAM. The SSD record is

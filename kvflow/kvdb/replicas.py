@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from kvflow.replication import MetadataView
+from kvflow.replication import MetadataView, NodeId
 
 
 class ReplicaCounter(abc.ABC):
@@ -29,11 +29,15 @@ class LocalReplicas(ReplicaCounter):
 
 
 class MetadataReplicas(ReplicaCounter):
-    """Counts read from the metadata group's view (at least 1: this shard holds the block even
-    if the metadata has not caught up yet)."""
+    """Counts read from the metadata group's view: the nodes recorded as holders, plus this
+    ``node`` if the metadata has not recorded it yet (it holds the block: it is asking)."""
 
-    def __init__(self, view: MetadataView) -> None:
+    def __init__(self, view: MetadataView, node: NodeId) -> None:
         self._view = view
+        self._node = node
 
     def replica_counts(self, keys: Sequence[bytes]) -> list[int]:
-        return [max(1, self._view.replica_count(key)) for key in keys]
+        counts = []
+        for holders in self._view.holders(keys):
+            counts.append(len(holders) + (0 if self._node in holders else 1))
+        return counts

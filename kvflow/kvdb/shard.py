@@ -430,6 +430,16 @@ class Shard:
             for key, n in wanted.items():
                 self._state.index[BlockKey(key)].pins -= n
 
+    def evict(self, tier: Tier, nbytes: int) -> int:
+        """Evict at least ``nbytes`` from ``tier`` now, by the configured policy (an admin
+        action; normally the watermarks drive eviction). DRAM victims are demoted or dropped
+        per the policy, SSD victims dropped. Returns the blocks evicted."""
+        with self._lock:
+            self._check_open()
+            if tier is Tier.DRAM:
+                return 0 if self._state.dram is None else self._mover.evict_dram(nbytes)
+            return 0 if self._state.ssd is None else self._mover.evict_ssd(nbytes)
+
     # ------------------------------------------------------------------ state
 
     def holdings(self) -> list[tuple[bytes, Tier]]:

@@ -94,7 +94,7 @@ def open_store(
         if group is not None:
             group.wait_ready(METADATA_READY_TIMEOUT_S)
         replicas: ReplicaCounter = (
-            MetadataReplicas(group.view()) if group is not None else LocalReplicas()
+            MetadataReplicas(group.view(), node_id) if group is not None else LocalReplicas()
         )
         shard = Shard(config, fingerprint, node_id, replicas, shuffle_bytes=shuffle)
     except BaseException:

@@ -17,8 +17,9 @@ def _bf16_like(n: int) -> np.ndarray:
 def test_record_roundtrip(compress: bool, width: int) -> None:
     raw = _bf16_like(1 << 16)
     parent = bytes(range(16))
-    rec = codec.encode_record(raw, codec.checksum(raw), parent, compress=compress, level=3,
-                              shuffle_width=width)
+    rec = codec.encode_record(
+        raw, codec.checksum(raw), parent, compress=compress, level=3, shuffle_width=width
+    )
     if compress:
         assert len(rec) < raw.nbytes  # bf16 normals compress
     out = np.empty_like(raw)
@@ -36,16 +37,20 @@ def test_shuffle_improves_bf16_ratio() -> None:
 
 def test_incompressible_values_are_stored_plain() -> None:
     raw = np.random.default_rng(2).integers(0, 256, 4096, dtype=np.uint8)
-    rec = codec.encode_record(raw, codec.checksum(raw), None, compress=True, level=3,
-                              shuffle_width=2)
+    rec = codec.encode_record(
+        raw, codec.checksum(raw), None, compress=True, level=3, shuffle_width=2
+    )
     assert codec.decode_header(rec).codec == codec.CODEC_NONE
 
 
 @pytest.mark.parametrize("compress", [False, True])
 def test_corruption_and_truncation_are_detected(compress: bool) -> None:
     raw = _bf16_like(8192)
-    rec = bytearray(codec.encode_record(raw, codec.checksum(raw), None, compress=compress,
-                                        level=3, shuffle_width=2))
+    rec = bytearray(
+        codec.encode_record(
+            raw, codec.checksum(raw), None, compress=compress, level=3, shuffle_width=2
+        )
+    )
     out = np.empty_like(raw)
     flipped = bytearray(rec)
     flipped[-5] ^= 0x40

@@ -35,8 +35,12 @@ def blocks(spec: list[tuple[str, str | None, int, int, bool]]) -> dict[BlockKey,
 
 
 # a chain a <- b <- c (c is the leaf), plus a lone block x; a is the OLDEST access
-CHAIN = [("a", None, 1, 1, True), ("b", "a", 5, 1, True), ("c", "b", 6, 1, True),
-         ("x", None, 3, 1, True)]
+CHAIN = [
+    ("a", None, 1, 1, True),
+    ("b", "a", 5, 1, True),
+    ("c", "b", 6, 1, True),
+    ("x", None, 3, 1, True),
+]
 
 
 def names(victims: list[BlockKey]) -> list[str]:
@@ -54,10 +58,13 @@ def test_prefix_policy_evicts_child_before_parent() -> None:
 
 
 def test_blocks_with_replicas_elsewhere_go_first() -> None:
-    spec = [("a", None, 1, 1, True), ("b", None, 2, 3, True), ("c", None, 3, 2, True),
-            ("d", None, 4, 1, True)]
-    assert names(select_victims(blocks(spec), 40, PrefixReplicaLRUPolicy())) == [
-        "b", "c", "a", "d"]
+    spec = [
+        ("a", None, 1, 1, True),
+        ("b", None, 2, 3, True),
+        ("c", None, 3, 2, True),
+        ("d", None, 4, 1, True),
+    ]
+    assert names(select_victims(blocks(spec), 40, PrefixReplicaLRUPolicy())) == ["b", "c", "a", "d"]
 
 
 def test_pinned_blocks_are_never_chosen() -> None:

@@ -14,10 +14,12 @@ def test_key_chain_matches_the_definition() -> None:
     assert len(keys) == 2
     root = hashlib.blake2b(NAMESPACE.canonical_bytes(), digest_size=16).digest()
     assert NAMESPACE.root_key() == root
-    k0 = hashlib.blake2b(root + b"".join(t.to_bytes(4, "little") for t in range(4)),
-                         digest_size=16).digest()
-    k1 = hashlib.blake2b(k0 + b"".join(t.to_bytes(4, "little") for t in range(4, 8)),
-                         digest_size=16).digest()
+    k0 = hashlib.blake2b(
+        root + b"".join(t.to_bytes(4, "little") for t in range(4)), digest_size=16
+    ).digest()
+    k1 = hashlib.blake2b(
+        k0 + b"".join(t.to_bytes(4, "little") for t in range(4, 8)), digest_size=16
+    ).digest()
     assert keys == [k0, k1]
     assert next_key(keys[0], range(4, 8)) == k1
     assert all(len(k) == 16 for k in keys)
@@ -71,8 +73,12 @@ def test_namespace_validation_names_the_field(kwargs: dict[str, str], field: str
 
 @pytest.mark.parametrize(
     ("change", "field"),
-    [({"num_layers": 0}, "num_layers"), ({"head_dim": -1}, "head_dim"),
-     ({"dtype": "float64"}, "dtype"), ({"block_size": True}, "block_size")],
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"head_dim": -1}, "head_dim"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"block_size": True}, "block_size"),
+    ],
 )
 def test_layout_validation_names_the_field(change: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -106,7 +106,7 @@ def test_pinned_blocks_are_not_evicted(make_shard: ShardFactory) -> None:
     ks = keys(20)
     for i, key in enumerate(ks[:8]):
         shard.put(key, value(i))
-    assert shard.pin(ks[:3] + [keys(1, "other")[0]]) == [True, True, True, False]
+    assert shard.pin([*ks[:3], keys(1, "other")[0]]) == [True, True, True, False]
     shard.put(ks[8], value(8))
     assert tiers(shard, ks[:9]) == [Tier.DRAM] * 3 + [Tier.SSD] * 3 + [Tier.DRAM] * 3
     # fill DRAM again (8 blocks) and pin everything in it: new puts go straight to SSD
