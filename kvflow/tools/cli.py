@@ -14,6 +14,9 @@ from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "kvflow.tools.demo_model",
+    "kvflow.tools.serve",
+    "kvflow.tools.generate",
+    "kvflow.tools.trace_cmd",
     "kvflow.tools.replay",
     "kvflow.tools.bench_metadata",
 )

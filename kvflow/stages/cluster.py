@@ -1,0 +1,303 @@
+"""EmbeddedCluster: N prefill and M decode instances, one logical store, one process.
+
+The composition root of the serving path: it opens the engines (one EngineWorker thread each),
+a kvdb shard per prefill instance over one single-replica Raft metadata group, a transfer
+engine whose segments are the prefill page pools and the decode staging areas, the conductor,
+and the seven-stage pipeline. ``kvflow serve`` puts the gRPC API in front of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvflow.kvdb import KVLayout, Namespace, StoreConfig, open_store
+from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, Tracer
+from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
+from kvflow.router import (
+    Conductor,
+    InstanceState,
+    RouterConfig,
+    TransferEstimator,
+    load_profile,
+)
+from kvflow.stages.config import ServeConfig
+from kvflow.stages.decode import DecodeStage
+from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
+from kvflow.stages.hash import HashStage
+from kvflow.stages.index import ShardPrefixIndex
+from kvflow.stages.instances import DecodeInstance, PrefillInstance, StagingArea, pool_segment_name
+from kvflow.stages.prefill import PrefillStage
+from kvflow.stages.reuse_load import ReuseLoadStage
+from kvflow.stages.route import RouteStage
+from kvflow.stages.serving_metrics import ServingMetrics
+from kvflow.stages.stream import StreamStage
+from kvflow.stages.tokenize import TokenizeStage
+from kvflow.stages.worker import EngineWorker
+from kvflow.transfer import TransferConfig, TransferEngine
+
+logger = logging.getLogger(__name__)
+
+# Bandwidth the conductor assumes for in-process pulls until it has measured one.
+LOCAL_COPY_BYTES_PER_S = 4e9
+
+
+def ensure_model(config: ServeConfig) -> Path:
+    """The model directory to serve: ``config.model_dir``, or the small demo model written
+    (once, seeded) under ``data_dir/models/small``."""
+    if config.model_dir is not None:
+        return config.model_dir
+    path = config.data_dir / "models" / "small"
+    if not (path / "config.json").exists():
+        logger.info("writing the small demo model to %s (first run)", path)
+        write_demo_model(path, preset="small", seed=config.seed)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedCluster:
+    """Build with ``EmbeddedCluster(config)``, then ``await start()`` / ``await stop()``.
+
+    Public after construction: ``pipeline``, ``tracer``, ``metrics``, ``serving_metrics``,
+    ``prefill`` and ``decode`` (id -> instance), ``conductor``, ``tokenizer``, ``model_dir``,
+    ``model_fingerprint``, ``layout``, ``max_model_len``.
+    """
+
+    def __init__(self, config: ServeConfig, metadata_port: int | None = None) -> None:
+        self.config = config
+        self.model_dir = ensure_model(config)
+        self._closers: list[Any] = []
+        try:
+            self._build(metadata_port)
+        except BaseException:
+            self.close_resources()
+            raise
+
+    # -- building ---------------------------------------------------------------------------
+    def _engine_config(self) -> EngineConfig:
+        c = self.config
+        return EngineConfig(
+            dtype=c.dtype,
+            block_size=c.block_size,
+            num_pages=c.num_pages,
+            prefill_chunk=c.prefill_chunk,
+            max_batch=c.max_batch,
+            seed=c.seed,
+        )
+
+    def _open_engine(self, instance_id: str) -> EngineWorker:
+        engine = Engine.open(self.model_dir, self._engine_config())
+        worker = EngineWorker(instance_id, engine)
+        worker.start()
+        self._closers.append(worker.stop)
+        return worker
+
+    def _build(self, metadata_port: int | None) -> None:
+        c = self.config
+        self.transfer = TransferEngine(TransferConfig())
+        self._closers.append(self.transfer.close)
+        self.metadata = MetadataGroup(
+            MetadataConfig(
+                self_address=f"127.0.0.1:{metadata_port or _free_port()}",
+                journal_dir=c.data_dir / "meta",
+            )
+        )
+        self.metadata.start()
+        self._closers.append(self.metadata.close)
+        self.prefill: dict[str, PrefillInstance] = {}
+        self.decode: dict[str, DecodeInstance] = {}
+        self.pools: dict[str, torch.Tensor] = {}
+        for i in range(c.num_prefill):
+            self._add_prefill(f"prefill-{i}")
+        first = next(iter(self.prefill.values())).worker.engine
+        self.tokenizer = first.tokenizer
+        self.model_fingerprint = first.model_fingerprint
+        self.max_model_len = first.max_model_len
+        self.vocab_size = first.spec.vocab_size
+        for i in range(c.num_decode):
+            self._add_decode(f"decode-{i}")
+        self.conductor = self._conductor(first)
+        self.tracer = Tracer(c.trace_capacity)
+        self.metrics = Metrics()
+        self.serving_metrics = ServingMetrics(self.metrics)
+        self.serving_metrics.track_hit_rates(
+            {pid: _hit_rates(inst) for pid, inst in self.prefill.items()}
+        )
+        self.pipeline = Pipeline(
+            self._stages(first),
+            PipelineConfig(
+                queue_size=c.queue_size,
+                default_concurrency=max(64, c.queue_size),
+                trace_capacity=c.trace_capacity,
+                default_deadline_s=c.request_timeout_s,
+            ),
+            tracer=self.tracer,
+            metrics=self.metrics,
+        )
+
+    def _layout(self, engine: Engine) -> KVLayout:
+        lay = engine.kv_layout
+        return KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
+
+    def _add_prefill(self, instance_id: str) -> None:
+        c = self.config
+        worker = self._open_engine(instance_id)
+        engine = worker.engine
+        self.layout = self._layout(engine)
+        namespace = Namespace("default", engine.model_fingerprint, self.layout)
+        store = open_store(
+            StoreConfig(
+                data_dir=c.data_dir / "shards" / instance_id,
+                dram_capacity_bytes=c.dram_capacity_bytes,
+                ssd_capacity_bytes=c.ssd_capacity_bytes,
+                engine=c.storage_engine,
+                value_size=engine.page_nbytes,
+            ),
+            namespace,
+            node_id=NodeId(instance_id),
+            metadata=self.metadata,
+        )
+        self._closers.append(store.close)
+        pool = engine.pool_tensor
+        self.transfer.register_memory(
+            pool_segment_name(instance_id), pool.view(torch.uint8).numpy()
+        )
+        self.pools[instance_id] = pool
+        state = InstanceState(instance_id, "prefill")
+        self.prefill[instance_id] = PrefillInstance(instance_id, worker, store, state)
+
+    def _add_decode(self, instance_id: str) -> None:
+        worker = self._open_engine(instance_id)
+        engine = worker.engine
+        staging = StagingArea(
+            instance_id,
+            self.config.staging_pages,
+            engine.page_shape,
+            engine.page_dtype,
+            self.transfer,
+        )
+        state = InstanceState(instance_id, "decode")
+        self.decode[instance_id] = DecodeInstance(instance_id, worker, state, staging)
+
+    def _conductor(self, engine: Engine) -> Conductor:
+        c = self.config
+        profile = load_profile(self.model_dir, model_id=None)
+        if profile.is_default:
+            logger.warning(
+                "no kvflow_profile.json in %s: the conductor uses default time models; "
+                "run `kvflow profile --model %s` for fitted ones",
+                self.model_dir,
+                self.model_dir,
+            )
+        router_config = RouterConfig(
+            policy=c.policy,
+            ttft_slo_s=c.ttft_slo_s,
+            tbt_slo_s=c.tbt_slo_s,
+            balancing_threshold=c.balancing_threshold,
+            block_size=c.block_size,
+            block_nbytes=engine.page_nbytes,
+            seed=c.seed,
+        )
+        return Conductor(
+            router_config,
+            ShardPrefixIndex(self.prefill),
+            profile.prefill,
+            profile.decode,
+            TransferEstimator(LOCAL_COPY_BYTES_PER_S),
+        )
+
+    def _stages(self, engine: Engine) -> list[Any]:
+        c = self.config
+        return [
+            TokenizeStage(self.tokenizer, self.vocab_size, self.max_model_len),
+            HashStage(self.model_fingerprint, self.layout),
+            RouteStage(self.conductor, self.prefill, self.decode, on_reject=self._on_reject),
+            ReuseLoadStage(self.prefill, engine.page_shape, engine.page_dtype, c.block_size),
+            PrefillStage(c.block_size),
+            StreamStage(self.transfer, self.pools, c.block_size),
+            DecodeStage(c.block_size),
+        ]
+
+    def _on_reject(self, rejection: Any) -> None:
+        self.serving_metrics.rejections.labels(reason=rejection.reason.value).inc()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.metadata.wait_ready(10.0)
+        await self.pipeline.start()
+
+    async def stop(self, drain: bool = False) -> None:
+        await self.pipeline.stop(drain=drain, timeout_s=10.0)
+        self.close_resources()
+
+    def close_resources(self) -> None:
+        """Stop engines, close shards (DRAM flushed to SSD), metadata and transfer. Idempotent."""
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception:
+                logger.exception("closing %r failed", closer)
+
+    # -- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Router counters and per-instance values for the Stats RPC."""
+        instances = []
+        for pid, p in self.prefill.items():
+            s = p.store.shard.stats()
+            values = {
+                "queued_requests": float(p.state.queued_requests),
+                "queued_seconds": p.state.queued_seconds(),
+                "engine_steps": float(p.worker.steps),
+                "free_pages": float(p.worker.engine.num_free_pages),
+            }
+            for tier_name, t in (("dram", s.dram), ("ssd", s.ssd)):
+                values.update(
+                    {
+                        f"{tier_name}_hits": float(t.hits),
+                        f"{tier_name}_misses": float(t.misses),
+                        f"{tier_name}_blocks": float(t.blocks),
+                        f"{tier_name}_used_bytes": float(t.used_bytes),
+                        f"{tier_name}_evictions": float(t.evictions),
+                    }
+                )
+            instances.append((pid, "prefill", values))
+        for did, d in self.decode.items():
+            instances.append(
+                (
+                    did,
+                    "decode",
+                    {
+                        "decode_batch": float(d.state.decode_batch_size),
+                        "engine_steps": float(d.worker.steps),
+                        "free_pages": float(d.worker.engine.num_free_pages),
+                        "free_staging_pages": float(d.staging.num_free),
+                    },
+                )
+            )
+        router = {
+            "in_flight": float(self.pipeline.in_flight()),
+            "metadata_blocks": float(self.metadata.view().num_blocks()),
+        }
+        return {"router": router, "instances": instances}
+
+
+def _hit_rates(inst: PrefillInstance) -> Any:
+    def rates() -> dict[str, float]:
+        s = inst.store.shard.stats()
+        return {"dram": s.dram.hit_rate, "ssd": s.ssd.hit_rate}
+
+    return rates
+
+
+def namespace_for(cluster: EmbeddedCluster, tenant: str) -> Namespace:
+    return Namespace(tenant, cluster.model_fingerprint, cluster.layout)

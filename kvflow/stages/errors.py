@@ -1,0 +1,36 @@
+"""Errors the stages end a request with. The service maps each to a gRPC status code."""
+
+from __future__ import annotations
+
+from kvflow.pipeline import FinalError
+from kvflow.router import Rejection
+
+
+class InvalidArgument(FinalError):
+    """The request itself is wrong (empty prompt, too long, bad sampling, bad tenant):
+    INVALID_ARGUMENT. The message names the field."""
+
+
+class Rejected(FinalError):
+    """The conductor could not meet the TTFT or TBT SLO: RESOURCE_EXHAUSTED (HTTP 429 in the
+    paper). ``rejection`` carries the predictions."""
+
+    def __init__(self, rejection: Rejection) -> None:
+        super().__init__(rejection.message())
+        self.rejection = rejection
+
+
+class NoCapacity(FinalError):
+    """No engine has room for the request right now (KV pages, staging slots):
+    RESOURCE_EXHAUSTED."""
+
+
+def engine_error(exc: BaseException, instance_id: str) -> BaseException:
+    """Map an engine's refusal of a request to the error the caller should see."""
+    from kvflow.stages.engine import InvalidRequestError, OutOfPagesError
+
+    if isinstance(exc, OutOfPagesError):
+        return NoCapacity(f"instance {instance_id}: {exc}")
+    if isinstance(exc, InvalidRequestError):
+        return InvalidArgument(f"instance {instance_id}: {exc}")
+    return exc

@@ -1,0 +1,120 @@
+"""Prefill and decode instances of the embedded cluster, and the decode side's staging area.
+
+A PrefillInstance is an engine (behind its EngineWorker thread) with its own kvdb shard; its
+page pool is registered with the transfer engine so that the stream stage can move pages out of
+it. A DecodeInstance is an engine with a StagingArea: page-sized slots, registered with the
+transfer engine, that streamed KV lands in before the decode engine imports it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvflow.kvdb import EmbeddedClient, Namespace, Store
+from kvflow.router import InstanceState
+from kvflow.stages.errors import NoCapacity
+from kvflow.stages.worker import EngineWorker
+from kvflow.transfer import SegmentHandle, TransferEngine
+
+
+def pool_segment_name(instance_id: str) -> str:
+    return f"{instance_id}/pool"
+
+
+def staging_segment_name(instance_id: str) -> str:
+    return f"{instance_id}/staging"
+
+
+@dataclass
+class PrefillInstance:
+    """One prefill engine and its shard. ``client(ns)`` is thread-safe and cached per tenant."""
+
+    instance_id: str
+    worker: EngineWorker
+    store: Store
+    state: InstanceState
+    _clients: dict[Namespace, EmbeddedClient] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def client(self, namespace: Namespace) -> EmbeddedClient:
+        with self._lock:
+            client = self._clients.get(namespace)
+            if client is None:
+                client = self.store.client(namespace)
+                self._clients[namespace] = client
+            return client
+
+    def match_prefix(self, keys: list[bytes]) -> int:
+        """Leading keys held by this instance's shard (any tier)."""
+        return self.store.shard.match_prefix(keys)
+
+
+@dataclass(frozen=True)
+class StagingLease:
+    """Slots of a StagingArea held by one request, in block order."""
+
+    slots: tuple[int, ...]
+
+
+class StagingArea:
+    """Page-sized slots on a decode instance that streamed KV is written into.
+
+    One torch tensor ``[num_slots, *page_shape]`` registered with the transfer engine as segment
+    ``<instance>/staging``. ``lease``/``release`` are thread-safe; a lease is released by the
+    decode stage once the engine imported the pages (or by cleanup on failure).
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        num_slots: int,
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        transfer: TransferEngine,
+    ) -> None:
+        self.instance_id = instance_id
+        self.tensor = torch.zeros((num_slots, *page_shape), dtype=dtype)
+        self.page_nbytes = int(self.tensor[0].numel() * self.tensor.element_size())
+        self.segment_name = staging_segment_name(instance_id)
+        transfer.register_memory(self.segment_name, self.tensor.view(torch.uint8).numpy())
+        self.segment: SegmentHandle = transfer.open_segment("local", self.segment_name)
+        self._free: deque[int] = deque(range(num_slots))
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lease(self, n: int) -> StagingLease:
+        """Take ``n`` slots; NoCapacity (taking none) when fewer are free."""
+        with self._lock:
+            if n > len(self._free):
+                raise NoCapacity(
+                    f"decode instance {self.instance_id}: {n} staging pages needed, "
+                    f"{len(self._free)} free"
+                )
+            return StagingLease(tuple(self._free.popleft() for _ in range(n)))
+
+    def release(self, lease: StagingLease) -> None:
+        with self._lock:
+            self._free.extend(lease.slots)
+
+    def offset(self, slot: int) -> int:
+        return slot * self.page_nbytes
+
+    def pages(self, lease: StagingLease, n: int) -> list[Any]:
+        """Views of the first ``n`` leased slots, in block order (valid until release)."""
+        return [self.tensor[s] for s in lease.slots[:n]]
+
+
+@dataclass
+class DecodeInstance:
+    instance_id: str
+    worker: EngineWorker
+    state: InstanceState
+    staging: StagingArea

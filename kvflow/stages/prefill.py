@@ -1,0 +1,181 @@
+"""chunked prefill: compute the uncached suffix on the prefill engine, chunk by chunk.
+
+Runs as a *background* stage: the pipeline moves the request on to ``stream`` at once, and the
+two overlap. Each step's newly completed blocks are (1) written to the instance's kvdb shard
+and (2) handed to ``stream`` through ``state.block_queue`` as page views of the engine's pool.
+The request's pages are retained after the prefill finishes, until ``stream`` has moved them
+(it releases them), or until cleanup.
+
+Queue items: ``("pages", {block_index: page_view})`` ... then ``("done", None)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kvflow.kvdb import BlockKey, EmbeddedClient
+from kvflow.pipeline import RequestContext, Stage
+from kvflow.stages.engine import Engine, RequestOutput, UnknownRequestError
+from kvflow.stages.errors import engine_error
+from kvflow.stages.instances import PrefillInstance
+from kvflow.stages.reuse_load import unpin_prefix
+from kvflow.stages.route import release_prefill_slot
+from kvflow.stages.state import GenerateState
+from kvflow.stages.worker import WorkItem
+
+logger = logging.getLogger(__name__)
+
+Pages = dict[int, torch.Tensor]
+
+
+class PrefillStage(Stage):
+    name = "prefill"
+    background = True
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+
+    async def run(self, ctx: RequestContext[Any]) -> None:
+        state: GenerateState = ctx.state
+        inst = state.prefill
+        assert inst is not None and state.prompt_ids is not None and state.namespace is not None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        bs = self._block_size
+        prompt_len = state.prompt_len
+        state.engine_request_id = f"{ctx.request_id}/prefill"
+
+        def on_admitted(engine: Engine) -> None:
+            # Imported prefix pages are never reported as completed: hand them on now.
+            rid = state.engine_request_id
+            pages = {b: engine.export_page(rid, b) for b in range(state.num_cached_tokens // bs)}
+            loop.call_soon_threadsafe(events.put_nowait, ("admitted", pages))
+
+        def sink(engine: Engine, out: RequestOutput) -> None:
+            pages = {b: engine.export_page(out.request_id, b) for b in out.completed_blocks}
+            last = (prompt_len - 1) // bs
+            if out.finished and out.finish_reason != "abort" and prompt_len % bs:
+                pages[last] = engine.export_page(out.request_id, last)
+            loop.call_soon_threadsafe(events.put_nowait, (out, pages))
+
+        def on_error(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ("error", exc))
+
+        item = WorkItem(
+            request_id=state.engine_request_id,
+            token_ids=state.prompt_ids,
+            sampling=dataclasses.replace(state.sampling, max_tokens=1),
+            sink=sink,
+            on_error=on_error,
+            prefix_pages=state.prefix_pages,
+            num_prefix_tokens=state.num_cached_tokens,
+            retain_pages=True,
+            on_admitted=on_admitted,
+        )
+        inst.state.start(ctx.request_id, time.monotonic())
+        inst.worker.submit(item)
+        client = inst.client(state.namespace)
+        stores: list[asyncio.Future[int]] = []
+        try:
+            await self._consume(ctx, state, events, client, stores)
+        finally:
+            # Blocks already handed to the shard are waited for even on failure: their page
+            # views must not outlive the request's pages.
+            if stores:
+                done = await asyncio.gather(*stores, return_exceptions=True)
+                state.stored_blocks = sum(n for n in done if isinstance(n, int))
+        state.prefill_done = True
+        release_prefill_slot(state, ctx.request_id)
+        ctx.set_attrs(
+            computed_tokens=prompt_len - state.num_cached_tokens,
+            stored_blocks=state.stored_blocks,
+        )
+        state.block_queue.put_nowait(("done", None))
+
+    async def _consume(
+        self,
+        ctx: RequestContext[Any],
+        state: GenerateState,
+        events: asyncio.Queue[Any],
+        client: EmbeddedClient,
+        stores: list[asyncio.Future[int]],
+    ) -> None:
+        assert state.prefill is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            kind, payload = await events.get()
+            if kind == "error":
+                raise engine_error(payload, state.prefill.instance_id)
+            if kind == "admitted":
+                state.prefill_admitted = True
+                state.prefix_pages = []  # copied into the engine's pool
+                unpin_prefix(state)
+                if payload:
+                    state.block_queue.put_nowait(("pages", payload))
+                continue
+            out: RequestOutput = kind
+            to_store = self._new_full_blocks(state, out.completed_blocks, payload)
+            if to_store:
+                stores.append(loop.run_in_executor(None, _store_blocks, client, *to_store))
+            if payload:
+                state.block_queue.put_nowait(("pages", payload))
+            if out.new_token_ids:
+                state.first_token = out.new_token_ids[0]
+                state.first_token_at = time.monotonic()
+                ctx.emit(("tokens", list(out.new_token_ids)))
+            if out.finished:
+                state.finish_reason = out.finish_reason
+                return
+
+    def _new_full_blocks(
+        self, state: GenerateState, completed: tuple[int, ...], pages: Pages
+    ) -> tuple[list[BlockKey], list[torch.Tensor], list[bytes | None]] | None:
+        keys, views, parents = [], [], []
+        for b in completed:
+            if b < len(state.block_keys):
+                keys.append(state.block_keys[b])
+                views.append(pages[b])
+                parents.append(state.block_keys[b - 1] if b > 0 else None)
+        return (keys, views, parents) if keys else None
+
+    async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
+        state: GenerateState = ctx.state
+        release_prefill_slot(state, ctx.request_id)
+        if state.prefill is not None and state.engine_request_id:
+            await drop_engine_request(state.prefill, state.engine_request_id)
+
+
+def _store_blocks(
+    client: EmbeddedClient,
+    keys: list[BlockKey],
+    views: list[torch.Tensor],
+    parents: list[bytes | None],
+) -> int:
+    """Write completed blocks to the shard (runs in an executor). Returns how many were stored;
+    a full store is logged, not fatal: the request goes on, the blocks are just not cached."""
+    try:
+        stored = client.batch_put(keys, views, parents=parents)
+    except Exception:
+        logger.exception("storing %d blocks failed; they will be recomputed next time", len(keys))
+        return 0
+    return sum(1 for t in stored if t is not None)
+
+
+async def drop_engine_request(inst: PrefillInstance, engine_request_id: str) -> None:
+    """Abort (if running) and release a retained request's pages on the engine thread."""
+
+    def drop(engine: Engine) -> None:
+        try:
+            engine.abort(engine_request_id)
+            engine.release(engine_request_id)
+        except UnknownRequestError:
+            pass
+
+    inst.worker.abort(engine_request_id)
+    await asyncio.wrap_future(inst.worker.call(drop))

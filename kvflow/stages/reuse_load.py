@@ -1,0 +1,130 @@
+"""reuse-load: bring the matched prefix blocks into page buffers for the prefill engine.
+
+If the conductor planned a pull, the blocks missing locally are first copied from the holder's
+shard into this instance's shard (which replicates hot blocks by itself), then the local prefix
+is pinned and read with one batch get_into into page-shaped tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from kvflow.kvdb import BlockKey, EmbeddedClient, Tier
+from kvflow.pipeline import RequestContext, Stage
+from kvflow.stages.instances import PrefillInstance
+from kvflow.stages.state import GenerateState
+
+
+class ReuseLoadStage(Stage):
+    """Fills ``state.prefix_pages``, ``num_cached_tokens``, ``cached_by_tier``,
+    ``pulled_tokens`` and ``pinned_keys``. Cleanup unpins whatever is still pinned."""
+
+    name = "reuse-load"
+
+    def __init__(
+        self,
+        prefill: dict[str, PrefillInstance],
+        page_shape: tuple[int, ...],
+        page_dtype: torch.dtype,
+        block_size: int,
+    ) -> None:
+        self._prefill = prefill
+        self._page_shape = page_shape
+        self._page_dtype = page_dtype
+        self._block_size = block_size
+
+    async def run(self, ctx: RequestContext[Any]) -> None:
+        state: GenerateState = ctx.state
+        assert state.prefill is not None and state.namespace is not None and state.decision
+        # At least one prompt token is always computed: it yields the first token's logits.
+        usable = state.block_keys[: (state.prompt_len - 1) // self._block_size]
+        client = state.prefill.client(state.namespace)
+        pull = state.decision.pull
+        pulled_range = range(0)
+        if pull is not None and usable:
+            holder = self._prefill[pull.from_instance]
+            start = min(pull.start_block, len(usable))
+            stop = min(pull.start_block + pull.num_blocks, len(usable))
+            with ctx.span("reuse-load.pull", source=pull.from_instance) as span:
+                copied = await asyncio.to_thread(
+                    self._pull, holder.client(state.namespace), client, usable, start, stop
+                )
+                span.set_attrs(blocks=copied, bytes=copied * self._page_nbytes())
+            pulled_range = range(start, start + copied)
+        with ctx.span("reuse-load.local") as span:
+            hits, tiers = await asyncio.to_thread(self._load_local, client, usable, state)
+            span.set_attrs(blocks=hits, bytes=hits * self._page_nbytes())
+        by_tier: dict[str, int] = {}
+        for i, tier in enumerate(tiers[:hits]):
+            name = "remote" if i in pulled_range else tier.name.lower()
+            by_tier[name] = by_tier.get(name, 0) + self._block_size
+        state.cached_by_tier = by_tier
+        state.num_cached_tokens = hits * self._block_size
+        state.pulled_tokens = by_tier.get("remote", 0)
+        ctx.set_attrs(cached_tokens=state.num_cached_tokens, blocks_hit=hits, **by_tier)
+
+    def _page_nbytes(self) -> int:
+        n = 1
+        for d in self._page_shape:
+            n *= d
+        return n * torch.empty((), dtype=self._page_dtype).element_size()
+
+    def _new_pages(self, n: int) -> list[torch.Tensor]:
+        return [torch.empty(self._page_shape, dtype=self._page_dtype) for _ in range(n)]
+
+    def _pull(
+        self,
+        holder: EmbeddedClient,
+        local: EmbeddedClient,
+        keys: list[BlockKey],
+        start: int,
+        stop: int,
+    ) -> int:
+        """Copy blocks [start, stop) from the holder's shard into ours; returns how many
+        leading ones were copied (a block evicted at the holder meanwhile ends the run)."""
+        if stop <= start:
+            return 0
+        want = keys[start:stop]
+        bufs = self._new_pages(len(want))
+        tiers = holder.batch_get_into(want, bufs)
+        n = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        if n:
+            parents: list[bytes | None] = [
+                keys[i - 1] if i > 0 else None for i in range(start, start + n)
+            ]
+            local.batch_put(want[:n], bufs[:n], parents=parents)
+        return n
+
+    def _load_local(
+        self, client: EmbeddedClient, keys: list[BlockKey], state: GenerateState
+    ) -> tuple[int, list[Tier]]:
+        n = client.match_prefix(keys)
+        if n == 0:
+            return 0, []
+        pinned = client.pin(keys[:n])
+        # A block evicted between match and pin ends the usable run.
+        n = next((i for i, ok in enumerate(pinned) if not ok), n)
+        client.unpin([keys[i] for i in range(n, len(pinned)) if pinned[i]])
+        state.pinned_keys = list(keys[:n])
+        bufs = self._new_pages(n)
+        tiers = client.batch_get_into(keys[:n], bufs)
+        # A block that failed its checksum is a miss: it ends the run too.
+        hits = next((i for i, t in enumerate(tiers) if t is None), n)
+        if hits < n:
+            client.unpin(keys[hits:n])
+            state.pinned_keys = list(keys[:hits])
+        state.prefix_pages = bufs[:hits]
+        return hits, [t for t in tiers[:hits] if t is not None]
+
+    async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
+        unpin_prefix(ctx.state)
+
+
+def unpin_prefix(state: GenerateState) -> None:
+    """Unpin the prefix blocks this request pinned (idempotent)."""
+    if state.pinned_keys and state.prefill is not None and state.namespace is not None:
+        keys, state.pinned_keys = state.pinned_keys, []
+        state.prefill.client(state.namespace).unpin(keys)

@@ -1,0 +1,79 @@
+"""route: pick (prefill, decode) instances with the conductor, or reject the request."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kvflow.pipeline import RequestContext, Stage
+from kvflow.router import Conductor, Rejection, RouteRequest, UnknownInstanceError
+from kvflow.stages.errors import Rejected
+from kvflow.stages.instances import DecodeInstance, PrefillInstance
+from kvflow.stages.state import GenerateState
+
+logger = logging.getLogger(__name__)
+
+
+class RouteStage(Stage):
+    """Fills ``state.decision``, ``state.prefill`` and ``state.decode``; commits the decision to
+    the instances' queues. Raises Rejected when an SLO cannot be met. Cleanup takes the request
+    off both instances' books if the later stages have not already."""
+
+    name = "route"
+
+    def __init__(
+        self,
+        conductor: Conductor,
+        prefill: Mapping[str, PrefillInstance],
+        decode: Mapping[str, DecodeInstance],
+        on_reject: Any = None,
+    ) -> None:
+        self._conductor = conductor
+        self._prefill = prefill
+        self._decode = decode
+        self._on_reject = on_reject
+
+    async def run(self, ctx: RequestContext[Any]) -> None:
+        state: GenerateState = ctx.state
+        req = RouteRequest(ctx.request_id, tuple(state.block_keys), state.prompt_len)
+        result = self._conductor.route(
+            req,
+            [p.state for p in self._prefill.values()],
+            [d.state for d in self._decode.values()],
+            now=time.monotonic(),
+        )
+        if isinstance(result, Rejection):
+            if self._on_reject is not None:
+                self._on_reject(result)
+            raise Rejected(result)
+        prefill = self._prefill[result.prefill_id]
+        decode = self._decode[result.decode_id]
+        self._conductor.commit(result, prefill.state, decode.state)
+        state.decision, state.prefill, state.decode = result, prefill, decode
+        ctx.set_attrs(
+            prefill=result.prefill_id,
+            decode=result.decode_id,
+            local_prefix_blocks=result.local_prefix_blocks,
+            reused_blocks=result.reused_blocks,
+            pull_blocks=0 if result.pull is None else result.pull.num_blocks,
+            predicted_ttft_ms=round(result.ttft_s * 1000.0, 3),
+        )
+
+    async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
+        state: GenerateState = ctx.state
+        if state.prefill is not None:
+            release_prefill_slot(state, ctx.request_id)
+        if state.decode is not None:
+            with contextlib.suppress(UnknownInstanceError):
+                state.decode.state.remove_decode(ctx.request_id)
+
+
+def release_prefill_slot(state: GenerateState, request_id: str) -> None:
+    """Take the request off its prefill instance's queue (idempotent)."""
+    if state.prefill is None:
+        return
+    with contextlib.suppress(UnknownInstanceError):
+        state.prefill.state.finish(request_id)

@@ -1,0 +1,216 @@
+"""The gRPC inference API (Generate, Tokenize, Health, Stats, ExportTrace) over an
+EmbeddedCluster, and the mapping of request errors to status codes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvflow.pipeline import (
+    DeadlineExceeded,
+    Overloaded,
+    PipelineClosed,
+    RequestCancelled,
+    RequestContext,
+    StageError,
+    to_chrome_trace,
+)
+from kvflow.stages.api import SERVICE_NAME, pb2, pb2_grpc
+from kvflow.stages.cluster import EmbeddedCluster
+from kvflow.stages.detokenize import IncrementalDetokenizer
+from kvflow.stages.engine import SamplingParams
+from kvflow.stages.errors import InvalidArgument, NoCapacity, Rejected
+from kvflow.stages.state import GenerateState
+
+logger = logging.getLogger(__name__)
+
+_MAX_REQUEST_ID = 128
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and details for the error a request ended with."""
+    if isinstance(error, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, Rejected | NoCapacity | Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
+    if isinstance(error, RequestCancelled):
+        return grpc.StatusCode.CANCELLED, str(error)
+    if isinstance(error, PipelineClosed):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    if isinstance(error, StageError):
+        return grpc.StatusCode.INTERNAL, f"stage {error.stage}: {error.cause!r}"
+    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+
+
+class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-defined]
+    def __init__(self, cluster: EmbeddedCluster) -> None:
+        self._cluster = cluster
+        self._config = cluster.config
+
+    # -- request parsing --------------------------------------------------------------------
+    def _sampling(self, request: Any) -> tuple[int, SamplingParams]:
+        c = self._config
+        max_tokens = request.max_tokens or c.default_max_tokens
+        if max_tokens > c.max_tokens_limit:
+            raise InvalidArgument(
+                f"max_tokens {max_tokens} is out of range [1, {c.max_tokens_limit}]"
+            )
+        s = request.sampling
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=float(s.temperature),
+                top_k=int(s.top_k),
+                top_p=float(s.top_p) if s.top_p > 0 else 1.0,
+                seed=int(s.seed) if s.HasField("seed") else None,
+                ignore_eos=bool(s.ignore_eos),
+            )
+        except ValueError as exc:
+            raise InvalidArgument(f"sampling: {exc}") from exc
+        return max_tokens, sampling
+
+    def _state(self, request: Any) -> GenerateState:
+        max_tokens, sampling = self._sampling(request)
+        which = request.WhichOneof("input")
+        if which is None:
+            raise InvalidArgument("give a prompt or token_ids")
+        state = GenerateState(
+            tenant=request.tenant,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            submitted_at=time.monotonic(),
+        )
+        if which == "prompt":
+            state.prompt_text = request.prompt
+        else:
+            state.prompt_ids = list(request.token_ids.ids)
+        return state
+
+    def _request_id(self, request: Any) -> str:
+        rid = request.request_id or uuid.uuid4().hex[:16]
+        if len(rid) > _MAX_REQUEST_ID or not rid.isprintable() or "/" in rid:
+            raise InvalidArgument(
+                f"request_id must be at most {_MAX_REQUEST_ID} printable characters without '/'"
+            )
+        return rid
+
+    # -- RPCs -------------------------------------------------------------------------------
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            state = self._state(request)
+            ctx = RequestContext(self._request_id(request), state=state)
+            handle = self._cluster.pipeline.try_submit(ctx)
+        except (InvalidArgument, Overloaded, PipelineClosed) as exc:
+            code, details = status_for(exc)
+            await context.abort(code, details)
+            return
+        detok = IncrementalDetokenizer(self._cluster.tokenizer)
+        metrics = self._cluster.serving_metrics
+        try:
+            async for kind, payload in handle:
+                if kind == "tokens":
+                    yield pb2.GenerateResponse(token_ids=payload, text=detok.add(payload))
+            await handle.result()
+        except BaseException as exc:
+            handle.cancel("client went away" if _is_cancel(exc) else "server error")
+            if _is_cancel(exc):
+                metrics.requests.labels(outcome="cancelled").inc()
+                raise
+            code, details = status_for(exc)
+            metrics.requests.labels(outcome=code.name.lower()).inc()
+            logger.info("req=%s ended: %s %s", ctx.request_id, code.name, details)
+            await context.abort(code, details)
+            return
+        usage = self._usage(ctx.request_id, state)
+        metrics.requests.labels(outcome="ok").inc()
+        yield pb2.GenerateResponse(
+            text=detok.flush(), finished=True, finish_reason=state.finish_reason or "", usage=usage
+        )
+
+    def _usage(self, request_id: str, state: GenerateState) -> Any:
+        m = self._cluster.serving_metrics
+        ttft = (state.first_token_at or state.submitted_at) - state.submitted_at
+        times = state.token_times
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        m.ttft.observe(ttft)
+        for gap in gaps:
+            m.tbt.observe(gap)
+        m.prompt_tokens.inc(state.prompt_len)
+        m.generated_tokens.inc(len(state.output_ids))
+        for tier, tokens in state.cached_by_tier.items():
+            m.cached_tokens.labels(tier=tier).inc(tokens)
+        decision = state.decision
+        return pb2.Usage(
+            request_id=request_id,
+            prompt_tokens=state.prompt_len,
+            completion_tokens=len(state.output_ids),
+            cached_tokens=state.num_cached_tokens,
+            cached_by_tier=[
+                pb2.TierTokens(tier=t, tokens=n) for t, n in sorted(state.cached_by_tier.items())
+            ],
+            ttft_ms=ttft * 1000.0,
+            mean_tbt_ms=(sum(gaps) / len(gaps) * 1000.0) if gaps else 0.0,
+            prefill_instance=decision.prefill_id if decision else "",
+            decode_instance=decision.decode_id if decision else "",
+            predicted_ttft_ms=decision.ttft_s * 1000.0 if decision else 0.0,
+            pulled_tokens=state.pulled_tokens,
+            e2e_ms=((state.finished_at or time.monotonic()) - state.submitted_at) * 1000.0,
+        )
+
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb2.TokenizeResponse(token_ids=self._cluster.tokenizer.encode(request.text))
+
+    async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        c = self._cluster
+        return pb2.HealthResponse(
+            serving=c.pipeline.running,
+            model=str(c.model_dir),
+            model_fingerprint=c.model_fingerprint,
+            block_size=c.config.block_size,
+            max_model_len=c.max_model_len,
+            prefill_instances=list(c.prefill),
+            decode_instances=list(c.decode),
+            policy=c.conductor.policy_name,
+        )
+
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        stats = self._cluster.stats()
+        return pb2.StatsResponse(
+            router=stats["router"],
+            instances=[
+                pb2.InstanceStats(instance_id=i, kind=k, values=v) for i, k, v in stats["instances"]
+            ],
+        )
+
+    async def ExportTrace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        traces = self._cluster.tracer.traces(last=request.last_n or None)
+        doc = to_chrome_trace(traces)
+        return pb2.ExportTraceResponse(chrome_trace_json=json.dumps(doc).encode())
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    import asyncio
+
+    return isinstance(exc, asyncio.CancelledError | GeneratorExit)
+
+
+def create_server(cluster: EmbeddedCluster, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with the inference service and reflection; returns (server, port).
+    Call ``await server.start()``."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(cluster), server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    return server, bound

@@ -1,0 +1,104 @@
+"""stream: move the request's KV pages to its decode instance while the prefill still runs.
+
+Consumes ``state.block_queue`` (filled by the background prefill stage) and writes each page
+from the prefill engine's pool (a registered transfer segment) into a leased staging slot of
+the decode instance, through the transfer engine: a batch per prefill step, so transfers of
+early chunks overlap the computation of later ones. When the prefill is done and every page
+has moved, the prefill engine's pages are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from kvflow.pipeline import RequestContext, Stage
+from kvflow.stages.instances import PrefillInstance, pool_segment_name
+from kvflow.stages.prefill import drop_engine_request
+from kvflow.stages.state import GenerateState
+from kvflow.transfer import OpCode, TransferEngine, TransferError, TransferRequest
+
+
+class StreamFailed(RuntimeError):
+    """A page could not be moved to the decode instance."""
+
+
+class StreamStage(Stage):
+    name = "stream"
+
+    def __init__(
+        self,
+        transfer: TransferEngine,
+        pools: dict[str, torch.Tensor],
+        block_size: int,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._transfer = transfer
+        self._pools = pools  # prefill instance id -> its engine's page pool tensor
+        self._block_size = block_size
+        self._timeout_s = timeout_s
+
+    async def run(self, ctx: RequestContext[Any]) -> None:
+        state: GenerateState = ctx.state
+        assert state.decode is not None and state.prefill is not None
+        staging = state.decode.staging
+        num_pages = -(-state.prompt_len // self._block_size)
+        state.staging = staging.lease(num_pages)
+        while True:
+            kind, pages = await state.block_queue.get()
+            if kind == "done":
+                break
+            with ctx.span("stream.batch", pages=len(pages)) as span:
+                moved = await asyncio.to_thread(self._move, state, pages)
+                span.set_attrs(bytes=moved)
+            state.streamed_blocks += len(pages)
+            state.streamed_bytes += moved
+        if state.streamed_blocks != num_pages:
+            raise StreamFailed(
+                f"req={ctx.request_id}: streamed {state.streamed_blocks} of {num_pages} pages"
+            )
+        # Every page is in the decode instance's staging: the prefill copy can go.
+        await drop_engine_request(state.prefill, state.engine_request_id)
+        ctx.set_attrs(pages=state.streamed_blocks, bytes=state.streamed_bytes)
+
+    def _move(self, state: GenerateState, pages: dict[int, torch.Tensor]) -> int:
+        assert state.prefill is not None and state.decode is not None and state.staging
+        staging = state.decode.staging
+        pool = self._pools[state.prefill.instance_id]
+        base = pool.data_ptr()
+        segment = pool_segment_name(state.prefill.instance_id)
+        requests = []
+        for block, view in sorted(pages.items()):
+            requests.append(
+                TransferRequest(
+                    opcode=OpCode.WRITE,
+                    local_segment=segment,
+                    local_offset=view.data_ptr() - base,
+                    target=staging.segment,
+                    remote_offset=staging.offset(state.staging.slots[block]),
+                    length=staging.page_nbytes,
+                )
+            )
+        try:
+            statuses = self._transfer.transfer(requests, timeout=self._timeout_s)
+        except TransferError as exc:
+            raise StreamFailed(f"moving {len(requests)} pages failed: {exc}") from exc
+        failed = [s for s in statuses if not s.ok]
+        if failed:
+            raise StreamFailed(
+                f"{len(failed)} of {len(requests)} page transfers failed: {failed[0]}"
+            )
+        return sum(r.length for r in requests)
+
+    async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
+        state: GenerateState = ctx.state
+        if state.staging is not None and state.decode is not None:
+            state.decode.staging.release(state.staging)
+            state.staging = None
+
+
+def prefill_pool(inst: PrefillInstance) -> torch.Tensor:
+    """The prefill engine's page pool tensor (registered as a transfer segment)."""
+    return inst.worker.engine.pool_tensor

@@ -1,0 +1,197 @@
+"""EngineWorker: the one thread that owns an engine and runs its step() loop.
+
+The engine is not thread-safe, so every touch of it happens here: requests are added, aborted
+and released through a command queue, and each step's outputs are handed to the sink that
+was registered with the request — *on the engine thread*, so a sink may export pages of its
+request right away (the page cannot be freed under it). Sinks must be quick and must not
+block; they typically hand data to asyncio with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvflow.stages.engine import Engine, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+Sink = Callable[[Engine, RequestOutput], None]
+ErrorSink = Callable[[BaseException], None]
+
+
+@dataclass
+class WorkItem:
+    """One request for the engine. ``prefix_pages`` are copied into the pool on admission;
+    ``on_admitted(engine)`` then runs on the engine thread (so it may export pages)."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    sampling: SamplingParams
+    sink: Sink
+    on_error: ErrorSink
+    prefix_pages: Sequence[Any] = ()
+    num_prefix_tokens: int = 0
+    retain_pages: bool = False
+    on_admitted: Callable[[Engine], None] | None = field(default=None)
+
+
+class WorkerStopped(RuntimeError):
+    """The worker was stopped; the request was not run."""
+
+
+class EngineWorker:
+    """Runs ``engine.step()`` in a dedicated thread. All public methods are thread-safe."""
+
+    def __init__(self, name: str, engine: Engine, idle_wait_s: float = 0.01) -> None:
+        self.name = name
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._sinks: dict[str, WorkItem] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+        self._steps = 0
+        self._lock = threading.Lock()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still running get ``WorkerStopped``. Idempotent."""
+        self._stop.set()
+        self._commands.put(lambda: None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for item in list(self._sinks.values()):
+            _safe_call(item.on_error, WorkerStopped(f"engine worker {self.name} stopped"))
+        self._sinks.clear()
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @property
+    def num_active(self) -> int:
+        """Requests admitted and not yet finished (approximate, lock-free read)."""
+        return len(self._sinks)
+
+    # -- commands -------------------------------------------------------------------------
+    def submit(self, item: WorkItem) -> None:
+        """Queue a request. Validation errors from the engine reach ``item.on_error``."""
+        if self._stop.is_set():
+            raise WorkerStopped(f"engine worker {self.name} is stopped")
+        self._commands.put(lambda: self._admit(item))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a queued or running request; its pages are freed. Unknown ids are ignored."""
+        self._commands.put(lambda: self._abort(request_id))
+
+    def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps; returns a future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        if self._stop.is_set():
+            fut.set_exception(WorkerStopped(f"engine worker {self.name} is stopped"))
+        else:
+            self._commands.put(command)
+        return fut
+
+    # -- the loop -------------------------------------------------------------------------
+    def _admit(self, item: WorkItem) -> None:
+        try:
+            self.engine.add_request(
+                item.request_id,
+                item.token_ids,
+                item.sampling,
+                prefix_pages=item.prefix_pages,
+                num_prefix_tokens=item.num_prefix_tokens,
+                retain_pages=item.retain_pages,
+            )
+        except Exception as exc:
+            _safe_call(item.on_error, exc)
+            return
+        self._sinks[item.request_id] = item
+        if item.on_admitted is not None:
+            _safe_call(item.on_admitted, self.engine)
+
+    def _abort(self, request_id: str) -> None:
+        item = self._sinks.pop(request_id, None)
+        if item is None:
+            return
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("worker=%s req=%s abort failed", self.name, request_id)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self._idle_wait_s) if block else None
+        except queue.Empty:
+            return
+        while True:
+            if cmd is not None:
+                try:
+                    cmd()
+                except Exception:
+                    logger.exception("worker=%s command failed", self.name)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        logger.info("worker=%s engine loop started", self.name)
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if self._stop.is_set() or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                logger.exception("worker=%s engine step failed; failing its requests", self.name)
+                self._fail_all(exc)
+                continue
+            self._steps += 1
+            for out in outputs:
+                item = self._sinks.get(out.request_id)
+                if item is None:
+                    continue
+                if out.finished:
+                    del self._sinks[out.request_id]
+                try:
+                    item.sink(self.engine, out)
+                except Exception as exc:
+                    logger.exception("worker=%s req=%s sink failed", self.name, out.request_id)
+                    if not out.finished:
+                        self._abort(out.request_id)
+                    _safe_call(item.on_error, exc)
+        logger.info("worker=%s engine loop stopped after %d steps", self.name, self._steps)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, item in list(self._sinks.items()):
+            self._abort(request_id)
+            _safe_call(item.on_error, exc)
+
+
+def _safe_call(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        logger.exception("callback %r failed", fn)

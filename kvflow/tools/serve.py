@@ -1,0 +1,102 @@
+"""`kvflow serve`: the embedded cluster behind the gRPC inference API (the README's main job)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from kvflow.pipeline import serve_metrics
+from kvflow.router import policy_names
+from kvflow.stages.cluster import EmbeddedCluster
+from kvflow.stages.config import ServeConfig
+from kvflow.stages.service import create_server
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="run the embedded cluster and its gRPC API")
+    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port; 0 = off")
+    p.add_argument("--data-dir", type=Path, default=Path("data"))
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--policy", default="cache-aware", choices=policy_names())
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--num-pages", type=int, default=512, help="KV pages per engine")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--dram-mb", type=int, default=1024, help="DRAM tier per shard, MiB")
+    p.add_argument("--ssd-mb", type=int, default=8192, help="SSD tier per shard, MiB")
+    p.add_argument("--storage-engine", default="rocksdb", choices=["rocksdb", "lmdb"])
+    p.add_argument("--ttft-slo-ms", type=float, help="reject requests predicted to miss it")
+    p.add_argument("--tbt-slo-ms", type=float, help="reject requests predicted to miss it")
+    p.add_argument("--balancing-threshold", type=float, default=2.0)
+    p.add_argument("--max-tokens-limit", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        model_dir=args.model,
+        data_dir=args.data_dir,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        policy=args.policy,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_pages=args.num_pages,
+        prefill_chunk=args.prefill_chunk,
+        dram_capacity_bytes=args.dram_mb << 20,
+        ssd_capacity_bytes=args.ssd_mb << 20,
+        storage_engine=args.storage_engine,
+        ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1000.0,
+        tbt_slo_s=None if args.tbt_slo_ms is None else args.tbt_slo_ms / 1000.0,
+        balancing_threshold=args.balancing_threshold,
+        max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=min(64, args.max_tokens_limit),
+        seed=args.seed,
+    )
+
+
+async def serve(config: ServeConfig, host: str, port: int, metrics_port: int) -> None:
+    cluster = EmbeddedCluster(config)
+    await cluster.start()
+    server, bound = create_server(cluster, host, port)
+    await server.start()
+    metrics = serve_metrics(cluster.metrics, host, metrics_port) if metrics_port else None
+    print(
+        f"kvflow serving {cluster.model_dir} on {host}:{bound} "
+        f"({config.num_prefill} prefill, {config.num_decode} decode, policy {config.policy})"
+        + (f"; metrics on {metrics.url}" if metrics else ""),
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        print("kvflow: shutting down", flush=True)
+        await server.stop(grace=2.0)
+        if metrics is not None:
+            metrics.close()
+        await cluster.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvflow serve: {exc}")
+        return 2
+    asyncio.run(serve(config, args.host, args.port, args.metrics_port))
+    return 0
