@@ -20,7 +20,7 @@ import numpy as np
 
 from kvflow.kvdb import manifest
 from kvflow.kvdb.buffers import readable_bytes, writable_bytes
-from kvflow.kvdb.codec import checksum, copy_and_checksum
+from kvflow.kvdb.codec import checksum, copy_and_checksum, verified_copy
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.dram import DramTier
 from kvflow.kvdb.engines import ENGINES, StorageEngine
@@ -88,7 +88,7 @@ class Shard:
         self._outboxes: list[Outbox] = [self.events]
         if config.data_dir is not None:
             manifest.check_or_create(config.data_dir, config.engine, fingerprint)
-        dram = DramTier(config.dram_capacity_bytes, config.dram_alignment)
+        dram = DramTier(config.dram_capacity_bytes, config.dram_alignment, config.dram_prefault)
         ssd: SsdTier | None = None
         if config.ssd_capacity_bytes > 0:
             if engine is None:
@@ -274,7 +274,8 @@ class Shard:
     def get_into(self, key: bytes, buf: Any) -> Tier | None:
         """Copy ``key``'s value into ``buf`` (writable memoryview / numpy / torch CPU tensor of
         exactly the value's size). Returns the tier that served it, or None on a miss (buf
-        untouched) or a corrupted record (buf holds unspecified bytes; the record is removed
+        untouched) or a corrupted record (buf untouched, except for a compressed SSD record, which
+        is verified after decoding; the record is removed
         and counted). Raises ValueSizeError (nothing written) on a size mismatch."""
         key = check_key(key)
         dst = writable_bytes(buf)
@@ -308,7 +309,7 @@ class Shard:
         """The copy + verification, outside the lock."""
         if tier is Tier.DRAM:
             assert self._state.dram is not None and offset is not None
-            return copy_and_checksum(dst, self._state.dram.view(offset, e.nbytes)) == e.checksum
+            return verified_copy(dst, self._state.dram.view(offset, e.nbytes), e.checksum)
         assert self._state.ssd is not None
         try:
             return self._state.ssd.read_into(e.key, dst)
@@ -429,6 +430,11 @@ class Shard:
                     raise NotPinnedError(f"key={key.hex()} holds fewer than {n} pins")
             for key, n in wanted.items():
                 self._state.index[BlockKey(key)].pins -= n
+
+    def num_pinned(self) -> int:
+        """Blocks holding at least one pin (a leak check for callers that pin)."""
+        with self._lock:
+            return sum(1 for e in self._state.index.values() if e.pins > 0)
 
     def evict(self, tier: Tier, nbytes: int) -> int:
         """Evict at least ``nbytes`` from ``tier`` now, by the configured policy (an admin
