@@ -44,7 +44,8 @@ def test_invalid_argument(server, fields, needle):
 
 
 def test_server_still_serves_after_bad_input_and_leaks_nothing(server):
-    for fields in ({"prompt": ""}, {"token_ids": _ids([5, 999999])}, {"prompt": "hi", "tenant": "?"}):
+    bad = ({"prompt": ""}, {"token_ids": _ids([5, 999999])}, {"prompt": "hi", "tenant": "?"})
+    for fields in bad:
         _call(server, **fields)
     out, usage, _ = server.generate(ids(50, seed=20))
     assert len(out) == 8 and usage.prompt_tokens == 50
@@ -64,7 +65,7 @@ def test_client_disconnect_mid_stream_frees_pages_and_pins(server):
         list(call)
     assert err.value.code() == grpc.StatusCode.CANCELLED
     assert_no_leaks(server)
-    out, usage, _ = server.generate(prompt)
+    _, usage, _ = server.generate(prompt)
     assert usage.cached_tokens == 112
 
 

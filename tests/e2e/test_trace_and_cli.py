@@ -31,8 +31,18 @@ def test_exported_trace_has_every_stage(server):
 
 
 def test_generate_json_cli(server, capsys):
-    code = main(["generate", "--server", server.address, "--prompt", "hello kvflow " * 10,
-                 "--max-tokens", "4", "--json"])
+    code = main(
+        [
+            "generate",
+            "--server",
+            server.address,
+            "--prompt",
+            "hello kvflow " * 10,
+            "--max-tokens",
+            "4",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert {"text", "token_ids", "prompt_tokens", "cached_tokens", "ttft_ms"} <= set(out)
