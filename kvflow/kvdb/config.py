@@ -34,6 +34,8 @@ class StoreConfig:
         value_size: if set, every value must have exactly this many bytes.
         max_value_size: upper bound on a value's bytes (>= 1).
         dram_alignment: DRAM extents start on multiples of this (power of two, >= 8).
+        dram_prefault: touch every page of the pool at open (slower open, no page faults on
+            the first puts).
         flush_on_close: on close, write DRAM-only blocks to SSD so a clean restart loses nothing.
         event_outbox_capacity: events kept for ``take_events()`` before the oldest are dropped.
         metadata_flush_interval_s: period of the background metadata flusher (> 0).
@@ -54,6 +56,7 @@ class StoreConfig:
     value_size: int | None = None
     max_value_size: int = 64 * 1024 * 1024
     dram_alignment: int = 256
+    dram_prefault: bool = False
     flush_on_close: bool = True
     event_outbox_capacity: int = 65536
     metadata_flush_interval_s: float = 0.05

@@ -66,6 +66,9 @@ class StorageEngine(abc.ABC):
         """Every (key, value) pair. Values are new bytes. Concurrent writes may or may not be
         seen."""
 
+    def flush(self) -> None:  # noqa: B027 - optional hook: engines without buffers do nothing
+        """Move buffered writes to the engine's files (RocksDB memtable -> SST, LMDB sync)."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Flush and release the store (idempotent)."""

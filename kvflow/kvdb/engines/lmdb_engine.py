@@ -99,6 +99,12 @@ class LmdbEngine(StorageEngine):
             for key, value in txn.cursor():
                 yield bytes(key), bytes(value)
 
+    def flush(self) -> None:
+        try:
+            self._live().sync(True)
+        except lmdb.Error as exc:
+            _raise(exc, "sync")
+
     def close(self) -> None:
         env, self._env = self._env, None
         if env is not None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import DBCompressionType, Options, Rdict, WriteBatch
 
 from kvflow.kvdb.engines.base import StorageEngine
 from kvflow.kvdb.errors import StorageEngineError, StoreClosedError, StoreFullError
@@ -29,6 +29,9 @@ class RocksEngine(StorageEngine):
     def __init__(self, path: Path) -> None:
         options = Options(raw_mode=True)
         options.create_if_missing(True)
+        # kvdb compresses (zstd + shuffle) and checksums records itself; RocksDB's own block
+        # compression would only cost CPU on every read
+        options.set_compression_type(DBCompressionType.none())
         try:
             self._db: Rdict | None = Rdict(str(path), options)
         except Exception as exc:  # rocksdict raises plain Exception
@@ -95,6 +98,14 @@ class RocksEngine(StorageEngine):
         while it.valid():
             yield bytes(it.key()), bytes(it.value())
             it.next()
+
+    def flush(self) -> None:
+        try:
+            self._live().flush(True)
+        except StoreClosedError:
+            raise
+        except Exception as exc:
+            _raise(exc, "flush")
 
     def close(self) -> None:
         with self._closing:
