@@ -21,6 +21,8 @@ from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
 from kvflow.router import (
     Conductor,
     InstanceState,
+    Profile,
+    ProfileMismatchError,
     RouterConfig,
     TransferEstimator,
     load_profile,
@@ -190,7 +192,11 @@ class EmbeddedCluster:
 
     def _conductor(self, engine: Engine) -> Conductor:
         c = self.config
-        profile = load_profile(self.model_dir, model_id=None)
+        try:
+            profile = load_profile(self.model_dir, model_id=engine.model_fingerprint)
+        except ProfileMismatchError as exc:
+            logger.warning("%s; using the default time models", exc)
+            profile = Profile.default()
         if profile.is_default:
             logger.warning(
                 "no kvflow_profile.json in %s: the conductor uses default time models; "

@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvflow.tools.serve",
     "kvflow.tools.generate",
     "kvflow.tools.trace_cmd",
+    "kvflow.tools.profile",
     "kvflow.tools.replay",
     "kvflow.tools.bench_metadata",
 )
