@@ -30,6 +30,14 @@ def _torch_view(tensor: Any, writable: bool) -> np.ndarray:
 
 
 def _as_uint8(buf: Any, writable: bool) -> np.ndarray:
+    if (
+        type(buf) is np.ndarray
+        and buf.dtype == np.uint8
+        and buf.ndim == 1
+        and buf.flags.c_contiguous
+        and (buf.flags.writeable or not writable)
+    ):
+        return buf  # already a flat uint8 view: the hot path
     if type(buf).__module__.startswith("torch"):
         return _torch_view(buf, writable)
     if isinstance(buf, np.ndarray):

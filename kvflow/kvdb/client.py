@@ -156,15 +156,17 @@ class EmbeddedClient(KVClient):
             )
 
     def put(self, key: bytes, value: Any, parent: bytes | None = None) -> Tier | None:
-        self._check(readable_bytes(value).shape[0], "value")
-        return self._shard.put(key, value, parent)
+        src = readable_bytes(value)
+        self._check(src.shape[0], "value")
+        return self._shard.put(key, src, parent)
 
     def get(self, key: bytes) -> bytes | None:
         return self._shard.get(key)
 
     def get_into(self, key: bytes, buf: Any) -> Tier | None:
-        self._check(writable_bytes(buf).shape[0], "buffer")
-        return self._shard.get_into(key, buf)
+        dst = writable_bytes(buf)
+        self._check(dst.shape[0], "buffer")
+        return self._shard.get_into(key, dst)
 
     def exists(self, key: bytes) -> bool:
         return self._shard.exists(key)

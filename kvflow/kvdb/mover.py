@@ -226,6 +226,44 @@ class TierMover:
         s.emit(BlockStored(e.key, Tier.DRAM, e.nbytes, e.parent))
         return True
 
+    def discard_corrupt(self, e: Entry, tier: Tier) -> None:
+        """Drop the copy of ``e`` in ``tier`` that failed its checksum; if no copy is left,
+        remove the block and announce it. A DRAM copy other readers are still copying is left
+        for them to find (and report) too."""
+        s = self.s
+        if tier is Tier.DRAM:
+            if e.readers or e.dram is None:
+                return
+            self.drop_dram_copy(e)
+            if e.on_ssd:
+                s.emit(BlockStored(e.key, Tier.SSD, e.nbytes, e.parent))
+                return
+        elif e.on_ssd and s.ssd is not None:
+            s.ssd.delete_many([e.key])
+            e.on_ssd = False
+            if e.dram is not None:
+                return
+        if not e.readers and e.dram is None and not e.on_ssd:
+            del s.index[e.key]
+            s.emit(BlockRemoved(e.key))
+
+    def adopt_ssd(self) -> int:
+        """Register every valid record already in the SSD engine (a restart); corrupt ones are
+        deleted and counted. Then trim to capacity if it shrank. Returns blocks adopted."""
+        s = self.s
+        assert s.ssd is not None
+        adopted = 0
+        for record in s.ssd.adopt():
+            header = record.header
+            e = Entry(record.key, header.raw_len, header.checksum, header.parent, 0)
+            e.on_ssd = True
+            s.index[record.key] = e
+            adopted += 1
+        s.ssd_counters.corruptions += len(s.ssd.corrupt_keys)
+        if s.ssd.used > s.ssd.capacity:
+            self.make_ssd_room(0)
+        return adopted
+
     def flush_dram(self) -> int:
         """Write every DRAM-only block to SSD (most recent first) while it fits; for a clean
         close. Blocks stay in DRAM. Returns the number written."""

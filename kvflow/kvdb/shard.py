@@ -39,7 +39,7 @@ from kvflow.kvdb.keys import KEY_BYTES, BlockKey
 from kvflow.kvdb.mover import ShardState, TierMover
 from kvflow.kvdb.replicas import LocalReplicas, ReplicaCounter
 from kvflow.kvdb.ssd import SsdTier
-from kvflow.kvdb.stats import StoreStats, TierCounters
+from kvflow.kvdb.stats import StoreStats, TierCounters, snapshot
 from kvflow.replication import NodeId, Tier
 
 logger = logging.getLogger(__name__)
@@ -119,29 +119,17 @@ class Shard:
             config.low_watermark,
         )
         if ssd is not None:
-            self._adopt(ssd)
+            with self._lock:
+                adopted = self._mover.adopt_ssd()
+            if adopted:
+                logger.info(
+                    "shard node=%s re-adopted %d SSD blocks (%d bytes)",
+                    self.node_id,
+                    adopted,
+                    ssd.used,
+                )
 
     # ------------------------------------------------------------------ plumbing
-
-    def _adopt(self, ssd: SsdTier) -> None:
-        index = self._state.index
-        for record in ssd.adopt():
-            e = Entry(
-                record.key, record.header.raw_len, record.header.checksum, record.header.parent, 0
-            )
-            e.on_ssd = True
-            index[record.key] = e
-        self._state.ssd_counters.corruptions += len(ssd.corrupt_keys)
-        with self._lock:
-            if ssd.used > ssd.capacity:
-                self._mover.make_ssd_room(0)
-        if index:
-            logger.info(
-                "shard node=%s re-adopted %d SSD blocks (%d bytes)",
-                self.node_id,
-                len(index),
-                ssd.used,
-            )
 
     def _emit(self, event: BlockEvent) -> None:
         for outbox in self._outboxes:
@@ -171,7 +159,7 @@ class Shard:
 
     def _release(self) -> None:
         self._inflight -= 1
-        if self._inflight == 0:
+        if self._inflight == 0 and self._closed:
             self._idle.notify_all()
 
     # ------------------------------------------------------------------ writes
@@ -274,8 +262,8 @@ class Shard:
     def get_into(self, key: bytes, buf: Any) -> Tier | None:
         """Copy ``key``'s value into ``buf`` (writable memoryview / numpy / torch CPU tensor of
         exactly the value's size). Returns the tier that served it, or None on a miss (buf
-        untouched) or a corrupted record (buf untouched, except for a compressed SSD record, which
-        is verified after decoding; the record is removed
+        untouched) or a corrupted record (a DRAM block is verified before it is copied, so buf is
+        untouched; an SSD record after, so buf holds unspecified bytes; the record is removed
         and counted). Raises ValueSizeError (nothing written) on a size mismatch."""
         key = check_key(key)
         dst = writable_bytes(buf)
@@ -333,23 +321,11 @@ class Shard:
             return tier
         counters = s.dram_counters if tier is Tier.DRAM else s.ssd_counters
         counters.corruptions += 1
-        if s.index.get(e.key) is not e:
-            return None
-        if tier is Tier.DRAM:
-            logger.warning("dram block corrupt node=%s key=%s", self.node_id, e.key.hex())
-            if e.readers == 0:
-                self._mover.drop_dram_copy(e)
-            if e.on_ssd:
-                self._emit(BlockStored(e.key, Tier.SSD, e.nbytes, e.parent))
-                return None
-        elif e.on_ssd and s.ssd is not None:
-            s.ssd.delete_many([e.key])
-            e.on_ssd = False
-            if e.dram is not None:
-                return None
-        if e.readers == 0 and e.dram is None and not e.on_ssd:
-            del s.index[e.key]
-            self._emit(BlockRemoved(e.key))
+        if s.index.get(e.key) is e:
+            logger.warning(
+                "corrupt block node=%s key=%s tier=%s", self.node_id, e.key.hex(), tier.name
+            )
+            self._mover.discard_corrupt(e, tier)
         return None
 
     def get(self, key: bytes) -> bytes | None:
@@ -457,18 +433,15 @@ class Shard:
         """A snapshot of per-tier counters and usage; ``reset`` zeroes the counters."""
         with self._lock:
             s = self._state
-            dram_blocks = sum(1 for e in s.index.values() if e.dram is not None)
-            ssd_blocks = len(s.ssd.sizes) if s.ssd else 0
-            snap = StoreStats(
-                dram=s.dram_counters.snapshot(
-                    dram_blocks, s.dram.used if s.dram else 0, s.dram.capacity if s.dram else 0
-                ),
-                ssd=s.ssd_counters.snapshot(
-                    ssd_blocks, s.ssd.used if s.ssd else 0, s.ssd.capacity if s.ssd else 0
-                ),
+            snap = snapshot(
+                s.index.values(),
+                s.dram,
+                s.ssd,
+                s.dram_counters,
+                s.ssd_counters,
                 puts=self._puts,
-                rejected_puts=self._rejected,
-                events_dropped=self.events.dropped,
+                rejected=self._rejected,
+                dropped=self.events.dropped,
             )
             if reset:
                 s.dram_counters.reset()

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvflow.kvdb.dram import DramTier
+    from kvflow.kvdb.entry import Entry
+    from kvflow.kvdb.ssd import SsdTier
 
 
 @dataclass(frozen=True)
@@ -74,3 +81,29 @@ class TierCounters:
         return TierStats(
             **values, blocks=blocks, used_bytes=used_bytes, capacity_bytes=capacity_bytes
         )
+
+
+def snapshot(
+    entries: Iterable[Entry],
+    dram: DramTier | None,
+    ssd: SsdTier | None,
+    dram_counters: TierCounters,
+    ssd_counters: TierCounters,
+    *,
+    puts: int,
+    rejected: int,
+    dropped: int,
+) -> StoreStats:
+    """A StoreStats of a shard's current state (caller holds the shard lock)."""
+    dram_blocks = sum(1 for e in entries if e.dram is not None)
+    return StoreStats(
+        dram=dram_counters.snapshot(
+            dram_blocks, dram.used if dram else 0, dram.capacity if dram else 0
+        ),
+        ssd=ssd_counters.snapshot(
+            len(ssd.sizes) if ssd else 0, ssd.used if ssd else 0, ssd.capacity if ssd else 0
+        ),
+        puts=puts,
+        rejected_puts=rejected,
+        events_dropped=dropped,
+    )
