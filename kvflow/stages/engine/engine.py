@@ -123,6 +123,13 @@ class Engine:
     def num_free_pages(self) -> int:
         return self._pool.num_free
 
+    @property
+    def pool_tensor(self) -> torch.Tensor:
+        """The whole page pool, ``[num_pages, *page_shape]``, contiguous. Page ``p`` starts at
+        byte ``p * page_nbytes``; transfer engines register it as one segment. Read-only use:
+        only the engine writes it."""
+        return self._pool.tensor
+
     def has_unfinished(self) -> bool:
         """True while some request still has work (or an abort is not yet reported)."""
         return bool(self._pending) or any(s.finish_reason is None for s in self._seqs.values())
