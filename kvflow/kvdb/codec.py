@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -60,9 +60,8 @@ def verified_copy(dst: np.ndarray, src: np.ndarray, expected: int) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class RecordHeader:
-    """The decoded header of an SSD record."""
+class RecordHeader(NamedTuple):
+    """The decoded header of an SSD record (a NamedTuple: decoded on every SSD read)."""
 
     codec: int
     shuffle: int
