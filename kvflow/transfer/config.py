@@ -49,7 +49,7 @@ class TransferConfig:
     path_retry_s: float = 1.0
     prefer_shm: bool = True
     max_batch_capacity: int = 1 << 16
-    socket_buffer_bytes: int = 4 << 20
+    socket_buffer_bytes: int = 0
     server_backlog: int = 128
 
     def __post_init__(self) -> None:

@@ -118,6 +118,7 @@ class Endpoint:
         self._sock = sock
         self._on_failure = on_failure
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._inflight: dict[int, Slice] = {}
         self._outstanding = 0
@@ -157,13 +158,22 @@ class Endpoint:
             return min(s.progress.deadline for s in self._inflight.values())
 
     def send(self, item: Slice) -> bool:
+        """Queue ``item``; False (nothing done) if this endpoint no longer takes work.
+
+        A READ is only a header, so it is written inline by the calling thread (no hand-off to
+        the sender thread); a WRITE's payload goes through the sender thread so that submit does
+        not block on it.
+        """
         with self._lock:
             if self._retiring or self._dead:
                 return False
             if self._outstanding == 0:
                 self.last_progress = time.monotonic()
             self._outstanding += 1
-        self._queue.put(item)
+        if item.op == Op.READ:
+            self._transmit(item)
+        else:
+            self._queue.put(item)
         return True
 
     def retire(self) -> None:
@@ -225,29 +235,37 @@ class Endpoint:
             item = self._queue.get()
             if not isinstance(item, Slice):
                 break
+            self._transmit(item)
+        self._sock_close_when_both_done()
+
+    def _transmit(self, item: Slice) -> None:
+        """Register ``item`` as in flight and write its request (one writer at a time)."""
+        error: OSError | None = None
+        with self._send_lock:
             with self._lock:
                 late = self._dead
                 if not late:
                     request_id = self._next_request_id
                     self._next_request_id += 1
                     self._inflight[request_id] = item
-            if late:
-                self._on_failure(self, [item], self._error or EngineClosedError("endpoint gone"))
-                continue
-            header = REQUEST.pack(
-                item.op, 0, 0, item.segment_id, request_id, item.remote_offset, item.length
-            )
-            try:
-                if item.op == Op.WRITE:
-                    send_parts(self._sock, (header, item.local))
-                    self.stats.bytes_sent += item.length
-                else:
-                    self._sock.sendall(header)
-            except OSError as exc:
-                self.fail(exc)
-                break
+            if not late:
+                header = REQUEST.pack(
+                    item.op, 0, 0, item.segment_id, request_id, item.remote_offset, item.length
+                )
+                try:
+                    if item.op == Op.WRITE:
+                        send_parts(self._sock, (header, item.local))
+                        self.stats.bytes_sent += item.length
+                    else:
+                        self._sock.sendall(header)
+                except OSError as exc:
+                    error = exc
+        if late:
+            self._on_failure(self, [item], self._error or EngineClosedError("endpoint gone"))
+        elif error is not None:
+            self.fail(error)  # hands ``item`` (in flight) to on_failure with the others
+        else:
             item.progress.start()
-        self._sock_close_when_both_done()
 
     def _recv_loop(self) -> None:
         header = bytearray(RESPONSE.size)
