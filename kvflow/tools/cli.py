@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvflow.tools.profile",
     "kvflow.tools.replay",
     "kvflow.tools.bench_metadata",
+    "kvflow.tools.bench_transfer",
 )
 
 
