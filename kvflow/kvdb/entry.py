@@ -16,6 +16,7 @@ class Entry:
 
     __slots__ = (
         "checksum",
+        "doomed",
         "dram",
         "key",
         "last_access",
@@ -37,6 +38,7 @@ class Entry:
         self.on_ssd = False
         self.pins = 0
         self.readers = 0
+        self.doomed = False  # removed from the index while being read; freed by the last reader
         self.last_access = now
 
     @property

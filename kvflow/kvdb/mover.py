@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvflow.kvdb.codec import checksum
 from kvflow.kvdb.dram import DramTier
 from kvflow.kvdb.entry import Entry
 from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored
@@ -225,6 +226,37 @@ class TierMover:
         s.ssd_counters.promotions += 1
         s.emit(BlockStored(e.key, Tier.DRAM, e.nbytes, e.parent))
         return True
+
+    def put_ssd(
+        self, key: BlockKey, src: np.ndarray, parent: BlockKey | None, now: int
+    ) -> Tier | None:
+        """Store a new block straight on SSD (DRAM had no room). None if SSD cannot take it."""
+        s = self.s
+        if s.ssd is None:
+            return None
+        csum = checksum(src)
+        record = s.ssd.encode(src, csum, parent)
+        if not self.make_ssd_room(len(record)):
+            return None
+        s.ssd.write_many([(key, record)])
+        e = Entry(key, src.shape[0], csum, parent, now)
+        e.on_ssd = True
+        s.index[key] = e
+        s.ssd_counters.bytes_written += len(record)
+        s.emit(BlockStored(key, Tier.SSD, e.nbytes, parent))
+        return Tier.SSD
+
+    def free_removed(self, e: Entry) -> None:
+        """Release the DRAM extent and SSD record of ``e``, already out of the index (its SSD
+        record is kept if a new entry of the same key has written one since)."""
+        s = self.s
+        if e.dram is not None:
+            self.drop_dram_copy(e)
+        if e.on_ssd and s.ssd is not None:
+            current = s.index.get(e.key)
+            if current is None or not current.on_ssd:
+                s.ssd.delete_many([e.key])
+            e.on_ssd = False
 
     def discard_corrupt(self, e: Entry, tier: Tier) -> None:
         """Drop the copy of ``e`` in ``tier`` that failed its checksum; if no copy is left,

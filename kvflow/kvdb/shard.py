@@ -20,7 +20,7 @@ import numpy as np
 
 from kvflow.kvdb import manifest
 from kvflow.kvdb.buffers import readable_bytes, writable_bytes
-from kvflow.kvdb.codec import checksum, copy_and_checksum, verified_copy
+from kvflow.kvdb.codec import copy_and_checksum, verified_copy
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.dram import DramTier
 from kvflow.kvdb.engines import ENGINES, StorageEngine
@@ -81,7 +81,6 @@ class Shard:
         self._closed = False
         self._clock = 0
         self._writing: set[bytes] = set()
-        self._doomed: dict[bytes, Entry] = {}
         self._puts = 0
         self._rejected = 0
         self.events = Outbox(config.event_outbox_capacity)
@@ -189,44 +188,32 @@ class Shard:
                 return Tier.DRAM
             offset = self._mover.reserve_dram(nbytes)
             if offset is None:
-                return self._put_ssd(key, src, parent)
+                tier = self._mover.put_ssd(
+                    key, src, BlockKey(parent) if parent else None, self._tick()
+                )
+                self._rejected += tier is None
+                return tier
             self._writing.add(key)
             self._inflight += 1
-        assert self._state.dram is not None
+        dram = self._state.dram
+        assert dram is not None
         try:
-            csum = copy_and_checksum(self._state.dram.view(offset, nbytes), src)
-        finally:
+            csum = copy_and_checksum(dram.view(offset, nbytes), src)
+        except BaseException:
             with self._lock:
                 self._writing.discard(key)
+                dram.free(offset, nbytes)
                 self._release()
-        with self._lock:
-            e = Entry(
-                BlockKey(key), nbytes, csum, BlockKey(parent) if parent else None, self._tick()
-            )
+            raise
+        with self._lock:  # publish and release together: close() cannot slip in between
+            self._writing.discard(key)
+            e = Entry(key, nbytes, csum, BlockKey(parent) if parent else None, self._tick())
             e.dram = offset
-            self._state.index[e.key] = e
+            self._state.index[key] = e
             self._state.dram_counters.bytes_written += nbytes
-            self._emit(BlockStored(e.key, Tier.DRAM, nbytes, e.parent))
+            self._emit(BlockStored(key, Tier.DRAM, nbytes, e.parent))
+            self._release()
         return Tier.DRAM
-
-    def _put_ssd(self, key: BlockKey, src: np.ndarray, parent: bytes | None) -> Tier | None:
-        """Write straight to SSD (DRAM had no room); lock held."""
-        ssd = self._state.ssd
-        if ssd is None:
-            self._rejected += 1
-            return None
-        csum = checksum(src)
-        record = ssd.encode(src, csum, BlockKey(parent) if parent else None)
-        if not self._mover.make_ssd_room(len(record)):
-            self._rejected += 1
-            return None
-        ssd.write_many([(key, record)])
-        e = Entry(key, src.shape[0], csum, BlockKey(parent) if parent else None, self._tick())
-        e.on_ssd = True
-        self._state.index[key] = e
-        self._state.ssd_counters.bytes_written += len(record)
-        self._emit(BlockStored(key, Tier.SSD, e.nbytes, e.parent))
-        return Tier.SSD
 
     def remove(self, key: bytes) -> bool:
         """Remove ``key`` from every tier. False if absent; BlockPinnedError if pinned. A block
@@ -241,21 +228,11 @@ class Shard:
                 raise BlockPinnedError(f"key={key.hex()} is pinned ({e.pins} pins)")
             del self._state.index[key]
             if e.readers:
-                self._doomed[key] = e
+                e.doomed = True  # freed by its last reader
             else:
-                self._free(e)
+                self._mover.free_removed(e)
             self._emit(BlockRemoved(e.key))
             return True
-
-    def _free(self, e: Entry) -> None:
-        """Release ``e``'s DRAM extent and SSD record (lock held; ``e`` out of the index)."""
-        if e.dram is not None:
-            self._mover.drop_dram_copy(e)
-        if e.on_ssd and self._state.ssd is not None:
-            current = self._state.index.get(e.key)
-            if current is None or not current.on_ssd:
-                self._state.ssd.delete_many([e.key])
-            e.on_ssd = False
 
     # ------------------------------------------------------------------ reads
 
@@ -308,8 +285,9 @@ class Shard:
     def _after_read(self, e: Entry, tier: Tier, ok: bool, dst: np.ndarray) -> Tier | None:
         """Bookkeeping after a read (lock held): stats, corruption handling, promotion."""
         s = self._state
-        if e.key in self._doomed and e.readers == 0:
-            self._free(self._doomed.pop(e.key))
+        if e.doomed and e.readers == 0:
+            e.doomed = False
+            self._mover.free_removed(e)
         if ok:
             counters = s.dram_counters if tier is Tier.DRAM else s.ssd_counters
             counters.hits += 1

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import threading
 
 import numpy as np
 
-from kvflow.kvdb import Shard, Tier
+from kvflow.kvdb import BlockPinnedError, Shard, Tier
 from tests.kvdb.conftest import NBYTES, ShardFactory, keys, value
 
 VALUES = [value(i) for i in range(40)]
@@ -37,20 +38,21 @@ def test_threads_read_write_remove_without_corruption(make_shard: ShardFactory) 
         rng = random.Random(seed)
         buf = np.empty(NBYTES, np.uint8)
         try:
-            for _ in range(400):
+            for _ in range(500):
                 i = rng.randrange(len(ks))
                 op = rng.random()
-                if op < 0.45:
+                if op < 0.4:
                     shard.put(ks[i], VALUES[i])
-                elif op < 0.9:
+                elif op < 0.82:
                     tier = shard.get_into(ks[i], buf)
                     if tier is not None and not np.array_equal(buf, VALUES[i]):
                         bad.append(i)
-                elif op < 0.95:
+                elif op < 0.87:
                     if shard.pin([ks[i]])[0]:
                         shard.unpin([ks[i]])
                 else:
-                    shard.remove(ks[i])
+                    with contextlib.suppress(BlockPinnedError):  # another thread's pin
+                        shard.remove(ks[i])
         except BaseException as exc:
             errors.append(exc)
 
@@ -60,7 +62,8 @@ def test_threads_read_write_remove_without_corruption(make_shard: ShardFactory) 
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
-    assert errors == [] and bad == []
+    assert errors == [], errors
+    assert bad == [], bad
     check_invariants(shard)
     stats = shard.stats()
     assert stats.dram.corruptions == 0 and stats.ssd.corruptions == 0
