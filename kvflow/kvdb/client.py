@@ -89,6 +89,8 @@ class KVClient(abc.ABC):
         (earlier blocks stay stored)."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if not keys:
+            return []
         if parents is None:
             parents = [None, *keys[:-1]]
         elif len(parents) != len(keys):

@@ -43,6 +43,8 @@ def test_batch_forms(client: EmbeddedClient) -> None:
     assert all(np.array_equal(bufs[i], value(i)) for i in range(4))
     assert client.batch_get([ks[0], missing]) == [value(0).tobytes(), None]
     assert client.batch_remove([ks[0], missing]) == [True, False]
+    assert client.batch_put([], []) == []
+    assert client.batch_get_into([], []) == [] and client.match_prefix([]) == 0
     with pytest.raises(ValueError, match="values"):
         client.batch_put(ks, [value(0)])
     with pytest.raises(ValueError, match="buffers"):
