@@ -61,11 +61,34 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars), strict=True))
 
 
-def build_tokenizer() -> HFTokenizer:
-    """Byte-level tokenizer: <unk>=0, <s>=1, </s>=2, then the 256 bytes in byte order."""
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+def _pseudo_word(i: int) -> str:
+    """A pronounceable word for id ``i`` (distinct ids give distinct words)."""
+    syllables = []
+    while True:
+        i, r = divmod(i, len(_CONSONANTS) * len(_VOWELS))
+        syllables.append(_CONSONANTS[r // len(_VOWELS)] + _VOWELS[r % len(_VOWELS)])
+        if i == 0:
+            return "".join(syllables)
+        i -= 1
+
+
+def build_tokenizer(vocab_size: int = 0) -> HFTokenizer:
+    """Byte-level tokenizer: <unk>=0, <s>=1, </s>=2, then the 256 bytes in byte order.
+
+    Ids from 259 up to ``vocab_size`` (the model's embedding rows) decode to " <word>" pseudo
+    words, so whatever a random-weight model samples shows as text; encoding text never
+    produces them (there are no merges)."""
+    to_unicode = _bytes_to_unicode()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for b, ch in sorted(_bytes_to_unicode().items()):
+    for b, ch in sorted(to_unicode.items()):
         vocab[ch] = len(SPECIAL_TOKENS) + b
+    space = to_unicode[ord(" ")]
+    for i in range(len(vocab), vocab_size):
+        vocab[space + _pseudo_word(i)] = i
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -129,5 +152,5 @@ def write_demo_model(out: str | Path, preset: str = "tiny", seed: int = 0) -> Pa
     state = _random_weights(config, seed, dtype)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    build_tokenizer().save(str(path / "tokenizer.json"))
+    build_tokenizer(p.vocab_size).save(str(path / "tokenizer.json"))
     return path

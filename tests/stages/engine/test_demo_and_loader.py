@@ -75,3 +75,13 @@ def test_bf16_and_fp16_run(tiny_dir: Path) -> None:
         while engine.has_unfinished():
             engine.step()
         assert engine.export_page("r", 0).dtype == engine.page_dtype
+
+
+def test_demo_tokenizer_gives_every_model_id_visible_text():
+    tok = build_tokenizer(vocab_size=600)
+    assert tok.get_vocab_size() == 600
+    words = [tok.decode([i]) for i in range(259, 600)]
+    assert all(w.startswith(" ") and w.strip().isalpha() for w in words)
+    assert len(set(words)) == len(words)
+    # Encoding is unchanged: plain bytes, never the pseudo words.
+    assert max(tok.encode("hello world, " * 5).ids) < 259
