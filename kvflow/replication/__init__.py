@@ -14,13 +14,18 @@ from kvflow.replication.errors import (
     ReplicationError,
 )
 from kvflow.replication.group import MetadataGroup
+from kvflow.replication.protocols import MetadataClient, MetadataReader
+from kvflow.replication.remote import RemoteMetadata
+from kvflow.replication.remote_view import RemoteMetadataView
 from kvflow.replication.table import MetadataTable
 from kvflow.replication.types import NodeId, NodeInfo, Tier
 from kvflow.replication.view import MetadataView
 
 __all__ = [
+    "MetadataClient",
     "MetadataConfig",
     "MetadataGroup",
+    "MetadataReader",
     "MetadataTable",
     "MetadataTimeoutError",
     "MetadataUnavailableError",
@@ -28,6 +33,8 @@ __all__ = [
     "NodeId",
     "NodeInfo",
     "NotLeaderError",
+    "RemoteMetadata",
+    "RemoteMetadataView",
     "ReplicationError",
     "Tier",
 ]

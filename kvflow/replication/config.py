@@ -11,7 +11,7 @@ DUMP_FILE = "raft.dump"
 """File name of the compacted full state inside ``journal_dir``."""
 
 
-def _check_address(field: str, address: str) -> None:
+def check_address(field: str, address: str) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{field}: expected 'host:port' with a port in 1..65535, got {address!r}")
@@ -58,11 +58,11 @@ class MetadataConfig:
     """... or this long after the previous compaction."""
 
     def __post_init__(self) -> None:
-        _check_address("self_address", self.self_address)
+        check_address("self_address", self.self_address)
         if not isinstance(self.partner_addresses, tuple):
             raise ValueError("partner_addresses: must be a tuple of 'host:port' strings")
         for address in self.partner_addresses:
-            _check_address("partner_addresses", address)
+            check_address("partner_addresses", address)
         if self.self_address in self.partner_addresses:
             raise ValueError("partner_addresses: must not contain self_address")
         if len(set(self.partner_addresses)) != len(self.partner_addresses):

@@ -29,7 +29,13 @@ from kvflow.replication.codec import (
 )
 from kvflow.replication.config import MetadataConfig
 from kvflow.replication.errors import MetadataTimeoutError, MetadataUnavailableError
-from kvflow.replication.raft import CLOSED, Pending, raise_for, syncobj_conf
+from kvflow.replication.raft import (
+    CLOSED,
+    Pending,
+    check_restart_safe,
+    raise_for,
+    syncobj_conf,
+)
 from kvflow.replication.shell import ReplicatedTable
 from kvflow.replication.types import NodeId, Tier
 from kvflow.replication.view import MetadataView
@@ -77,12 +83,15 @@ class MetadataGroup:
 
     def start(self) -> None:
         """Bind, replay the journal, and start ticking. Raises MetadataUnavailableError if
-        the address cannot be bound or the group was closed; a second call is a no-op."""
+        the address cannot be bound or the group was closed, ReplicationError if a restart
+        from the journal would not be safe (see ``raft.check_restart_safe``); a second call
+        is a no-op."""
         with self._state_lock:
             if self._closed:
                 raise MetadataUnavailableError("metadata group is closed")
             if self._syncobj is not None:
                 return
+            check_restart_safe(self._config)
             if self._config.journal_dir is not None:
                 self._config.journal_dir.mkdir(parents=True, exist_ok=True)
             try:
@@ -279,6 +288,14 @@ class MetadataGroup:
         """Whether this replica believes it is the leader (may be briefly stale)."""
         syncobj = self._syncobj
         return syncobj is not None and not self._closed and bool(syncobj._isLeader())
+
+    def is_ready(self) -> bool:
+        """Whether a leader is known and this replica has caught up (``wait_ready`` would
+        return now). False when not started or closed."""
+        syncobj = self._syncobj
+        if syncobj is None or self._closed:
+            return False
+        return bool(syncobj.isReady()) and syncobj._getLeader() is not None
 
     def leader(self) -> str | None:
         """The leader's address as this replica knows it, or None."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObjConf
+from pysyncobj.journal import FileJournal
 
 from kvflow.replication.config import MetadataConfig
 from kvflow.replication.errors import (
@@ -58,6 +59,27 @@ def raise_for(error: int | None, leader: Callable[[], str | None]) -> None:
     if error == FAIL_REASON.QUEUE_FULL:
         raise MetadataUnavailableError("metadata command queue is full")
     raise ReplicationError(f"metadata write failed (pysyncobj reason {error})")
+
+
+def persists_term_and_vote() -> bool:
+    """Whether the installed pysyncobj keeps ``currentTerm``/``votedFor`` in its journal
+    (``raft.journal.meta``, written before a vote is answered: the fix of its PR 202, shipped
+    in 0.3.17). Without it a replica restarted from its journal could vote twice in one term."""
+    return all(
+        callable(getattr(FileJournal, name, None))
+        for name in ("setCurrentTerm", "getCurrentTerm", "getVotedForNodeId")
+    )
+
+
+def check_restart_safe(config: MetadataConfig) -> None:
+    """Refuse to run a replica of a multi-replica group with a file journal on a pysyncobj
+    that does not persist its term and vote (see :func:`persists_term_and_vote`)."""
+    journaled_group = bool(config.partner_addresses) and config.journal_dir is not None
+    if journaled_group and not persists_term_and_vote():
+        raise ReplicationError(
+            "the installed pysyncobj does not persist currentTerm/votedFor (needs >= 0.3.17);"
+            " a replica restarted from its journal could vote twice in one term"
+        )
 
 
 def syncobj_conf(config: MetadataConfig) -> SyncObjConf:

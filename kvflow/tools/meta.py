@@ -1,0 +1,158 @@
+"""`kvflow serve --role meta`: one replica of the Raft metadata group and its gRPC service.
+
+Runs until SIGINT/SIGTERM. Three of these (each listing the other two in ``--peers``) make a
+group; kvdb nodes and routers reach it with ``RemoteMetadata`` on the three ``--grpc-port``
+endpoints. The journal lives in ``<data-dir>/meta-<meta-id>``; restarting with the same
+``--address``, ``--peers`` and directory replays it and catches up from the leader (a journal
+is refused under another address or member list, or while another process holds it).
+
+    python -m kvflow.tools.meta --meta-id 0 --address 127.0.0.1:7100 \\
+        --peers 127.0.0.1:7101,127.0.0.1:7102 --grpc-port 7200 --data-dir data
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from kvflow.replication import MetadataConfig, MetadataGroup, ReplicationError
+from kvflow.replication.journal_guard import JournalClaim, claim_journal_dir
+from kvflow.replication.service import create_meta_server
+
+logger = logging.getLogger(__name__)
+
+_DEFAULTS = MetadataConfig(self_address="127.0.0.1:1")
+
+
+def add_meta_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the meta role's options. ``--data-dir`` and ``--host`` are reused when the parser
+    already has them (``kvflow serve`` does)."""
+    existing = parser._option_string_actions
+    parser.add_argument("--meta-id", default="0", help="this replica's name (journal folder)")
+    parser.add_argument("--address", help="this replica's Raft endpoint HOST:PORT (required)")
+    parser.add_argument(
+        "--peers", default="", help="comma-separated Raft endpoints of the other replicas"
+    )
+    parser.add_argument("--grpc-port", type=int, default=0, help="metadata service port; 0 = any")
+    if "--host" not in existing:
+        parser.add_argument("--host", default="127.0.0.1", help="metadata service bind host")
+    if "--data-dir" not in existing:
+        parser.add_argument("--data-dir", type=Path, default=Path("data"))
+    parser.add_argument(
+        "--memory-journal", action="store_true", help="no journal files (state lost on exit)"
+    )
+    parser.add_argument("--commit-timeout-s", type=float, default=_DEFAULTS.commit_timeout_s)
+    parser.add_argument("--node-dead-after-s", type=float, default=_DEFAULTS.node_dead_after_s)
+    parser.add_argument("--raft-min-timeout-s", type=float, default=_DEFAULTS.raft_min_timeout_s)
+    parser.add_argument("--raft-max-timeout-s", type=float, default=_DEFAULTS.raft_max_timeout_s)
+
+
+def config_from_args(args: argparse.Namespace) -> MetadataConfig:
+    """The replica's config; raises ValueError naming the bad option."""
+    if not args.address:
+        raise ValueError("--address: this replica's Raft endpoint HOST:PORT is required")
+    if not str(args.meta_id) or "/" in str(args.meta_id):
+        raise ValueError(f"--meta-id: expected a plain name, got {args.meta_id!r}")
+    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    journal = None if args.memory_journal else Path(args.data_dir) / f"meta-{args.meta_id}"
+    return MetadataConfig(
+        self_address=args.address,
+        partner_addresses=peers,
+        journal_dir=journal,
+        commit_timeout_s=args.commit_timeout_s,
+        node_dead_after_s=args.node_dead_after_s,
+        raft_min_timeout_s=args.raft_min_timeout_s,
+        raft_max_timeout_s=args.raft_max_timeout_s,
+    )
+
+
+def run_meta(args: argparse.Namespace) -> int:
+    """Run one replica and its service until SIGINT/SIGTERM. Returns the exit code: 0 after
+    a signal, 2 for bad options, 1 when the replica cannot start."""
+    try:
+        config = config_from_args(args)
+        if not 0 <= args.grpc_port < 65536:
+            raise ValueError(f"--grpc-port: expected 0..65535, got {args.grpc_port}")
+    except ValueError as exc:
+        print(f"kvflow meta: {exc}", file=sys.stderr)
+        return 2
+    claim: JournalClaim | None = None
+    group = MetadataGroup(config)
+    server = None
+    stop = threading.Event()
+    previous = _install_handlers(stop)
+    try:
+        if config.journal_dir is not None:
+            claim = claim_journal_dir(
+                config.journal_dir, config.self_address, config.partner_addresses
+            )
+        group.start()
+        server, port = create_meta_server(group, args.host, args.grpc_port)
+        server.start()
+        print(
+            f"kvflow meta {args.meta_id}: raft {config.self_address} grpc {args.host}:{port} "
+            f"peers {','.join(config.partner_addresses) or '-'} "
+            f"journal {config.journal_dir or 'memory'}",
+            flush=True,
+        )
+        stop.wait()
+        return 0
+    except ReplicationError as exc:
+        print(f"kvflow meta: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop(grace=1.0).wait()
+        group.close()
+        if claim is not None:
+            claim.release()
+        _restore_handlers(previous)
+
+
+_Handler = signal.Handlers | int | None | object
+
+
+def _install_handlers(stop: threading.Event) -> dict[int, _Handler]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        logger.info("metadata replica: signal %d, stopping", signum)
+        stop.set()
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_handlers(previous: dict[int, _Handler]) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)  # type: ignore[arg-type]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvflow.tools.meta", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    add_meta_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return run_meta(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
