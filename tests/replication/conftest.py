@@ -10,6 +10,7 @@ import pytest
 
 from kvflow.replication import MetadataConfig, MetadataGroup
 from tests.conftest import pick_free_port
+from tests.replication.procs import MetaCluster
 
 FAST_RAFT = {
     "append_entries_period_s": 0.05,
@@ -63,3 +64,32 @@ def _no_tick_threads_left() -> Iterator[None]:
     yield
     alive = [t.name for t in threading.enumerate() if t.name.startswith("kvflow-meta-")]
     assert alive == [], f"metadata tick threads still running: {alive}"
+
+
+@pytest.fixture
+def meta_cluster(tmp_path: Path) -> Iterator[Callable[[int], MetaCluster]]:
+    """meta_cluster(n) -> a MetaCluster of n replica processes (not started); every process
+    of every cluster made is killed at teardown, also when the test failed."""
+    made: list[MetaCluster] = []
+
+    def factory(n: int = 3) -> MetaCluster:
+        cluster = MetaCluster(tmp_path / f"cluster-{len(made)}", n)
+        cluster.root.mkdir(parents=True)
+        made.append(cluster)
+        return cluster
+
+    yield factory
+    for cluster in made:
+        cluster.stop_all()
+
+
+@pytest.fixture(scope="module")
+def running_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetaCluster]:
+    """3 replica processes started once for a test module, with an agreed leader."""
+    cluster = MetaCluster(tmp_path_factory.mktemp("meta-cluster"), 3)
+    try:
+        cluster.start_all()
+        cluster.leader_index()
+        yield cluster
+    finally:
+        cluster.stop_all()
