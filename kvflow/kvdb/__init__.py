@@ -5,45 +5,69 @@ See README.md in this folder for the layers, configuration and API.
 
 from __future__ import annotations
 
+from kvflow.kvdb.block_service import BlockServer, add_block_service, segment_name
 from kvflow.kvdb.client import EmbeddedClient, KVClient
 from kvflow.kvdb.config import StoreConfig
+from kvflow.kvdb.dram_lease import HotBlock, LeasedBlock
 from kvflow.kvdb.errors import (
     BlockPinnedError,
     ChecksumError,
     IncompatibleDataDirError,
     InvalidBufferError,
     InvalidKeyError,
+    InvalidRequestError,
     KVDBError,
     NamespaceMismatchError,
     NotPinnedError,
+    RemoteReadError,
     StorageEngineError,
     StoreClosedError,
     StoreFullError,
+    UnknownShardError,
     ValueSizeError,
 )
 from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored
 from kvflow.kvdb.keys import BlockKey, KVLayout, Namespace, block_keys, next_key
 from kvflow.kvdb.metadata_sync import MetadataSync
+from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, BLOCK_SERVICE_NAME
+from kvflow.kvdb.remote import RemoteClient, RemoteLease, RemoteStats
+from kvflow.kvdb.remote_config import BlockServiceConfig, RemoteClientConfig
 from kvflow.kvdb.replicas import LocalReplicas, MetadataReplicas, ReplicaCounter
+from kvflow.kvdb.service import (
+    AdminSource,
+    KVAdmin,
+    ShardRef,
+    StaticAdminSource,
+    add_admin_service,
+)
 from kvflow.kvdb.shard import Shard
 from kvflow.kvdb.stats import StoreStats, TierStats
 from kvflow.kvdb.store import Store, open_store, single_replica_metadata
 from kvflow.replication import NodeId, Tier
 
 __all__ = [
+    "ADMIN_SERVICE_NAME",
+    "BLOCK_SERVICE_NAME",
+    "AdminSource",
     "BlockEvent",
     "BlockKey",
     "BlockPinnedError",
     "BlockRemoved",
+    "BlockServer",
+    "BlockServiceConfig",
     "BlockStored",
     "ChecksumError",
     "EmbeddedClient",
+    "HotBlock",
     "IncompatibleDataDirError",
     "InvalidBufferError",
     "InvalidKeyError",
+    "InvalidRequestError",
+    "KVAdmin",
     "KVClient",
     "KVDBError",
     "KVLayout",
+    "LeasedBlock",
     "LocalReplicas",
     "MetadataReplicas",
     "MetadataSync",
@@ -51,8 +75,15 @@ __all__ = [
     "NamespaceMismatchError",
     "NodeId",
     "NotPinnedError",
+    "RemoteClient",
+    "RemoteClientConfig",
+    "RemoteLease",
+    "RemoteReadError",
+    "RemoteStats",
     "ReplicaCounter",
     "Shard",
+    "ShardRef",
+    "StaticAdminSource",
     "StorageEngineError",
     "Store",
     "StoreClosedError",
@@ -61,9 +92,13 @@ __all__ = [
     "StoreStats",
     "Tier",
     "TierStats",
+    "UnknownShardError",
     "ValueSizeError",
+    "add_admin_service",
+    "add_block_service",
     "block_keys",
     "next_key",
     "open_store",
+    "segment_name",
     "single_replica_metadata",
 ]

@@ -18,6 +18,7 @@ class Entry:
         "checksum",
         "doomed",
         "dram",
+        "hits",
         "key",
         "last_access",
         "nbytes",
@@ -40,6 +41,7 @@ class Entry:
         self.readers = 0
         self.doomed = False  # removed from the index while being read; freed by the last reader
         self.last_access = now
+        self.hits = 0  # reads served (local get_into and remote leases), for the admin's "hot"
 
     @property
     def tier(self) -> Tier:

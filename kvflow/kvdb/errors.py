@@ -53,3 +53,17 @@ class NotPinnedError(KVDBError, ValueError):
 
 class StoreClosedError(KVDBError):
     """The shard or client was used after close()."""
+
+
+class InvalidRequestError(KVDBError, ValueError):
+    """An admin or block-service request is malformed (bad key hex, negative size, unknown
+    tier name...); the gRPC services answer INVALID_ARGUMENT."""
+
+
+class UnknownShardError(KVDBError, LookupError):
+    """A request names a shard this server does not hold; the gRPC services answer NOT_FOUND."""
+
+
+class RemoteReadError(KVDBError):
+    """The control RPC of a remote read failed (holder unreachable, or it refused the
+    request). Per-block transfer or checksum failures are misses, not this error."""

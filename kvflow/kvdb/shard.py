@@ -23,6 +23,7 @@ from kvflow.kvdb.buffers import readable_bytes, writable_bytes
 from kvflow.kvdb.codec import copy_and_checksum, verified_copy
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.dram import DramTier
+from kvflow.kvdb.dram_lease import HotBlock, LeasedBlock, hottest, lease_leading, release_pins
 from kvflow.kvdb.engines import ENGINES, StorageEngine
 from kvflow.kvdb.entry import Entry
 from kvflow.kvdb.errors import (
@@ -289,6 +290,7 @@ class Shard:
             e.doomed = False
             self._mover.free_removed(e)
         if ok:
+            e.hits += 1
             counters = s.dram_counters if tier is Tier.DRAM else s.ssd_counters
             counters.hits += 1
             counters.bytes_read += e.nbytes
@@ -399,6 +401,39 @@ class Shard:
             if tier is Tier.DRAM:
                 return 0 if self._state.dram is None else self._mover.evict_dram(nbytes)
             return 0 if self._state.ssd is None else self._mover.evict_ssd(nbytes)
+
+    # ------------------------------------------------------------------ remote reads
+
+    @property
+    def dram_pool(self) -> np.ndarray | None:
+        """The DRAM tier's whole preallocated pool (uint8, fixed for the shard's life), to
+        register as a transfer segment; None without a DRAM tier. Its bytes are only
+        meaningful inside extents handed out by ``lease_dram``."""
+        return None if self._state.dram is None else self._state.dram.pool
+
+    def lease_dram(self, keys: Sequence[bytes], promote: bool = True) -> list[LeasedBlock]:
+        """Pin the leading ``keys`` held in DRAM (with ``promote``, an SSD-only block is first
+        read into DRAM) and return where each lies in ``dram_pool``; stops at the first key
+        that is absent or cannot be brought into DRAM. Each returned block holds one pin until
+        ``release_dram`` (the caller must release exactly what it got). Counts as hits."""
+        checked = [check_key(k) for k in keys]
+        with self._lock:
+            self._check_open()
+            return lease_leading(self._state, self._mover, checked, promote, self._tick())
+
+    def release_dram(self, keys: Sequence[bytes]) -> int:
+        """Drop the pins of a ``lease_dram`` (keys no longer held are skipped, never an error;
+        works after close). Returns the pins dropped."""
+        checked = [check_key(k) for k in keys]
+        with self._lock:
+            return release_pins(self._state, checked)
+
+    def hot(self, n: int) -> list[HotBlock]:
+        """The ``n`` most-read blocks (hits counted per block since it was stored)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        with self._lock:
+            return hottest(self._state, n)
 
     # ------------------------------------------------------------------ state
 

@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvflow.tools.replay",
     "kvflow.tools.bench_metadata",
     "kvflow.tools.bench_transfer",
+    "kvflow.tools.kvadmin",
 )
 
 

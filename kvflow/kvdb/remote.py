@@ -1,0 +1,416 @@
+"""RemoteClient: read blocks from another node's DRAM through the transfer engine.
+
+One ``batch_get_into(keys, bufs)`` is: a Lease RPC to the holder's BlockService (it pins the
+leading blocks it holds, promoting SSD hits into DRAM, and says where they lie in its DRAM
+segment), ONE transfer batch of READs, a checksum check of every block, and a Release RPC.
+
+Where the bytes land. A destination that lies inside memory registered with
+``register_destination`` (e.g. the whole KV page pool, registered once) is read into
+directly: zero copies on this side, and the checksum is computed over the destination. Any
+other destination is read into a registered staging buffer first, verified there and then
+copied, because the transfer engine can only write into registered memory and registering a
+buffer per call would cost more than the copy (and leave registrations behind). So: register
+the page pool once and pass views of it.
+
+Misses, not errors: a key past the leased prefix, a failed transfer and a failed checksum give
+None for that block. On a direct read a failed block's destination holds unspecified bytes; on
+a staged read it is untouched. Control-plane failures (holder unreachable, refused request)
+raise RemoteReadError; a size mismatch raises ValueSizeError before any byte moves.
+
+Thread-safety: every method is thread-safe; staged reads of concurrent calls are serialised by
+one lock (direct reads are not).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvflow.kvdb.buffers import writable_bytes
+from kvflow.kvdb.codec import checksum
+from kvflow.kvdb.errors import RemoteReadError, ValueSizeError
+from kvflow.kvdb.proto import pb2, pb2_grpc
+from kvflow.kvdb.remote_config import RemoteClientConfig
+from kvflow.kvdb.shard import check_key
+from kvflow.replication import Tier
+from kvflow.transfer import (
+    OpCode,
+    SegmentHandle,
+    TransferEngine,
+    TransferError,
+    TransferRequest,
+    TransferStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+_TIERS = {"dram": Tier.DRAM, "ssd": Tier.SSD}
+
+
+@dataclass(frozen=True)
+class RemoteBlock:
+    """One leased block: ``length`` bytes at ``offset`` of the lease's segment."""
+
+    offset: int
+    length: int
+    checksum: int
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class RemoteLease:
+    """A granted lease (``lease_id`` 0: nothing leased) over the leading keys asked for."""
+
+    lease_id: int
+    segment: str
+    blocks: tuple[RemoteBlock, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class RemoteStats:
+    """Counters since the client was created (a snapshot)."""
+
+    leases: int
+    hits: int
+    misses: int
+    transfer_failures: int
+    checksum_failures: int
+    bytes_read: int
+    staged_bytes: int
+
+
+@dataclass(frozen=True)
+class _Region:
+    name: str
+    start: int
+    end: int
+
+
+def _address(arr: np.ndarray) -> int:
+    return int(arr.__array_interface__["data"][0])
+
+
+class RemoteClient:
+    """Reads from the holder whose BlockService is at ``control_address`` ("host:port") and
+    whose transfer server is ``peer`` (its ``TransferEngine.peer_address``), using the local
+    ``transfer`` engine. ``shard``: the holder's shard id ("" if it has one shard).
+    ``channel``: an existing gRPC channel to reuse (not closed by ``close``)."""
+
+    def __init__(
+        self,
+        control_address: str,
+        transfer: TransferEngine,
+        peer: str,
+        *,
+        shard: str = "",
+        config: RemoteClientConfig | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.config = config or RemoteClientConfig()
+        self.peer = peer
+        self.shard = shard
+        self._transfer = transfer
+        self._own_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(
+            control_address, options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        self._stub = pb2_grpc.BlockServiceStub(self._channel)
+        self._tag = uuid.uuid4().hex[:12]
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self._staging_lock = threading.Lock()
+        self._regions: list[_Region] = []
+        self._staging: tuple[str, np.ndarray] | None = None
+        self._targets: dict[str, SegmentHandle] = {}
+        self._counts = dict.fromkeys(
+            ("leases", "hits", "misses", "transfer_failures", "checksum_failures"), 0
+        )
+        self._counts.update(bytes_read=0, staged_bytes=0)
+        self._closed = False
+
+    # ----------------------------------------------------------------- registration
+
+    def register_destination(self, buffer: Any) -> str:
+        """Register ``buffer`` (writable, contiguous: numpy, CPU tensor, bytearray...) with
+        the transfer engine once; later reads into views inside it go there directly. The
+        caller keeps it alive until ``unregister_destination`` / ``close``. Returns its
+        segment name."""
+        arr = writable_bytes(buffer)
+        name = f"kvdb-dst-{self._tag}-{next(self._names)}"
+        self._transfer.register_memory(name, arr)
+        start = _address(arr)
+        with self._lock:
+            self._regions.append(_Region(name, start, start + arr.shape[0]))
+        return name
+
+    def unregister_destination(self, name: str) -> None:
+        with self._lock:
+            self._regions = [r for r in self._regions if r.name != name]
+        self._transfer.unregister_memory(name)
+
+    def _locate(self, dst: np.ndarray) -> tuple[str, int] | None:
+        start = _address(dst)
+        end = start + dst.shape[0]
+        for region in self._regions:
+            if region.start <= start and end <= region.end:
+                return region.name, start - region.start
+        return None
+
+    def _staging_buffer(self, nbytes: int) -> tuple[str, np.ndarray]:
+        """The staging buffer, at least ``nbytes`` (call with the staging lock held)."""
+        if self._staging is not None and self._staging[1].shape[0] >= nbytes:
+            return self._staging
+        if self._staging is not None:
+            self._transfer.unregister_memory(self._staging[0])
+        size = max(nbytes, self.config.staging_bytes)
+        name = f"kvdb-staging-{self._tag}-{next(self._names)}"
+        buf = np.empty(size, dtype=np.uint8)
+        self._transfer.register_memory(name, buf)
+        self._staging = (name, buf)
+        return self._staging
+
+    # ----------------------------------------------------------------- control plane
+
+    def _call(self, method: Any, request: Any, what: str) -> Any:
+        try:
+            return method(request, timeout=self.config.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            raise RemoteReadError(f"{what} failed: {code}: {details}") from exc
+
+    def lease(self, keys: Sequence[bytes]) -> RemoteLease:
+        """Lease the leading ``keys`` the holder has (see the module doc). Raises
+        InvalidKeyError (bad key, nothing sent) or RemoteReadError."""
+        checked = [check_key(k) for k in keys]
+        reply = self._call(
+            self._stub.Lease, pb2.LeaseRequest(shard=self.shard, keys=checked), "Lease"
+        )
+        with self._lock:
+            self._counts["leases"] += 1
+        blocks = tuple(
+            RemoteBlock(b.offset, b.length, b.checksum, _TIERS.get(b.tier, Tier.DRAM))
+            for b in reply.blocks
+        )
+        return RemoteLease(reply.lease_id, reply.segment, blocks, reply.timeout_s)
+
+    def release(self, lease: RemoteLease) -> bool:
+        """Give the lease back; False if the holder no longer knew it (expired) or could not
+        be reached (then the lease simply times out there). Never raises for that."""
+        if lease.lease_id == 0:
+            return False
+        try:
+            reply = self._call(
+                self._stub.Release, pb2.ReleaseRequest(lease_id=lease.lease_id), "Release"
+            )
+        except RemoteReadError as exc:
+            logger.warning("lease=%d not released: %s", lease.lease_id, exc)
+            return False
+        return bool(reply.released)
+
+    # ----------------------------------------------------------------- data plane
+
+    def _target(self, segment: str) -> SegmentHandle:
+        with self._lock:
+            handle = self._targets.get(segment)
+        if handle is None:
+            handle = self._transfer.open_segment(self.peer, segment)
+            with self._lock:
+                self._targets[segment] = handle
+        return handle
+
+    def read_into(self, lease: RemoteLease, bufs: Sequence[Any]) -> list[Tier | None]:
+        """Copy the lease's blocks into ``bufs`` (one per block, in order, each exactly the
+        block's length; ValueSizeError otherwise, before anything moves) with one transfer
+        batch, verifying every checksum. Returns per block the holder's tier, or None."""
+        if len(bufs) != len(lease.blocks):
+            raise ValueError(f"{len(lease.blocks)} leased blocks but {len(bufs)} buffers")
+        dsts = [writable_bytes(b) for b in bufs]
+        for i, (dst, block) in enumerate(zip(dsts, lease.blocks, strict=True)):
+            if dst.shape[0] != block.length:
+                raise ValueSizeError(
+                    f"bufs[{i}] has {dst.shape[0]} bytes, the block holds {block.length}"
+                )
+        if not dsts:
+            return []
+        try:
+            target = self._target(lease.segment)
+        except TransferError as exc:  # segment gone, holder's transfer server unreachable
+            logger.info("lease=%d: cannot open segment=%s: %s", lease.lease_id, lease.segment, exc)
+            with self._lock:
+                self._counts["transfer_failures"] += len(dsts)
+            return self._finish(lease, [False] * len(dsts))
+        with self._lock:
+            places = [self._locate(dst) for dst in dsts]
+        staged = [i for i, place in enumerate(places) if place is None]
+        ok = [False] * len(dsts)
+        if staged:
+            with self._staging_lock:
+                self._read_rounds(lease, target, dsts, places, staged, ok)
+        else:
+            self._read_rounds(lease, target, dsts, places, staged, ok)
+        return self._finish(lease, ok)
+
+    def _read_rounds(
+        self,
+        lease: RemoteLease,
+        target: SegmentHandle,
+        dsts: list[np.ndarray],
+        places: list[tuple[str, int] | None],
+        staged: list[int],
+        ok: list[bool],
+    ) -> None:
+        """Direct reads go in the first batch with as many staged reads as the staging buffer
+        holds; further staged reads follow in more batches."""
+        blocks = lease.blocks
+        direct = [i for i, place in enumerate(places) if place is not None]
+        staging: tuple[str, np.ndarray] | None = None
+        if staged:
+            staging = self._staging_buffer(max(blocks[i].length for i in staged))
+        pending = list(staged)
+        first = True
+        while first or pending:
+            round_items: list[tuple[int, str, int]] = []
+            if first:
+                round_items = [(i, *places[i]) for i in direct]  # type: ignore[misc]
+            used = 0
+            while staging is not None and pending:
+                length = blocks[pending[0]].length
+                if used + length > staging[1].shape[0]:
+                    break
+                round_items.append((pending.pop(0), staging[0], used))
+                used += length
+            first = False
+            if not round_items:
+                break
+            statuses = self._transfer.transfer(
+                [
+                    TransferRequest(
+                        OpCode.READ, name, offset, target, blocks[i].offset, blocks[i].length
+                    )
+                    for i, name, offset in round_items
+                ]
+            )
+            self._check(lease, round_items, statuses, dsts, staging, ok)
+
+    def _check(
+        self,
+        lease: RemoteLease,
+        items: list[tuple[int, str, int]],
+        statuses: list[TransferStatus],
+        dsts: list[np.ndarray],
+        staging: tuple[str, np.ndarray] | None,
+        ok: list[bool],
+    ) -> None:
+        transfer_failures = checksum_failures = staged_bytes = 0
+        for (i, name, offset), status in zip(items, statuses, strict=True):
+            block = lease.blocks[i]
+            if not status.ok:
+                transfer_failures += 1
+                logger.info(
+                    "remote read of block %d (lease=%d) failed: %s", i, lease.lease_id, status.error
+                )
+                if status.error and status.error.startswith("UnknownSegmentError"):
+                    with self._lock:
+                        self._targets.pop(lease.segment, None)
+                continue
+            if staging is not None and name == staging[0]:
+                data = staging[1][offset : offset + block.length]
+                if checksum(data) == block.checksum:
+                    dsts[i][:] = data
+                    ok[i] = True
+                    staged_bytes += block.length
+                else:
+                    checksum_failures += 1
+            elif checksum(dsts[i]) == block.checksum:
+                ok[i] = True
+            else:
+                checksum_failures += 1
+        if checksum_failures:
+            logger.info(
+                "lease=%d: %d blocks failed their checksum", lease.lease_id, checksum_failures
+            )
+        with self._lock:
+            self._counts["transfer_failures"] += transfer_failures
+            self._counts["checksum_failures"] += checksum_failures
+            self._counts["staged_bytes"] += staged_bytes
+
+    def _finish(self, lease: RemoteLease, ok: list[bool]) -> list[Tier | None]:
+        out = [b.tier if good else None for b, good in zip(lease.blocks, ok, strict=True)]
+        hits = sum(ok)
+        with self._lock:
+            self._counts["hits"] += hits
+            self._counts["misses"] += len(ok) - hits
+            self._counts["bytes_read"] += sum(
+                b.length for b, g in zip(lease.blocks, ok, strict=True) if g
+            )
+        return out
+
+    def batch_get_into(self, keys: Sequence[bytes], bufs: Sequence[Any]) -> list[Tier | None]:
+        """Lease, read, verify, release: per key the tier the holder had it in, or None (not
+        held past the leading run, transfer or checksum failure)."""
+        if len(keys) != len(bufs):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        self._check_open()
+        if not keys:
+            return []
+        lease = self.lease(keys)
+        try:
+            got = self.read_into(lease, bufs[: len(lease.blocks)])
+        finally:
+            self.release(lease)
+        missing = len(keys) - len(got)
+        if missing:
+            with self._lock:
+                self._counts["misses"] += missing
+        return got + [None] * missing
+
+    def get_into(self, key: bytes, buf: Any) -> Tier | None:
+        """``batch_get_into`` of one key."""
+        return self.batch_get_into([key], [buf])[0]
+
+    # ----------------------------------------------------------------- state
+
+    def stats(self) -> RemoteStats:
+        with self._lock:
+            return RemoteStats(**self._counts)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RemoteReadError("remote client is closed")
+
+    def close(self) -> None:
+        """Unregister this client's destinations and staging buffer; close its channel if it
+        made it. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            names = [r.name for r in self._regions]
+            self._regions = []
+        with self._staging_lock:
+            if self._staging is not None:
+                names.append(self._staging[0])
+                self._staging = None
+        for name in names:
+            try:
+                self._transfer.unregister_memory(name)
+            except Exception:  # the engine may already be closed
+                logger.debug("unregister %s failed", name, exc_info=True)
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self) -> RemoteClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

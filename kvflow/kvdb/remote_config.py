@@ -1,0 +1,54 @@
+"""Configuration of the remote read path: the holder's block service and the reader's client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockServiceConfig:
+    """Knobs of a holder's BlockService (``kvflow.kvdb.block_service``).
+
+    lease_timeout_s: a lease not released within this many seconds is dropped and its pins
+        released (a dead reader must not pin blocks forever). Keep it above the readers'
+        transfer ``request_timeout_s``: a read that outlives its lease may find its extent
+        reused, which its checksum then reports as a miss.
+    max_keys: the most keys one Lease may name.
+    promote: lease SSD-only blocks by reading them into DRAM first; False = a lease stops at
+        the first block that is not already in DRAM.
+    reap_interval_s: how often the background reaper drops expired leases (they are also
+        dropped at every Lease call).
+    """
+
+    lease_timeout_s: float = 60.0
+    max_keys: int = 65536
+    promote: bool = True
+    reap_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.lease_timeout_s > 0:
+            raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        if not isinstance(self.max_keys, int) or self.max_keys < 1:
+            raise ValueError(f"max_keys must be an int >= 1, got {self.max_keys!r}")
+        if not self.reap_interval_s > 0:
+            raise ValueError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
+
+
+@dataclass(frozen=True)
+class RemoteClientConfig:
+    """Knobs of a reader's RemoteClient (``kvflow.kvdb.remote``).
+
+    rpc_timeout_s: deadline of each Lease / Release call.
+    staging_bytes: size of the registered staging buffer used for destinations that are not
+        inside a registered region (grown to the largest single block if smaller). Transfers
+        themselves are bounded by the TransferEngine's ``request_timeout_s``.
+    """
+
+    rpc_timeout_s: float = 5.0
+    staging_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if not self.rpc_timeout_s > 0:
+            raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+        if not isinstance(self.staging_bytes, int) or self.staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be an int >= 1, got {self.staging_bytes!r}")

@@ -1,0 +1,340 @@
+"""The kvdb admin gRPC service (``kvflow.kvdb.v1.KVAdmin``): nodes, shards, tiers, replicas,
+hot blocks, put/get statistics and manual eviction, over what a server holds.
+
+A server describes what it holds with an ``AdminSource``: its shards by id (each a
+``ShardRef``: the Shard, its node id, its kind) and, in a cluster, a read-only metadata view.
+``add_admin_service(server, source)`` mounts ``KVAdmin`` on a grpc.Server or grpc.aio.Server;
+``ADMIN_SERVICE_NAME`` is the name to list for server reflection.
+
+Thread-safety: the servicer keeps no state of its own; every call reads the shards (each
+thread-safe) and the metadata view (thread-safe) afresh. Bad input raises InvalidRequestError
+(INVALID_ARGUMENT) or UnknownShardError (NOT_FOUND) before anything is changed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import grpc
+
+from kvflow.kvdb.errors import InvalidRequestError, UnknownShardError
+from kvflow.kvdb.grpc_mount import method_names, servicer_for
+from kvflow.kvdb.keys import KEY_BYTES
+from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, pb2, pb2_grpc
+from kvflow.kvdb.shard import Shard
+from kvflow.kvdb.stats import StoreStats, TierStats
+from kvflow.replication import NodeId, NodeInfo, Tier
+
+MAX_HOT = 10_000
+"""The largest ``n`` a Hot request may ask for."""
+
+DEFAULT_DEAD_AFTER_S = 10.0
+"""A metadata node whose last heartbeat is older than this is shown unhealthy."""
+
+TIER_NAMES: dict[str, Tier] = {"dram": Tier.DRAM, "ssd": Tier.SSD}
+
+
+class ShardRef(NamedTuple):
+    """One shard a server holds: the shard, the node it belongs to, the node's kind
+    ("prefill", "decode", ...) and, optionally, the address shown for it."""
+
+    shard: Shard
+    node: NodeId
+    kind: str
+    address: str = ""
+
+
+class MetadataReader(Protocol):
+    """The parts of ``kvflow.replication.MetadataView`` the admin service reads."""
+
+    def nodes(self) -> list[NodeInfo]: ...
+
+    def replicas(self, key: bytes) -> dict[NodeId, Tier]: ...
+
+    def replica_target(self, key: bytes) -> int: ...
+
+    def num_blocks(self) -> int: ...
+
+
+class AdminSource(Protocol):
+    """What a server exposes to the admin service. ``shards`` may change between calls (it
+    is read on every call); plain ``(shard, node, kind)`` tuples are accepted as values."""
+
+    @property
+    def shards(self) -> Mapping[str, ShardRef]: ...
+
+    @property
+    def metadata(self) -> MetadataReader | None: ...
+
+
+@dataclass(frozen=True)
+class StaticAdminSource:
+    """An AdminSource over a fixed mapping (the embedded server, tests)."""
+
+    shards: Mapping[str, ShardRef]
+    metadata: MetadataReader | None = None
+
+
+def parse_key(text: str) -> bytes:
+    """A block key from its 32-character hex form; InvalidRequestError otherwise."""
+    cleaned = text.strip().lower()
+    if len(cleaned) != 2 * KEY_BYTES:
+        raise InvalidRequestError(
+            f"key must be {2 * KEY_BYTES} hex characters (a {KEY_BYTES}-byte block key), "
+            f"got {len(cleaned)} characters: {text!r:.80}"
+        )
+    try:
+        return bytes.fromhex(cleaned)
+    except ValueError:
+        raise InvalidRequestError(f"key is not hexadecimal: {text!r:.80}") from None
+
+
+def parse_tier(text: str) -> Tier:
+    tier = TIER_NAMES.get(text.strip().lower())
+    if tier is None:
+        raise InvalidRequestError(f"tier must be one of {sorted(TIER_NAMES)}, got {text!r:.40}")
+    return tier
+
+
+def _usage(t: TierStats) -> Any:
+    return pb2.TierUsage(blocks=t.blocks, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes)
+
+
+def _shard_stats(shard: str, node: str, s: StoreStats) -> Any:
+    hits = s.dram.hits + s.ssd.hits
+    misses = s.ssd.misses
+    corrupt = s.dram.corruptions + s.ssd.corruptions
+    return pb2.ShardStats(
+        shard=shard,
+        node=node,
+        puts=s.puts,
+        rejected_puts=s.rejected_puts,
+        gets=hits + misses + corrupt,
+        hits=hits,
+        dram_hits=s.dram.hits,
+        ssd_hits=s.ssd.hits,
+        misses=misses,
+        corruptions=corrupt,
+        hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+        bytes_read=s.dram.bytes_read + s.ssd.bytes_read,
+        bytes_written=s.dram.bytes_written + s.ssd.bytes_written,
+        events_dropped=s.events_dropped,
+    )
+
+
+_SUMMED = ("puts", "rejected_puts", "gets", "hits", "dram_hits", "ssd_hits", "misses")
+_SUMMED += ("corruptions", "bytes_read", "bytes_written", "events_dropped")
+
+
+class KVAdmin:
+    """The logic of the KVAdmin RPCs: ``Name(request) -> response`` (protobuf messages).
+
+    clock: wall-clock seconds (the clock the metadata group's heartbeats use); dead_after_s:
+    a node whose last heartbeat is older is reported unhealthy.
+    """
+
+    def __init__(
+        self,
+        source: AdminSource,
+        *,
+        clock: Callable[[], float] = time.time,
+        dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+    ) -> None:
+        if dead_after_s <= 0:
+            raise ValueError(f"dead_after_s must be > 0, got {dead_after_s}")
+        self._source = source
+        self._clock = clock
+        self._dead_after_s = dead_after_s
+
+    # ----------------------------------------------------------------- helpers
+
+    def _shards(self, only: str = "") -> list[tuple[str, ShardRef]]:
+        """(id, ref) of every shard, sorted by id, or just ``only``; UnknownShardError."""
+        shards = {sid: ShardRef(*ref) for sid, ref in self._source.shards.items()}
+        if only:
+            if only not in shards:
+                raise UnknownShardError(f"no shard {only!r} here; shards: {sorted(shards)}")
+            return [(only, shards[only])]
+        return sorted(shards.items())
+
+    # ----------------------------------------------------------------- RPCs
+
+    def Nodes(self, request: Any) -> Any:
+        meta = self._source.metadata
+        if meta is None:
+            rows = []
+            for sid, ref in self._shards():
+                rows.append(
+                    pb2.Node(
+                        node=ref.node,
+                        kind=ref.kind,
+                        address=ref.address,
+                        healthy=not ref.shard.closed,
+                        blocks=len(ref.shard.holdings()),
+                        source="local",
+                        shard=sid,
+                    )
+                )
+            return pb2.NodesResponse(nodes=rows, total_blocks=sum(r.blocks for r in rows))
+        now = self._clock()
+        rows = [
+            pb2.Node(
+                node=info.node,
+                kind=info.kind,
+                address=info.address,
+                healthy=now - info.last_heartbeat <= self._dead_after_s,
+                blocks=info.num_blocks,
+                has_heartbeat=True,
+                last_heartbeat=info.last_heartbeat,
+                heartbeat_age_s=max(0.0, now - info.last_heartbeat),
+                source="metadata",
+            )
+            for info in meta.nodes()
+        ]
+        return pb2.NodesResponse(nodes=rows, total_blocks=meta.num_blocks())
+
+    def Shards(self, request: Any) -> Any:
+        rows = []
+        for sid, ref in self._shards():
+            shard = ref.shard
+            s = shard.stats()
+            rows.append(
+                pb2.ShardInfo(
+                    shard=sid,
+                    node=ref.node,
+                    kind=ref.kind,
+                    engine=shard.config.engine,
+                    eviction=shard.config.eviction,
+                    compression=shard.config.compression,
+                    dram=_usage(s.dram),
+                    ssd=_usage(s.ssd),
+                    pinned_blocks=shard.num_pinned(),
+                    closed=shard.closed,
+                )
+            )
+        return pb2.ShardsResponse(shards=rows)
+
+    def Tiers(self, request: Any) -> Any:
+        rows = []
+        for sid, ref in self._shards(request.shard):
+            s = ref.shard.stats()
+            for name, t in (("dram", s.dram), ("ssd", s.ssd)):
+                rows.append(
+                    pb2.TierCounters(
+                        shard=sid,
+                        node=ref.node,
+                        tier=name,
+                        hits=t.hits,
+                        misses=t.misses,
+                        hit_rate=t.hit_rate,
+                        bytes_read=t.bytes_read,
+                        bytes_written=t.bytes_written,
+                        evictions=t.evictions,
+                        demotions=t.demotions,
+                        promotions=t.promotions,
+                        corruptions=t.corruptions,
+                        blocks=t.blocks,
+                        used_bytes=t.used_bytes,
+                        capacity_bytes=t.capacity_bytes,
+                    )
+                )
+        return pb2.TiersResponse(tiers=rows)
+
+    def Replicas(self, request: Any) -> Any:
+        key = parse_key(request.key)
+        rows = []
+        meta = self._source.metadata
+        target = 0
+        if meta is not None:
+            target = meta.replica_target(key)
+            for node, tier in sorted(meta.replicas(key).items()):
+                rows.append(pb2.Replica(node=node, tier=tier.name.lower(), source="metadata"))
+        for sid, ref in self._shards():
+            tier = ref.shard.tier_of(key)
+            if tier is not None:
+                rows.append(
+                    pb2.Replica(node=ref.node, tier=tier.name.lower(), source="local", shard=sid)
+                )
+        return pb2.ReplicasResponse(
+            key=key.hex(), replicas=rows, replica_target=target, has_metadata=meta is not None
+        )
+
+    def Hot(self, request: Any) -> Any:
+        n = request.n
+        if not 1 <= n <= MAX_HOT:
+            raise InvalidRequestError(f"n must be in [1, {MAX_HOT}], got {n}")
+        rows = []
+        for sid, ref in self._shards(request.shard):
+            for b in ref.shard.hot(n):
+                rows.append(
+                    pb2.HotBlock(
+                        key=b.key.hex(),
+                        hits=b.hits,
+                        tier=b.tier.name.lower(),
+                        shard=sid,
+                        node=ref.node,
+                        nbytes=b.nbytes,
+                        pins=b.pins,
+                    )
+                )
+        rows.sort(key=lambda r: -r.hits)  # stable: a shard's own order breaks ties
+        return pb2.HotResponse(blocks=rows[:n])
+
+    def Stats(self, request: Any) -> Any:
+        rows = [
+            _shard_stats(sid, ref.node, ref.shard.stats(reset=request.reset))
+            for sid, ref in self._shards(request.shard)
+        ]
+        total = pb2.ShardStats(shard="total")
+        for name in _SUMMED:
+            setattr(total, name, sum(getattr(r, name) for r in rows))
+        if total.hits + total.misses:
+            total.hit_rate = total.hits / (total.hits + total.misses)
+        return pb2.StatsResponse(shards=rows, total=total)
+
+    def Evict(self, request: Any) -> Any:
+        if not request.shard:
+            raise InvalidRequestError("shard is required (see the Shards RPC for the ids)")
+        tier = parse_tier(request.tier)
+        if request.bytes < 0:
+            raise InvalidRequestError(f"bytes must be >= 0, got {request.bytes}")
+        [(_, ref)] = self._shards(request.shard)
+        before = ref.shard.stats()
+        evicted = ref.shard.evict(tier, request.bytes)
+        after = ref.shard.stats()
+        pick = (lambda s: s.dram) if tier is Tier.DRAM else (lambda s: s.ssd)
+        return pb2.EvictResponse(
+            blocks_evicted=evicted, before=_usage(pick(before)), after=_usage(pick(after))
+        )
+
+
+def add_admin_service(
+    server: grpc.Server | grpc.aio.Server,
+    source: AdminSource,
+    *,
+    clock: Callable[[], float] = time.time,
+    dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+) -> KVAdmin:
+    """Register the KVAdmin service for ``source`` on ``server`` (before it starts) and return
+    its logic object. Add ``ADMIN_SERVICE_NAME`` to the server's reflection names."""
+    core = KVAdmin(source, clock=clock, dead_after_s=dead_after_s)
+    descriptor = pb2.DESCRIPTOR.services_by_name["KVAdmin"]
+    servicer = servicer_for(server, core, pb2_grpc.KVAdminServicer, method_names(descriptor))
+    pb2_grpc.add_KVAdminServicer_to_server(servicer, server)
+    return core
+
+
+__all__ = [
+    "ADMIN_SERVICE_NAME",
+    "AdminSource",
+    "KVAdmin",
+    "MetadataReader",
+    "ShardRef",
+    "StaticAdminSource",
+    "add_admin_service",
+    "parse_key",
+    "parse_tier",
+]
