@@ -175,7 +175,15 @@ class EmbeddedCluster:
         )
         self.pools[instance_id] = pool
         state = InstanceState(instance_id, "prefill")
-        self.prefill[instance_id] = PrefillInstance(instance_id, worker, store, state)
+        load_staging = StagingArea(
+            instance_id,
+            c.staging_pages,
+            engine.page_shape,
+            engine.page_dtype,
+            None,
+            name=f"{instance_id}/load",
+        )
+        self.prefill[instance_id] = PrefillInstance(instance_id, worker, store, state, load_staging)
 
     def _add_decode(self, instance_id: str) -> None:
         worker = self._open_engine(instance_id)

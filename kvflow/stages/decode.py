@@ -63,6 +63,7 @@ class DecodeStage(Stage):
                 on_error=on_error,
                 prefix_pages=inst.staging.pages(state.staging, num_pages),
                 num_prefix_tokens=state.prompt_len,
+                verify_pages=False,  # copies of pages the prefill engine computed
                 on_admitted=on_admitted,
             )
         )

@@ -32,12 +32,14 @@ def staging_segment_name(instance_id: str) -> str:
 
 @dataclass
 class PrefillInstance:
-    """One prefill engine and its shard. ``client(ns)`` is thread-safe and cached per tenant."""
+    """One prefill engine and its shard. ``client(ns)`` is thread-safe and cached per tenant.
+    ``load_staging`` holds reused page buffers that reuse-load reads cached blocks into."""
 
     instance_id: str
     worker: EngineWorker
     store: Store
     state: InstanceState
+    load_staging: StagingArea | None = None
     _clients: dict[Namespace, EmbeddedClient] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -62,11 +64,12 @@ class StagingLease:
 
 
 class StagingArea:
-    """Page-sized slots on a decode instance that streamed KV is written into.
+    """Page-sized slots, allocated once: on a decode instance the streamed KV lands here; on a
+    prefill instance reuse-load reads cached blocks here (no fresh allocation per request).
 
-    One torch tensor ``[num_slots, *page_shape]`` registered with the transfer engine as segment
-    ``<instance>/staging``. ``lease``/``release`` are thread-safe; a lease is released by the
-    decode stage once the engine imported the pages (or by cleanup on failure).
+    One torch tensor ``[num_slots, *page_shape]``, registered with the transfer engine (when one
+    is given) as segment ``<instance>/staging``. ``lease``/``release`` are thread-safe; a lease
+    is released once the engine has imported the pages (or by cleanup on failure).
     """
 
     def __init__(
@@ -75,14 +78,17 @@ class StagingArea:
         num_slots: int,
         page_shape: tuple[int, ...],
         dtype: torch.dtype,
-        transfer: TransferEngine,
+        transfer: TransferEngine | None = None,
+        name: str | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.tensor = torch.zeros((num_slots, *page_shape), dtype=dtype)
         self.page_nbytes = int(self.tensor[0].numel() * self.tensor.element_size())
-        self.segment_name = staging_segment_name(instance_id)
-        transfer.register_memory(self.segment_name, self.tensor.view(torch.uint8).numpy())
-        self.segment: SegmentHandle = transfer.open_segment("local", self.segment_name)
+        self.segment_name = name or staging_segment_name(instance_id)
+        self.segment: SegmentHandle | None = None
+        if transfer is not None:
+            transfer.register_memory(self.segment_name, self.tensor.view(torch.uint8).numpy())
+            self.segment = transfer.open_segment("local", self.segment_name)
         self._free: deque[int] = deque(range(num_slots))
         self._lock = threading.Lock()
 

@@ -24,7 +24,7 @@ from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.engine import Engine, RequestOutput, UnknownRequestError
 from kvflow.stages.errors import engine_error
 from kvflow.stages.instances import PrefillInstance
-from kvflow.stages.reuse_load import unpin_prefix
+from kvflow.stages.reuse_load import release_load_buffers, unpin_prefix
 from kvflow.stages.route import release_prefill_slot
 from kvflow.stages.state import GenerateState
 from kvflow.stages.worker import WorkItem
@@ -76,6 +76,7 @@ class PrefillStage(Stage):
             prefix_pages=state.prefix_pages,
             num_prefix_tokens=state.num_cached_tokens,
             retain_pages=True,
+            verify_pages=False,  # kvdb verified each block's checksum
             on_admitted=on_admitted,
         )
         inst.state.start(ctx.request_id, time.monotonic())
@@ -115,6 +116,7 @@ class PrefillStage(Stage):
             if kind == "admitted":
                 state.prefill_admitted = True
                 state.prefix_pages = []  # copied into the engine's pool
+                release_load_buffers(state)
                 unpin_prefix(state)
                 if payload:
                     state.block_queue.put_nowait(("pages", payload))

@@ -83,18 +83,23 @@ def time_decode(
 ) -> float:
     """Mean seconds of one decode step of ``batch`` requests with ``context`` tokens each."""
     rids = [f"profile-d{i}" for i in range(batch)]
-    sampling = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    # Early requests decode while later ones still prefill: leave them room to.
+    prefill_steps = -(-batch * context // engine.config.prefill_chunk)
+    budget = min(engine.max_model_len - context, steps + prefill_steps + 8)
+    sampling = SamplingParams(max_tokens=budget, ignore_eos=True)
     for rid in rids:
         engine.add_request(rid, _tokens(rng, context, vocab), sampling)
-    # Run every prefill first, then time pure decode steps.
     while any(engine.num_computed_tokens(r) < context for r in rids):
         engine.step()
     start = time.perf_counter()
-    n = 0
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - start) / steps
+    for rid in rids:
+        engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-        n += 1
-    return (time.perf_counter() - start) / max(1, n)
+    return elapsed
 
 
 def profile_engine(engine: Engine, grid: ProfileGrid, progress: Progress | None = None) -> Profile:

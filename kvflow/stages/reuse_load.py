@@ -14,6 +14,7 @@ import torch
 
 from kvflow.kvdb import BlockKey, EmbeddedClient, Tier
 from kvflow.pipeline import RequestContext, Stage
+from kvflow.stages.errors import NoCapacity
 from kvflow.stages.instances import PrefillInstance
 from kvflow.stages.state import GenerateState
 
@@ -75,6 +76,18 @@ class ReuseLoadStage(Stage):
     def _new_pages(self, n: int) -> list[torch.Tensor]:
         return [torch.empty(self._page_shape, dtype=self._page_dtype) for _ in range(n)]
 
+    def _load_buffers(self, state: GenerateState, n: int) -> list[torch.Tensor]:
+        """n page buffers: leased from the instance's load staging (allocated once), or
+        fresh when it is short of slots."""
+        staging = state.prefill.load_staging if state.prefill is not None else None
+        if staging is not None and n:
+            try:
+                state.load_lease = staging.lease(n)
+            except NoCapacity:
+                return self._new_pages(n)
+            return staging.pages(state.load_lease, n)
+        return self._new_pages(n)
+
     def _pull(
         self,
         holder: EmbeddedClient,
@@ -109,7 +122,7 @@ class ReuseLoadStage(Stage):
         n = next((i for i, ok in enumerate(pinned) if not ok), n)
         client.unpin([keys[i] for i in range(n, len(pinned)) if pinned[i]])
         state.pinned_keys = list(keys[:n])
-        bufs = self._new_pages(n)
+        bufs = self._load_buffers(state, n)
         tiers = client.batch_get_into(keys[:n], bufs)
         # A block that failed its checksum is a miss: it ends the run too.
         hits = next((i for i, t in enumerate(tiers) if t is None), n)
@@ -121,6 +134,16 @@ class ReuseLoadStage(Stage):
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
         unpin_prefix(ctx.state)
+        release_load_buffers(ctx.state)
+
+
+def release_load_buffers(state: GenerateState) -> None:
+    """Return the leased load-staging slots (idempotent); the engine has copied them."""
+    if state.load_lease is not None and state.prefill is not None:
+        lease, state.load_lease = state.load_lease, None
+        state.prefix_pages = []
+        assert state.prefill.load_staging is not None
+        state.prefill.load_staging.release(lease)
 
 
 def unpin_prefix(state: GenerateState) -> None:

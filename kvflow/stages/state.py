@@ -43,6 +43,7 @@ class GenerateState:
     pulled_tokens: int = 0
     prefix_pages: list[Any] = field(default_factory=list)
     pinned_keys: list[BlockKey] = field(default_factory=list)
+    load_lease: StagingLease | None = None
 
     # -- prefill / stream -------------------------------------------------------------------------
     engine_request_id: str = ""

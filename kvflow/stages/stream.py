@@ -66,6 +66,7 @@ class StreamStage(Stage):
     def _move(self, state: GenerateState, pages: dict[int, torch.Tensor]) -> int:
         assert state.prefill is not None and state.decode is not None and state.staging
         staging = state.decode.staging
+        assert staging.segment is not None, "decode staging is a transfer segment"
         pool = self._pools[state.prefill.instance_id]
         base = pool.data_ptr()
         segment = pool_segment_name(state.prefill.instance_id)

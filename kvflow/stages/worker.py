@@ -40,6 +40,7 @@ class WorkItem:
     prefix_pages: Sequence[Any] = ()
     num_prefix_tokens: int = 0
     retain_pages: bool = False
+    verify_pages: bool = True
     on_admitted: Callable[[Engine], None] | None = field(default=None)
 
 
@@ -123,6 +124,7 @@ class EngineWorker:
                 prefix_pages=item.prefix_pages,
                 num_prefix_tokens=item.num_prefix_tokens,
                 retain_pages=item.retain_pages,
+                verify_pages=item.verify_pages,
             )
         except Exception as exc:
             _safe_call(item.on_error, exc)

@@ -18,7 +18,6 @@ Seeded; prints one summary line; `--json PATH` writes every number.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import platform
@@ -27,48 +26,25 @@ import statistics
 import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from kvflow.router import policy_names
-from kvflow.stages.api import pb2, pb2_grpc
-from kvflow.stages.cluster import EmbeddedCluster, ensure_model
+from kvflow.stages.api import pb2
+from kvflow.stages.background import BackgroundServer
+from kvflow.stages.cluster import ensure_model
 from kvflow.stages.config import ServeConfig
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams, write_demo_model
-from kvflow.stages.service import create_server
 
 
-class Server:
-    """The embedded cluster and gRPC server on a private event loop thread."""
-
-    def __init__(self, config: ServeConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.cluster: EmbeddedCluster = self._call(self._start(config))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = pb2_grpc.InferenceStub(self.channel)
-
-    async def _start(self, config: ServeConfig) -> EmbeddedCluster:
-        cluster = EmbeddedCluster(config)
-        await cluster.start()
-        self.server, self.port = create_server(cluster, "127.0.0.1", 0)
-        await self.server.start()
-        return cluster
-
-    def _call(self, coro: Any) -> Any:
-        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(3600)
-
-    def generate(self, tokens: list[int], max_tokens: int) -> tuple[float, Any]:
+class Server(BackgroundServer):
+    def ttft(self, tokens: list[int], max_tokens: int) -> tuple[float, Any]:
         """(client-side TTFT seconds, usage) of one request."""
-        req = pb2.GenerateRequest(
-            max_tokens=max_tokens, sampling=pb2.SamplingParams(ignore_eos=True)
-        )
+        req = pb2.GenerateRequest(max_tokens=max_tokens)
+        req.sampling.ignore_eos = True
         req.token_ids.ids.extend(tokens)
         start = time.perf_counter()
         ttft = None
@@ -80,17 +56,6 @@ class Server:
                 usage = msg.usage
         assert ttft is not None and usage is not None
         return ttft, usage
-
-    def close(self) -> None:
-        self.channel.close()
-
-        async def stop() -> None:
-            await self.server.stop(1)
-            await self.cluster.stop()
-
-        self._call(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(30)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -143,17 +108,17 @@ def ttft_matrix(args: argparse.Namespace, model: Path, data: Path) -> list[dict[
     )
     rows = []
     try:
-        server.generate(_tokens(rng, 2 * bs), 1)  # warm-up
+        server.ttft(_tokens(rng, 2 * bs), 1)  # warm-up
         for n in args.lengths:
             for frac in args.fractions:
                 cached = int(n * frac) // bs * bs
                 cold, warm, floor, hits = [], [], [], []
                 for _ in range(args.repeats):
                     prefix = _tokens(rng, cached)
-                    server.generate(prefix + _tokens(rng, bs + 1), 1)  # puts the prefix blocks
-                    cold.append(server.generate(_tokens(rng, n), 1)[0])
+                    server.ttft(prefix + _tokens(rng, bs + 1), 1)  # puts the prefix blocks
+                    cold.append(server.ttft(_tokens(rng, n), 1)[0])
                     suffix = _tokens(rng, n - cached)
-                    ttft, usage = server.generate(prefix + suffix, 1)
+                    ttft, usage = server.ttft(prefix + suffix, 1)
                     warm.append(ttft)
                     hits.append(usage.cached_tokens)
                     floor.append(suffix_only_s(engine, prefix, suffix))
@@ -205,7 +170,7 @@ def policy_run(args: argparse.Namespace, model: Path, data: Path, policy: str) -
 
     def client(i: int) -> None:
         for prompt in prompts[i]:
-            ttft, usage = server.generate(prompt, args.output_tokens)
+            ttft, usage = server.ttft(prompt, args.output_tokens)
             with lock:
                 ttfts.append(ttft)
                 cached.append(usage.cached_tokens)

@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     pages = max(
         64,
         (max(grid.prompt_lens) // args.block_size + 2) * 2,
-        max(grid.decode_batches) * (max(grid.decode_contexts) // args.block_size + 2),
+        # decode: context + what early requests decode while later ones prefill
+        max(grid.decode_batches)
+        * ((max(grid.decode_contexts) * 2 + args.prefill_chunk) // args.block_size + 2),
     )
     try:
         engine = Engine.open(

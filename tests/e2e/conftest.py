@@ -1,76 +1,32 @@
-"""A real embedded cluster (tiny demo model) behind a real gRPC server, on a free port,
-run on its own event loop thread; tests talk to it with ordinary gRPC stubs."""
+"""A real embedded cluster (tiny demo model) behind a real gRPC server on a free port, run on
+its own event-loop thread (BackgroundServer); tests talk to it with ordinary gRPC stubs."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from kvflow.stages.api import pb2, pb2_grpc
-from kvflow.stages.cluster import EmbeddedCluster
+from kvflow.stages.background import BackgroundServer
 from kvflow.stages.config import ServeConfig
 from kvflow.stages.engine import write_demo_model
-from kvflow.stages.service import create_server
 
 BLOCK = 16
 
 
-class ServerThread:
-    """Runs cluster + server on a private loop. ``call(coro_fn)`` runs a coroutine there."""
+class ServerThread(BackgroundServer):
+    """A BackgroundServer with the helper the tests use most."""
 
-    def __init__(self, config: ServeConfig) -> None:
-        self.config = config
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.cluster: EmbeddedCluster = self.call(self._start)
-        self.address = f"127.0.0.1:{self.port}"
-        self.channel = grpc.insecure_channel(self.address)
-        self.stub = pb2_grpc.InferenceStub(self.channel)
-
-    async def _start(self) -> EmbeddedCluster:
-        cluster = EmbeddedCluster(self.config)
-        await cluster.start()
-        self.server, self.port = create_server(cluster, "127.0.0.1", 0)
-        await self.server.start()
-        return cluster
-
-    def call(self, fn: Any, timeout: float = 60.0) -> Any:
-        fut: Future[Any] = asyncio.run_coroutine_threadsafe(fn(), self.loop)
-        return fut.result(timeout)
-
-    def generate(self, prompt: str | list[int], **kw: Any) -> tuple[list[int], Any, str]:
-        """(token ids, usage, text) of one Generate call."""
-        req = pb2.GenerateRequest(max_tokens=kw.pop("max_tokens", 8), **kw)
-        if isinstance(prompt, str):
-            req.prompt = prompt
-        else:
-            req.token_ids.ids.extend(prompt)
-        msgs = list(self.stub.Generate(req, timeout=60))
+    def generate(self, prompt: str | list[int], **kw: Any) -> tuple[list[int], Any, str]:  # type: ignore[override]
+        """(token ids, usage, text) of one Generate call; max_tokens defaults to 8."""
+        kw.setdefault("max_tokens", 8)
+        msgs = super().generate(prompt, timeout=60, **kw)
         ids = [t for m in msgs for t in m.token_ids]
         return ids, msgs[-1].usage, "".join(m.text for m in msgs)
-
-    def close(self) -> None:
-        self.channel.close()
-
-        async def stop() -> None:
-            await self.server.stop(0.5)
-            await self.cluster.stop()
-
-        try:
-            self.call(stop)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            self.loop.close()
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +92,8 @@ def assert_no_leaks(server: ServerThread) -> None:
         engine = inst.worker.engine
         assert inst.worker.call(lambda e: e.num_free_pages).result(10) == engine.num_pages
         assert inst.store.shard.num_pinned() == 0
+        assert inst.load_staging is not None
+        assert inst.load_staging.num_free == server.config.staging_pages
         assert inst.state.queued_requests == 0
     for inst in cluster.decode.values():
         engine = inst.worker.engine

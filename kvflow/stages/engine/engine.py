@@ -150,11 +150,14 @@ class Engine:
         prefix_pages: Seq[PageData] = (),
         num_prefix_tokens: int = 0,
         retain_pages: bool = False,
+        verify_pages: bool = True,
     ) -> None:
         """Queue a request. Its first `num_prefix_tokens` tokens already have their KV in
         `prefix_pages` (page i holds tokens [i*B, (i+1)*B); the last page may be partial);
         at least one token must remain to compute. Pages for the whole request (prompt plus
-        max_tokens) are reserved now. Imported pages are copied; the caller keeps its buffers.
+        max_tokens) are reserved now. Imported pages are copied once, straight into the pool; the
+        caller keeps its buffers. ``verify_pages=False`` skips the scan for non-finite values
+        (for pages whose integrity is already checked, e.g. checksummed by kvdb).
 
         Raises InvalidRequestError (duplicate id, empty or out-of-vocabulary tokens, prompt
         longer than max_model_len, bad num_prefix_tokens), PageLayoutError (wrong page count,
@@ -165,7 +168,7 @@ class Engine:
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling)}")
         tokens = self._check_tokens(request_id, token_ids)
         n_prefix = self._check_prefix(tokens, prefix_pages, num_prefix_tokens)
-        pages = [self._pool.check_page(i, p) for i, p in enumerate(prefix_pages)]
+        pages = [self._pool.check_page(i, p, verify_pages) for i, p in enumerate(prefix_pages)]
         bs = self.config.block_size
         # KV is computed for the prompt and every generated token but the last.
         longest = max(len(tokens), self.max_model_len - 1)

@@ -86,16 +86,19 @@ class PagePool:
         page = self.tensor[page_id].detach().cpu()
         return page.reshape(-1).view(torch.uint8).numpy().tobytes()
 
-    def check_page(self, index: int, data: PageData) -> torch.Tensor:
-        """Validate one page to import and return it as a tensor of page shape on the pool's
-        device (a new tensor; `data` is only read). Raises PageLayoutError naming the mismatch."""
+    def check_page(self, index: int, data: PageData, verify: bool = True) -> torch.Tensor:
+        """Validate one page to import and return a read-only view of it as a tensor of page
+        shape and pool dtype (no copy unless it lives on another device). ``verify`` also
+        rejects non-finite values (one pass over the page); callers whose pages are
+        checksummed copies of pages an engine computed may skip it. Raises PageLayoutError
+        naming the mismatch."""
         shape = self.layout.page_shape
         if isinstance(data, torch.Tensor):
             if tuple(data.shape) != shape:
                 raise PageLayoutError(f"page {index}: shape {tuple(data.shape)} != {shape}")
             if data.dtype != self.dtype:
                 raise PageLayoutError(f"page {index}: dtype {data.dtype} != {self.dtype}")
-            page = data.to(self.tensor.device, copy=True)
+            page = data.to(self.tensor.device)
         else:
             try:
                 raw = memoryview(data).cast("B")
@@ -106,15 +109,15 @@ class PagePool:
                     f"page {index}: {raw.nbytes} bytes, a page of layout {shape} "
                     f"{self.layout.dtype} has {self.page_nbytes}"
                 )
-            with warnings.catch_warnings():  # read-only buffers are fine: we copy at once
+            with warnings.catch_warnings():  # read-only buffers are fine: we only read
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(raw, dtype=torch.uint8)
-            page = flat.view(self.dtype).view(shape).to(self.tensor.device, copy=True)
-        if not bool(torch.isfinite(page).all()):
+            page = flat.view(self.dtype).view(shape).to(self.tensor.device)
+        if verify and not bool(torch.isfinite(page).all()):
             raise PageLayoutError(f"page {index}: holds non-finite values")
         return page
 
     def write_pages(self, page_ids: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
-        """Copy already-checked pages (from `check_page`) into the pool."""
+        """Copy already-checked pages (from `check_page`) into the pool: the only copy."""
         for pid, page in zip(page_ids, pages, strict=True):
             self.tensor[pid].copy_(page)

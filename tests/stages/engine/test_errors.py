@@ -184,3 +184,16 @@ def test_abort_frees_pages_and_is_reported(busy: Engine) -> None:
     while busy.has_unfinished():
         assert all(o.request_id == "other" for o in busy.step())
     assert busy.num_free_pages == busy.num_pages
+
+
+def test_verify_pages_false_skips_only_the_finiteness_scan(tiny_dir: Path) -> None:
+    engine = open_engine(tiny_dir, num_pages=8, max_model_len=40)
+    page = torch.full(engine.page_shape, float("nan"), dtype=engine.page_dtype)
+    # Layout is always checked...
+    with pytest.raises(PageLayoutError, match="dtype"):
+        engine.add_request(
+            "a", [5, 6, 7], prefix_pages=[page.half()], num_prefix_tokens=2, verify_pages=False
+        )
+    # ...the scan for non-finite values only when asked.
+    engine.add_request("b", [5, 6, 7], prefix_pages=[page], num_prefix_tokens=2, verify_pages=False)
+    assert engine.num_computed_tokens("b") == 2
