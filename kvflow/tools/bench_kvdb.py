@@ -13,7 +13,11 @@ by the engine from a model directory (``--pages MODEL_DIR``), or seeded random b
 shaped like KV otherwise. Every measurement is the median of ``--repeat`` passes. Prints one
 summary line; ``--json PATH`` writes everything.
 
+``--remote`` measures instead the remote read path between two processes on loopback
+(RemoteClient batch get_into vs a raw socket; see ``bench_kvdb_remote``).
+
     .venv/bin/python -m kvflow.tools.bench_kvdb --json bench_kvdb.json
+    .venv/bin/python -m kvflow.tools.bench_kvdb --remote --repeat 7 --json remote.json
 """
 
 from __future__ import annotations
@@ -259,7 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pages-dtype", default="bfloat16", help="engine dtype for --pages")
     parser.add_argument("--workdir", default=None, help="where SSD tiers go (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the full results here")
+    parser.add_argument(
+        "--remote", action="store_true", help="two processes: remote batch get_into vs raw socket"
+    )
     args = parser.parse_args(argv)
+    if args.remote:
+        return _remote(args)
     engines = [e for e in args.engines.split(",") if e]
     results: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -280,6 +289,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(summary(results))
+    return 0
+
+
+def _remote(args: argparse.Namespace) -> int:
+    from kvflow.tools import bench_kvdb_remote
+
+    sizes = [SIZES[label] for label in args.sizes.split(",")]
+    report = bench_kvdb_remote.run_remote(sizes, args.working_set_mib, args.repeat, args.seed)
+    report["machine"] = {"python": platform.python_version(), "platform": platform.platform()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(bench_kvdb_remote.summary(report))
     return 0
 
 

@@ -356,7 +356,7 @@ def test_asyncio_server(tmp_path: Path, free_port: int) -> None:
 
     try:
         evicted, code = asyncio.run(scenario())
+        assert [shard.tier_of(k) for k in ks] == [Tier.DRAM, Tier.SSD]
     finally:
         shard.close()
     assert evicted.blocks_evicted == 1 and code is grpc.StatusCode.INVALID_ARGUMENT
-    assert len(ks) == 2
