@@ -16,6 +16,7 @@ and the little routing state is under a lock.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -136,7 +137,7 @@ class Endpoints:
         """Call ``method`` on the first replica that answers (module docstring)."""
         deadline = time.monotonic() + self._timeout_s
         answers: dict[str, str] = {}
-        for attempt in range(1_000_000):
+        for attempt in itertools.count():
             for address in self._candidates(write):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
