@@ -14,12 +14,19 @@ from kvflow.router import policy_names
 from kvflow.stages.cluster import EmbeddedCluster
 from kvflow.stages.config import ServeConfig
 from kvflow.stages.service import create_server
+from kvflow.tools.meta import add_meta_arguments, run_meta
 
 logger = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="run the embedded cluster and its gRPC API")
+    p.add_argument(
+        "--role",
+        default="embedded",
+        choices=["embedded", "meta"],
+        help="embedded: every instance in this process (default); meta: one Raft metadata replica",
+    )
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: demo model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
@@ -40,6 +47,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--balancing-threshold", type=float, default=2.0)
     p.add_argument("--max-tokens-limit", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    meta = p.add_argument_group("--role meta")
+    add_meta_arguments(meta)  # type: ignore[arg-type]
     p.set_defaults(func=run)
 
 
@@ -93,6 +102,8 @@ async def serve(config: ServeConfig, host: str, port: int, metrics_port: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.role == "meta":
+        return run_meta(args)
     try:
         config = config_from_args(args)
     except ValueError as exc:
