@@ -53,6 +53,8 @@ from kvflow.transfer import (
 logger = logging.getLogger(__name__)
 
 _TIERS = {"dram": Tier.DRAM, "ssd": Tier.SSD}
+_VERIFY_CHUNKS = 4  # a read is submitted as this many batches, verified one by one
+_MIN_CHUNK = 8  # ...each of at least this many requests
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class RemoteClient:
         self._regions: list[_Region] = []
         self._staging: tuple[str, np.ndarray] | None = None
         self._targets: dict[str, SegmentHandle] = {}
+        self._releasing: set[Any] = set()
         self._counts = dict.fromkeys(
             ("leases", "hits", "misses", "transfer_failures", "checksum_failures"), 0
         )
@@ -217,6 +220,32 @@ class RemoteClient:
             return False
         return bool(reply.released)
 
+    def release_async(self, lease: RemoteLease) -> None:
+        """``release`` without waiting for the answer (the holder drops the pins a moment
+        later; a failure is logged and the lease then times out there). ``wait_released``
+        and ``close`` wait for the outstanding ones."""
+        if lease.lease_id == 0:
+            return
+        future = self._stub.Release.future(
+            pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=self.config.rpc_timeout_s
+        )
+        with self._lock:
+            self._releasing.add(future)
+        future.add_done_callback(lambda f, lease_id=lease.lease_id: self._released(f, lease_id))
+
+    def _released(self, future: Any, lease_id: int) -> None:
+        with self._lock:
+            self._releasing.discard(future)
+        if future.cancelled() or future.exception() is not None:
+            logger.warning("lease=%d not released: %s", lease_id, future.exception())
+
+    def wait_released(self) -> None:
+        """Block until every ``release_async`` sent so far has been answered (or failed)."""
+        with self._lock:
+            pending = list(self._releasing)
+        for future in pending:
+            future.exception()  # blocks until answered; a failure is logged by the callback
+
     # ----------------------------------------------------------------- data plane
 
     def _target(self, segment: str) -> SegmentHandle:
@@ -292,15 +321,44 @@ class RemoteClient:
             first = False
             if not round_items:
                 break
-            statuses = self._transfer.transfer(
-                [
-                    TransferRequest(
-                        OpCode.READ, name, offset, target, blocks[i].offset, blocks[i].length
-                    )
-                    for i, name, offset in round_items
-                ]
-            )
-            self._check(lease, round_items, statuses, dsts, staging, ok)
+            requests = [
+                TransferRequest(
+                    OpCode.READ, name, offset, target, blocks[i].offset, blocks[i].length
+                )
+                for i, name, offset in round_items
+            ]
+            self._transfer_and_check(lease, round_items, requests, dsts, staging, ok)
+
+    def _transfer_and_check(
+        self,
+        lease: RemoteLease,
+        items: list[tuple[int, str, int]],
+        requests: list[TransferRequest],
+        dsts: list[np.ndarray],
+        staging: tuple[str, np.ndarray] | None,
+        ok: list[bool],
+    ) -> None:
+        """Submit the requests as a few batches at once, then verify each batch's blocks as
+        soon as it completes, while the later batches are still moving (checksums overlap
+        the transfer instead of following it)."""
+        n = len(requests)
+        step = max(_MIN_CHUNK, -(-n // _VERIFY_CHUNKS))
+        chunks = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+        batches = []
+        try:
+            for lo, hi in chunks:
+                batch = self._transfer.allocate_batch(hi - lo)
+                batches.append(batch)
+                self._transfer.submit(batch, requests[lo:hi])
+        except BaseException:
+            for batch in batches:  # let what was submitted settle before freeing it
+                self._transfer.wait(batch)
+                self._transfer.free_batch(batch)
+            raise
+        for (lo, hi), batch in zip(chunks, batches, strict=True):
+            statuses = self._transfer.wait(batch)  # bounded by the engine's request timeout
+            self._transfer.free_batch(batch)
+            self._check(lease, items[lo:hi], statuses, dsts, staging, ok)
 
     def _check(
         self,
@@ -356,8 +414,8 @@ class RemoteClient:
         return out
 
     def batch_get_into(self, keys: Sequence[bytes], bufs: Sequence[Any]) -> list[Tier | None]:
-        """Lease, read, verify, release: per key the tier the holder had it in, or None (not
-        held past the leading run, transfer or checksum failure)."""
+        """Lease, read, verify, release (asynchronously): per key the tier the holder had it
+        in, or None (not held past the leading run, transfer or checksum failure)."""
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
         self._check_open()
@@ -367,7 +425,7 @@ class RemoteClient:
         try:
             got = self.read_into(lease, bufs[: len(lease.blocks)])
         finally:
-            self.release(lease)
+            self.release_async(lease)  # the data is verified: do not wait for the unpin
         missing = len(keys) - len(got)
         if missing:
             with self._lock:
@@ -389,8 +447,9 @@ class RemoteClient:
             raise RemoteReadError("remote client is closed")
 
     def close(self) -> None:
-        """Unregister this client's destinations and staging buffer; close its channel if it
-        made it. Idempotent."""
+        """Wait for outstanding releases, unregister this client's destinations and staging
+        buffer, close its channel if it made it. Idempotent."""
+        self.wait_released()
         with self._lock:
             if self._closed:
                 return

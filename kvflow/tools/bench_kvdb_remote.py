@@ -13,7 +13,8 @@ size, alternates:
 - raw: one request to the raw server, then ``recv_into`` the same number of bytes back to back
   into one buffer (no protocol, no checksums);
 
-after one dropped warm-up of each, ``repeat`` times. Reports median GB/s of each, the ratio,
+after one dropped warm-up of each, ``repeat`` times. Reports median GB/s of each, their ratio
+(and the median of the per-round ratios: both sides of a round see the same background load),
 and the median cost of a lease + release round trip alone.
 """
 
@@ -192,6 +193,9 @@ def _measure(
         "remote_gbps": remote,
         "raw_gbps": raw_gbps,
         "ratio": remote / raw_gbps,
+        "ratio_per_round": statistics.median(
+            a / b for a, b in zip(remote_runs[1:], raw_runs[1:], strict=True)
+        ),
         "lease_release_ms": statistics.median(lease_ms[1:]),
         "remote_runs": remote_runs[1:],
         "raw_runs": raw_runs[1:],

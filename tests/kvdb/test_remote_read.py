@@ -123,6 +123,7 @@ def test_batch_get_into_registered_pages_is_direct(holder: Holder, reader: Reade
     stats = reader.client.stats()
     assert (stats.hits, stats.misses, stats.staged_bytes) == (6, 2, 0)
     assert stats.bytes_read == 6 * NBYTES and stats.leases == 1
+    reader.client.wait_released()  # batch_get_into releases without waiting
     assert holder.shard.num_pinned() == 0 and len(holder.blocks.leases) == 0
     assert holder.shard.stats().dram.hits == 6
 
@@ -277,6 +278,7 @@ def test_client_side_errors(holder: Holder, reader: Reader) -> None:
     ks = holder.fill(2)
     with pytest.raises(ValueSizeError, match="bufs\\[1\\] has 10 bytes"):
         reader.client.batch_get_into(ks, [reader.pages(1)[0], bytearray(10)])
+    reader.client.wait_released()
     assert holder.shard.num_pinned() == 0  # the lease was released anyway
     with pytest.raises(ValueError, match="2 keys but 1 buffers"):
         reader.client.batch_get_into(ks, reader.pages(1))
