@@ -30,8 +30,9 @@ from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored
 from kvflow.kvdb.keys import BlockKey, KVLayout, Namespace, block_keys, next_key
 from kvflow.kvdb.metadata_sync import MetadataSync
 from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, BLOCK_SERVICE_NAME
-from kvflow.kvdb.remote import RemoteClient, RemoteLease, RemoteStats
+from kvflow.kvdb.remote import RemoteClient
 from kvflow.kvdb.remote_config import BlockServiceConfig, RemoteClientConfig
+from kvflow.kvdb.remote_types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.replicas import LocalReplicas, MetadataReplicas, ReplicaCounter
 from kvflow.kvdb.service import (
     AdminSource,
@@ -75,6 +76,7 @@ __all__ = [
     "NamespaceMismatchError",
     "NodeId",
     "NotPinnedError",
+    "RemoteBlock",
     "RemoteClient",
     "RemoteClientConfig",
     "RemoteLease",

@@ -23,12 +23,9 @@ one lock (direct reads are not).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -36,9 +33,11 @@ import numpy as np
 
 from kvflow.kvdb.buffers import writable_bytes
 from kvflow.kvdb.codec import checksum
+from kvflow.kvdb.destinations import Destinations
 from kvflow.kvdb.errors import RemoteReadError, ValueSizeError
 from kvflow.kvdb.proto import pb2, pb2_grpc
 from kvflow.kvdb.remote_config import RemoteClientConfig
+from kvflow.kvdb.remote_types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.shard import check_key
 from kvflow.replication import Tier
 from kvflow.transfer import (
@@ -55,50 +54,6 @@ logger = logging.getLogger(__name__)
 _TIERS = {"dram": Tier.DRAM, "ssd": Tier.SSD}
 _VERIFY_CHUNKS = 4  # a read is submitted as this many batches, verified one by one
 _MIN_CHUNK = 8  # ...each of at least this many requests
-
-
-@dataclass(frozen=True)
-class RemoteBlock:
-    """One leased block: ``length`` bytes at ``offset`` of the lease's segment."""
-
-    offset: int
-    length: int
-    checksum: int
-    tier: Tier
-
-
-@dataclass(frozen=True)
-class RemoteLease:
-    """A granted lease (``lease_id`` 0: nothing leased) over the leading keys asked for."""
-
-    lease_id: int
-    segment: str
-    blocks: tuple[RemoteBlock, ...]
-    timeout_s: float
-
-
-@dataclass(frozen=True)
-class RemoteStats:
-    """Counters since the client was created (a snapshot)."""
-
-    leases: int
-    hits: int
-    misses: int
-    transfer_failures: int
-    checksum_failures: int
-    bytes_read: int
-    staged_bytes: int
-
-
-@dataclass(frozen=True)
-class _Region:
-    name: str
-    start: int
-    end: int
-
-
-def _address(arr: np.ndarray) -> int:
-    return int(arr.__array_interface__["data"][0])
 
 
 class RemoteClient:
@@ -126,12 +81,8 @@ class RemoteClient:
             control_address, options=[("grpc.max_receive_message_length", 64 << 20)]
         )
         self._stub = pb2_grpc.BlockServiceStub(self._channel)
-        self._tag = uuid.uuid4().hex[:12]
-        self._names = itertools.count()
+        self._memory = Destinations(transfer, self.config.staging_bytes)
         self._lock = threading.Lock()
-        self._staging_lock = threading.Lock()
-        self._regions: list[_Region] = []
-        self._staging: tuple[str, np.ndarray] | None = None
         self._targets: dict[str, SegmentHandle] = {}
         self._releasing: set[Any] = set()
         self._counts = dict.fromkeys(
@@ -147,39 +98,10 @@ class RemoteClient:
         the transfer engine once; later reads into views inside it go there directly. The
         caller keeps it alive until ``unregister_destination`` / ``close``. Returns its
         segment name."""
-        arr = writable_bytes(buffer)
-        name = f"kvdb-dst-{self._tag}-{next(self._names)}"
-        self._transfer.register_memory(name, arr)
-        start = _address(arr)
-        with self._lock:
-            self._regions.append(_Region(name, start, start + arr.shape[0]))
-        return name
+        return self._memory.register(buffer)
 
     def unregister_destination(self, name: str) -> None:
-        with self._lock:
-            self._regions = [r for r in self._regions if r.name != name]
-        self._transfer.unregister_memory(name)
-
-    def _locate(self, dst: np.ndarray) -> tuple[str, int] | None:
-        start = _address(dst)
-        end = start + dst.shape[0]
-        for region in self._regions:
-            if region.start <= start and end <= region.end:
-                return region.name, start - region.start
-        return None
-
-    def _staging_buffer(self, nbytes: int) -> tuple[str, np.ndarray]:
-        """The staging buffer, at least ``nbytes`` (call with the staging lock held)."""
-        if self._staging is not None and self._staging[1].shape[0] >= nbytes:
-            return self._staging
-        if self._staging is not None:
-            self._transfer.unregister_memory(self._staging[0])
-        size = max(nbytes, self.config.staging_bytes)
-        name = f"kvdb-staging-{self._tag}-{next(self._names)}"
-        buf = np.empty(size, dtype=np.uint8)
-        self._transfer.register_memory(name, buf)
-        self._staging = (name, buf)
-        return self._staging
+        self._memory.unregister(name)
 
     # ----------------------------------------------------------------- control plane
 
@@ -278,12 +200,11 @@ class RemoteClient:
             with self._lock:
                 self._counts["transfer_failures"] += len(dsts)
             return self._finish(lease, [False] * len(dsts))
-        with self._lock:
-            places = [self._locate(dst) for dst in dsts]
+        places = [self._memory.locate(dst) for dst in dsts]
         staged = [i for i, place in enumerate(places) if place is None]
         ok = [False] * len(dsts)
         if staged:
-            with self._staging_lock:
+            with self._memory.staging_lock:
                 self._read_rounds(lease, target, dsts, places, staged, ok)
         else:
             self._read_rounds(lease, target, dsts, places, staged, ok)
@@ -304,7 +225,7 @@ class RemoteClient:
         direct = [i for i, place in enumerate(places) if place is not None]
         staging: tuple[str, np.ndarray] | None = None
         if staged:
-            staging = self._staging_buffer(max(blocks[i].length for i in staged))
+            staging = self._memory.staging(max(blocks[i].length for i in staged))
         pending = list(staged)
         first = True
         while first or pending:
@@ -454,12 +375,7 @@ class RemoteClient:
             if self._closed:
                 return
             self._closed = True
-            names = [r.name for r in self._regions]
-            self._regions = []
-        with self._staging_lock:
-            if self._staging is not None:
-                names.append(self._staging[0])
-                self._staging = None
+        names = self._memory.forget_all()
         for name in names:
             try:
                 self._transfer.unregister_memory(name)
@@ -473,3 +389,6 @@ class RemoteClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+__all__ = ["RemoteBlock", "RemoteClient", "RemoteLease", "RemoteStats"]

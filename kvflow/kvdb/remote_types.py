@@ -1,0 +1,41 @@
+"""Pure records of the remote read path (reader side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.replication import Tier
+
+
+@dataclass(frozen=True)
+class RemoteBlock:
+    """One leased block: ``length`` bytes at ``offset`` of the lease's segment, whose xxh3_64
+    is ``checksum``; ``tier``: where the holder had it before the lease."""
+
+    offset: int
+    length: int
+    checksum: int
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class RemoteLease:
+    """A granted lease (``lease_id`` 0: nothing leased) over the leading keys asked for."""
+
+    lease_id: int
+    segment: str
+    blocks: tuple[RemoteBlock, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class RemoteStats:
+    """Counters of a RemoteClient since it was created (a snapshot)."""
+
+    leases: int
+    hits: int
+    misses: int
+    transfer_failures: int
+    checksum_failures: int
+    bytes_read: int
+    staged_bytes: int
