@@ -8,14 +8,16 @@ and the seven-stage pipeline. ``kvflow serve`` puts the gRPC API in front of it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvflow.kvdb import KVLayout, Namespace, StoreConfig, open_store
+from kvflow.kvdb import KVLayout, Namespace, ShardRef, StaticAdminSource, StoreConfig, open_store
 from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, Tracer
 from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
 from kvflow.router import (
@@ -43,6 +45,8 @@ from kvflow.stages.worker import EngineWorker
 from kvflow.transfer import TransferConfig, TransferEngine
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0
 
 # Bandwidth the conductor assumes for in-process pulls until it has measured one.
 LOCAL_COPY_BYTES_PER_S = 4e9
@@ -247,9 +251,43 @@ class EmbeddedCluster:
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         self.metadata.wait_ready(10.0)
+        for pid in self.prefill:
+            self.metadata.register_node(NodeId(pid), "embedded", "prefill", time.time())
+        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
         await self.pipeline.start()
 
+    async def _heartbeats(self) -> None:
+        """Keep the shards' nodes alive in the metadata (a node that was dropped re-adopts
+        what its shard holds)."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            for pid, inst in self.prefill.items():
+                try:
+                    known = await asyncio.to_thread(
+                        self.metadata.heartbeat, NodeId(pid), time.time()
+                    )
+                    if not known:
+                        holdings = await asyncio.to_thread(inst.store.shard.holdings)
+                        await asyncio.to_thread(
+                            self.metadata.replace_holdings, NodeId(pid), holdings, time.time()
+                        )
+                except Exception:
+                    logger.warning("node=%s heartbeat failed", pid, exc_info=True)
+
+    def admin_source(self) -> StaticAdminSource:
+        """What the kvdb admin service (``kvflow kvdb``) reads: every shard + the metadata."""
+        return StaticAdminSource(
+            {
+                pid: ShardRef(p.store.shard, NodeId(pid), "prefill")
+                for pid, p in self.prefill.items()
+            },
+            self.metadata.view(),
+        )
+
     async def stop(self, drain: bool = False) -> None:
+        heartbeat = getattr(self, "_heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.cancel()
         await self.pipeline.stop(drain=drain, timeout_s=10.0)
         self.close_resources()
 

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvflow.kvdb import ADMIN_SERVICE_NAME, add_admin_service
 from kvflow.pipeline import (
     DeadlineExceeded,
     Overloaded,
@@ -205,11 +206,15 @@ def _is_cancel(exc: BaseException) -> bool:
 
 
 def create_server(cluster: EmbeddedCluster, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server with the inference service and reflection; returns (server, port).
+    """A grpc.aio server with the inference service, the kvdb admin service (``kvflow kvdb``)
+    and reflection; returns (server, port).
     Call ``await server.start()``."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(cluster), server)
-    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
+    add_admin_service(server, cluster.admin_source())
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, ADMIN_SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvflow.stages.api import pb2
 from kvflow.tools.cli import main
 from tests.e2e.test_reuse import ids
@@ -65,3 +67,24 @@ def test_trace_export_and_report_cli(server, tmp_path, capsys):
     table = capsys.readouterr().out
     for stage in STAGES:
         assert stage in table
+
+
+def test_kvdb_admin_cli_against_the_server(server, capsys):
+    prompt = ids(70, seed=32)
+    server.generate(prompt)
+    server.generate(prompt)  # a warm read: the blocks get hits
+    capsys.readouterr()
+    assert main(["kvdb", "--server", server.address, "shards", "--json"]) == 0
+    shards = json.loads(capsys.readouterr().out)
+    assert isinstance(shards, list) and shards
+    assert main(["kvdb", "--server", server.address, "nodes", "--json"]) == 0
+    nodes = json.loads(capsys.readouterr().out)
+    assert [n["node"] for n in nodes] == ["prefill-0"]
+    assert main(["kvdb", "--server", server.address, "hot", "-n", "3", "--json"]) == 0
+    hot = json.loads(capsys.readouterr().out)
+    assert len(hot) == 3 and all(h["hits"] >= 1 for h in hot)
+    assert main(["kvdb", "--server", server.address, "replicas", hot[0]["key"], "--json"]) == 0
+    assert "prefill-0" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        main(["kvdb", "--server", server.address, "replicas", "zz"])
+    assert bad.value.code == 2
