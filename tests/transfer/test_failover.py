@@ -51,7 +51,11 @@ def test_a_path_dies_mid_transfer_and_the_rest_goes_over_the_other(
     lane0_on_b = stats[EndpointKey(direct, 0)]
     assert lane0_on_a.failures == 1 and lane0_on_a.bytes_received < 8 * MIB
     assert lane0_on_b.bytes_received > 0  # lane 0 continued on path B
-    assert lane0_on_a.bytes_received + lane0_on_b.bytes_received == 8 * MIB
+    # Lane 0's 64 slices of 128 KiB completed exactly once, over A or B. A slice that was in
+    # flight when A died was re-sent over B, so its bytes may be counted on both paths.
+    assert (lane0_on_a.slices + lane0_on_b.slices) * 128 * KIB == 8 * MIB
+    moved = lane0_on_a.bytes_received + lane0_on_b.bytes_received
+    assert 8 * MIB <= moved <= 8 * MIB + lane0_on_a.failures * 128 * KIB
     assert stats[EndpointKey(direct, 1)].bytes_received == 8 * MIB
     assert tcp.retries >= 1 and tcp.path_is_down(proxy.address)
 
