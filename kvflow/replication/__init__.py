@@ -14,6 +14,7 @@ from kvflow.replication.errors import (
     ReplicationError,
 )
 from kvflow.replication.group import MetadataGroup
+from kvflow.replication.placement import NodeLoad, choose_source, choose_targets
 from kvflow.replication.protocols import MetadataClient, MetadataReader
 from kvflow.replication.remote import RemoteMetadata
 from kvflow.replication.remote_view import RemoteMetadataView
@@ -32,9 +33,12 @@ __all__ = [
     "MetadataView",
     "NodeId",
     "NodeInfo",
+    "NodeLoad",
     "NotLeaderError",
     "RemoteMetadata",
     "RemoteMetadataView",
     "ReplicationError",
     "Tier",
+    "choose_source",
+    "choose_targets",
 ]

@@ -36,6 +36,7 @@ from kvflow.stages.hash import HashStage
 from kvflow.stages.index import ShardPrefixIndex
 from kvflow.stages.instances import DecodeInstance, PrefillInstance, StagingArea, pool_segment_name
 from kvflow.stages.prefill import PrefillStage
+from kvflow.stages.replicator import Replicator
 from kvflow.stages.reuse_load import ReuseLoadStage
 from kvflow.stages.route import RouteStage
 from kvflow.stages.serving_metrics import ServingMetrics
@@ -47,6 +48,7 @@ from kvflow.transfer import TransferConfig, TransferEngine
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
+REPLICATE_S = 1.0
 
 # Bandwidth the conductor assumes for in-process pulls until it has measured one.
 LOCAL_COPY_BYTES_PER_S = 4e9
@@ -132,6 +134,9 @@ class EmbeddedCluster:
         for i in range(c.num_decode):
             self._add_decode(f"decode-{i}")
         self.conductor = self._conductor(first)
+        self.replicator = Replicator(
+            {pid: p.store.shard for pid, p in self.prefill.items()}, self.metadata.view()
+        )
         self.tracer = Tracer(c.trace_capacity)
         self.metrics = Metrics()
         self.serving_metrics = ServingMetrics(self.metrics)
@@ -254,6 +259,7 @@ class EmbeddedCluster:
         for pid in self.prefill:
             self.metadata.register_node(NodeId(pid), "embedded", "prefill", time.time())
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
+        self._replicating = asyncio.get_running_loop().create_task(self._replicate())
         await self.pipeline.start()
 
     async def _heartbeats(self) -> None:
@@ -274,6 +280,15 @@ class EmbeddedCluster:
                 except Exception:
                     logger.warning("node=%s heartbeat failed", pid, exc_info=True)
 
+    async def _replicate(self) -> None:
+        """Act on replica targets (``change_replica``): copy blocks between the shards."""
+        while True:
+            await asyncio.sleep(REPLICATE_S)
+            try:
+                await asyncio.to_thread(self.replicator.run_once)
+            except Exception:
+                logger.warning("replicator pass failed", exc_info=True)
+
     def admin_source(self) -> StaticAdminSource:
         """What the kvdb admin service (``kvflow kvdb``) reads: every shard + the metadata."""
         return StaticAdminSource(
@@ -285,9 +300,10 @@ class EmbeddedCluster:
         )
 
     async def stop(self, drain: bool = False) -> None:
-        heartbeat = getattr(self, "_heartbeat", None)
-        if heartbeat is not None:
-            heartbeat.cancel()
+        for name in ("_heartbeat", "_replicating"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
         await self.pipeline.stop(drain=drain, timeout_s=10.0)
         self.close_resources()
 

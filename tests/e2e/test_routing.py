@@ -88,3 +88,25 @@ def test_health_and_stats(server):
     assert kinds == {"prefill-0": "prefill", "decode-0": "decode"}
     prefill = next(i for i in stats.instances if i.kind == "prefill")
     assert prefill.values["dram_blocks"] >= 2
+
+
+def test_change_replica_copies_the_block_to_another_shard(make_server):
+    server = make_server(num_prefill=2)
+    cluster = server.cluster
+    prompt = ids(80, seed=14)
+    _, usage, _ = server.generate(prompt)
+    holder = usage.prefill_instance
+    other = next(p for p in cluster.prefill if p != holder)
+    keys = _keys(cluster, prompt)
+    from kvflow.stages.cluster import namespace_for
+
+    client = cluster.prefill[holder].client(namespace_for(cluster, "default"))
+    client.change_replica(keys[0], 2)
+    view = cluster.metadata.view()
+    deadline = time.monotonic() + 10
+    while view.replica_count(keys[0]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert view.replica_count(keys[0]) == 2
+    assert cluster.prefill[other].store.shard.exists(keys[0])
+    assert not cluster.prefill[other].store.shard.exists(keys[1])  # only the block asked for
+    assert view.replica_target(keys[0]) == 2
