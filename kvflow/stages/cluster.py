@@ -17,7 +17,16 @@ from typing import Any
 
 import torch
 
-from kvflow.kvdb import KVLayout, Namespace, ShardRef, StaticAdminSource, StoreConfig, open_store
+from kvflow.kvdb import (
+    KVLayout,
+    Namespace,
+    Shard,
+    ShardRef,
+    StaticAdminSource,
+    Store,
+    StoreConfig,
+    open_store,
+)
 from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, Tracer
 from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
 from kvflow.router import (
@@ -135,7 +144,9 @@ class EmbeddedCluster:
             self._add_decode(f"decode-{i}")
         self.conductor = self._conductor(first)
         self.replicator = Replicator(
-            {pid: p.store.shard for pid, p in self.prefill.items()}, self.metadata.view()
+            {sid: shard for sid, (shard, _) in self.shards().items()},
+            self.metadata.view(),
+            targets=list(self.prefill),
         )
         self.tracer = Tracer(c.trace_capacity)
         self.metrics = Metrics()
@@ -164,20 +175,7 @@ class EmbeddedCluster:
         worker = self._open_engine(instance_id)
         engine = worker.engine
         self.layout = self._layout(engine)
-        namespace = Namespace("default", engine.model_fingerprint, self.layout)
-        store = open_store(
-            StoreConfig(
-                data_dir=c.data_dir / "shards" / instance_id,
-                dram_capacity_bytes=c.dram_capacity_bytes,
-                ssd_capacity_bytes=c.ssd_capacity_bytes,
-                engine=c.storage_engine,
-                value_size=engine.page_nbytes,
-            ),
-            namespace,
-            node_id=NodeId(instance_id),
-            metadata=self.metadata,
-        )
-        self._closers.append(store.close)
+        store = self._open_store(instance_id, engine)
         pool = engine.pool_tensor
         self.transfer.register_memory(
             pool_segment_name(instance_id), pool.view(torch.uint8).numpy()
@@ -194,9 +192,29 @@ class EmbeddedCluster:
         )
         self.prefill[instance_id] = PrefillInstance(instance_id, worker, store, state, load_staging)
 
+    def _open_store(self, instance_id: str, engine: Engine) -> Store:
+        """The instance's kvdb shard under ``data_dir/shards/<instance>``, in the metadata."""
+        c = self.config
+        namespace = Namespace("default", engine.model_fingerprint, self.layout)
+        store = open_store(
+            StoreConfig(
+                data_dir=c.data_dir / "shards" / instance_id,
+                dram_capacity_bytes=c.dram_capacity_bytes,
+                ssd_capacity_bytes=c.ssd_capacity_bytes,
+                engine=c.storage_engine,
+                value_size=engine.page_nbytes,
+            ),
+            namespace,
+            node_id=NodeId(instance_id),
+            metadata=self.metadata,
+        )
+        self._closers.append(store.close)
+        return store
+
     def _add_decode(self, instance_id: str) -> None:
         worker = self._open_engine(instance_id)
         engine = worker.engine
+        store = self._open_store(instance_id, engine)
         staging = StagingArea(
             instance_id,
             self.config.staging_pages,
@@ -205,7 +223,7 @@ class EmbeddedCluster:
             self.transfer,
         )
         state = InstanceState(instance_id, "decode")
-        self.decode[instance_id] = DecodeInstance(instance_id, worker, state, staging)
+        self.decode[instance_id] = DecodeInstance(instance_id, worker, state, staging, store)
 
     def _conductor(self, engine: Engine) -> Conductor:
         c = self.config
@@ -244,7 +262,13 @@ class EmbeddedCluster:
             TokenizeStage(self.tokenizer, self.vocab_size, self.max_model_len),
             HashStage(self.model_fingerprint, self.layout),
             RouteStage(self.conductor, self.prefill, self.decode, on_reject=self._on_reject),
-            ReuseLoadStage(self.prefill, engine.page_shape, engine.page_dtype, c.block_size),
+            ReuseLoadStage(
+                self.prefill,
+                engine.page_shape,
+                engine.page_dtype,
+                c.block_size,
+                peers={**self.prefill, **self.decode},
+            ),
             PrefillStage(c.block_size),
             StreamStage(self.transfer, self.pools, c.block_size),
             DecodeStage(c.block_size),
@@ -256,8 +280,8 @@ class EmbeddedCluster:
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         self.metadata.wait_ready(10.0)
-        for pid in self.prefill:
-            self.metadata.register_node(NodeId(pid), "embedded", "prefill", time.time())
+        for sid, (_, kind) in self.shards().items():
+            self.metadata.register_node(NodeId(sid), "embedded", kind, time.time())
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
         self._replicating = asyncio.get_running_loop().create_task(self._replicate())
         await self.pipeline.start()
@@ -267,18 +291,24 @@ class EmbeddedCluster:
         what its shard holds)."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            for pid, inst in self.prefill.items():
+            for sid, (shard, _) in self.shards().items():
                 try:
                     known = await asyncio.to_thread(
-                        self.metadata.heartbeat, NodeId(pid), time.time()
+                        self.metadata.heartbeat, NodeId(sid), time.time()
                     )
                     if not known:
-                        holdings = await asyncio.to_thread(inst.store.shard.holdings)
+                        holdings = await asyncio.to_thread(shard.holdings)
                         await asyncio.to_thread(
-                            self.metadata.replace_holdings, NodeId(pid), holdings, time.time()
+                            self.metadata.replace_holdings, NodeId(sid), holdings, time.time()
                         )
                 except Exception:
-                    logger.warning("node=%s heartbeat failed", pid, exc_info=True)
+                    logger.warning("node=%s heartbeat failed", sid, exc_info=True)
+
+    def shards(self) -> dict[str, tuple[Shard, str]]:
+        """Every shard of the logical store: instance id -> (shard, "prefill" | "decode")."""
+        out = {pid: (p.store.shard, "prefill") for pid, p in self.prefill.items()}
+        out.update({did: (d.store.shard, "decode") for did, d in self.decode.items()})
+        return out
 
     async def _replicate(self) -> None:
         """Act on replica targets (``change_replica``): copy blocks between the shards."""
@@ -293,8 +323,8 @@ class EmbeddedCluster:
         """What the kvdb admin service (``kvflow kvdb``) reads: every shard + the metadata."""
         return StaticAdminSource(
             {
-                pid: ShardRef(p.store.shard, NodeId(pid), "prefill")
-                for pid, p in self.prefill.items()
+                sid: ShardRef(shard, NodeId(sid), kind)
+                for sid, (shard, kind) in self.shards().items()
             },
             self.metadata.view(),
         )
@@ -321,42 +351,39 @@ class EmbeddedCluster:
         """Router counters and per-instance values for the Stats RPC."""
         instances = []
         for pid, p in self.prefill.items():
-            s = p.store.shard.stats()
             values = {
                 "queued_requests": float(p.state.queued_requests),
                 "queued_seconds": p.state.queued_seconds(),
                 "engine_steps": float(p.worker.steps),
                 "free_pages": float(p.worker.engine.num_free_pages),
             }
-            for tier_name, t in (("dram", s.dram), ("ssd", s.ssd)):
-                values.update(
-                    {
-                        f"{tier_name}_hits": float(t.hits),
-                        f"{tier_name}_misses": float(t.misses),
-                        f"{tier_name}_blocks": float(t.blocks),
-                        f"{tier_name}_used_bytes": float(t.used_bytes),
-                        f"{tier_name}_evictions": float(t.evictions),
-                    }
-                )
-            instances.append((pid, "prefill", values))
+            instances.append((pid, "prefill", values | _shard_values(p.store.shard)))
         for did, d in self.decode.items():
-            instances.append(
-                (
-                    did,
-                    "decode",
-                    {
-                        "decode_batch": float(d.state.decode_batch_size),
-                        "engine_steps": float(d.worker.steps),
-                        "free_pages": float(d.worker.engine.num_free_pages),
-                        "free_staging_pages": float(d.staging.num_free),
-                    },
-                )
-            )
+            values = {
+                "decode_batch": float(d.state.decode_batch_size),
+                "engine_steps": float(d.worker.steps),
+                "free_pages": float(d.worker.engine.num_free_pages),
+                "free_staging_pages": float(d.staging.num_free),
+            }
+            instances.append((did, "decode", values | _shard_values(d.store.shard)))
         router = {
             "in_flight": float(self.pipeline.in_flight()),
             "metadata_blocks": float(self.metadata.view().num_blocks()),
+            "replicator_copies": float(self.replicator.copied),
         }
         return {"router": router, "instances": instances}
+
+
+def _shard_values(shard: Shard) -> dict[str, float]:
+    s = shard.stats()
+    values: dict[str, float] = {}
+    for tier_name, t in (("dram", s.dram), ("ssd", s.ssd)):
+        values[f"{tier_name}_hits"] = float(t.hits)
+        values[f"{tier_name}_misses"] = float(t.misses)
+        values[f"{tier_name}_blocks"] = float(t.blocks)
+        values[f"{tier_name}_used_bytes"] = float(t.used_bytes)
+        values[f"{tier_name}_evictions"] = float(t.evictions)
+    return values
 
 
 def _hit_rates(inst: PrefillInstance) -> Any:

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Any
 
+from kvflow.kvdb import block_keys
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.engine import Engine, RequestOutput
 from kvflow.stages.errors import engine_error
 from kvflow.stages.instances import DecodeInstance
 from kvflow.stages.state import GenerateState
 from kvflow.stages.worker import WorkItem
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeStage(Stage):
@@ -46,8 +50,18 @@ class DecodeStage(Stage):
         def on_admitted(engine: Engine) -> None:
             loop.call_soon_threadsafe(self._admitted, state)
 
+        first_new_block = state.prompt_len // self._block_size
+
         def sink(engine: Engine, out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, out)
+            generated: tuple[list[int], dict[int, Any]] | None = None
+            if out.finished and out.finish_reason != "abort":
+                # Full blocks past the prompt's: their KV is only here. Views of retained pages.
+                end = out.num_computed_tokens // self._block_size
+                pages = {
+                    b: engine.export_page(out.request_id, b) for b in range(first_new_block, end)
+                }
+                generated = (engine.token_ids(out.request_id), pages)
+            loop.call_soon_threadsafe(events.put_nowait, (out, generated))
 
         def on_error(exc: BaseException) -> None:
             loop.call_soon_threadsafe(events.put_nowait, exc)
@@ -63,16 +77,21 @@ class DecodeStage(Stage):
                 on_error=on_error,
                 prefix_pages=inst.staging.pages(state.staging, num_pages),
                 num_prefix_tokens=state.prompt_len,
+                retain_pages=True,  # released once its new blocks are stored
                 verify_pages=False,  # copies of pages the prefill engine computed
                 on_admitted=on_admitted,
             )
         )
-        try:
-            await self._consume(ctx, state, inst, events)
-        except BaseException:
-            inst.worker.abort(engine_rid)
-            raise
+        state.decode_request_id = engine_rid
+        generated = await self._consume(ctx, state, inst, events)
         state.finished_at = time.monotonic()
+        if generated is not None and generated[1]:
+            with ctx.span("decode.store", blocks=len(generated[1])):
+                state.stored_decode_blocks = await asyncio.to_thread(
+                    self._store_generated, state, inst, *generated
+                )
+        await asyncio.wrap_future(inst.worker.drop(engine_rid))
+        state.decode_request_id = ""
         ctx.set_attrs(output_tokens=len(state.output_ids), finish_reason=state.finish_reason)
 
     async def _consume(
@@ -81,11 +100,12 @@ class DecodeStage(Stage):
         state: GenerateState,
         inst: DecodeInstance,
         events: asyncio.Queue[Any],
-    ) -> None:
+    ) -> tuple[list[int], dict[int, Any]] | None:
         while True:
-            out = await events.get()
-            if isinstance(out, BaseException):
-                raise engine_error(out, inst.instance_id)
+            item = await events.get()
+            if isinstance(item, BaseException):
+                raise engine_error(item, inst.instance_id)
+            out, generated = item
             if out.new_token_ids:
                 now = time.monotonic()
                 state.output_ids.extend(out.new_token_ids)
@@ -94,7 +114,30 @@ class DecodeStage(Stage):
                 ctx.emit(("tokens", list(out.new_token_ids)))
             if out.finished:
                 state.finish_reason = out.finish_reason
-                return
+                return generated
+
+    def _store_generated(
+        self,
+        state: GenerateState,
+        inst: DecodeInstance,
+        tokens: list[int],
+        pages: dict[int, Any],
+    ) -> int:
+        """Store the generated blocks in the decode shard, chained after the prompt's, so a
+        follow-up turn (prompt + answer + more) reuses them. Failure is logged, not fatal."""
+        assert state.namespace is not None
+        keys = block_keys(state.namespace, tokens)
+        order = sorted(b for b in pages if b < len(keys))
+        try:
+            stored = inst.client(state.namespace).batch_put(
+                [keys[b] for b in order],
+                [pages[b] for b in order],
+                parents=[keys[b - 1] if b > 0 else None for b in order],
+            )
+        except Exception:
+            logger.exception("storing %d decoded blocks failed; they are not cached", len(order))
+            return 0
+        return sum(1 for t in stored if t is not None)
 
     @staticmethod
     def _admitted(state: GenerateState) -> None:
@@ -108,4 +151,7 @@ class DecodeStage(Stage):
             state.staging = None
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
-        self._release_staging(ctx.state)
+        state: GenerateState = ctx.state
+        self._release_staging(state)
+        if state.decode is not None and state.decode_request_id:
+            await asyncio.wrap_future(state.decode.worker.drop(state.decode_request_id))

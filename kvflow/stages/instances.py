@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +30,31 @@ def staging_segment_name(instance_id: str) -> str:
     return f"{instance_id}/staging"
 
 
+class ShardClients:
+    """EmbeddedClients of one store, one per namespace (tenant); thread-safe, cached."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._clients: dict[Namespace, EmbeddedClient] = {}
+        self._lock = threading.Lock()
+
+    def client(self, namespace: Namespace) -> EmbeddedClient:
+        with self._lock:
+            client = self._clients.get(namespace)
+            if client is None:
+                client = self.store.client(namespace)
+                self._clients[namespace] = client
+            return client
+
+
+class ShardOwner(Protocol):
+    """An instance with a kvdb shard (prefill or decode)."""
+
+    store: Store
+
+    def client(self, namespace: Namespace) -> EmbeddedClient: ...
+
+
 @dataclass
 class PrefillInstance:
     """One prefill engine and its shard. ``client(ns)`` is thread-safe and cached per tenant.
@@ -40,16 +65,13 @@ class PrefillInstance:
     store: Store
     state: InstanceState
     load_staging: StagingArea | None = None
-    _clients: dict[Namespace, EmbeddedClient] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _clients: ShardClients = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._clients = ShardClients(self.store)
 
     def client(self, namespace: Namespace) -> EmbeddedClient:
-        with self._lock:
-            client = self._clients.get(namespace)
-            if client is None:
-                client = self.store.client(namespace)
-                self._clients[namespace] = client
-            return client
+        return self._clients.client(namespace)
 
     def match_prefix(self, keys: list[bytes]) -> int:
         """Leading keys held by this instance's shard (any tier)."""
@@ -120,7 +142,18 @@ class StagingArea:
 
 @dataclass
 class DecodeInstance:
+    """One decode engine, the staging area streamed KV lands in, and its shard (where the KV
+    of the blocks it generated is stored for the next turn of a conversation)."""
+
     instance_id: str
     worker: EngineWorker
     state: InstanceState
     staging: StagingArea
+    store: Store
+    _clients: ShardClients = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._clients = ShardClients(self.store)
+
+    def client(self, namespace: Namespace) -> EmbeddedClient:
+        return self._clients.client(namespace)

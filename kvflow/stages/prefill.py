@@ -21,9 +21,8 @@ import torch
 
 from kvflow.kvdb import BlockKey, EmbeddedClient
 from kvflow.pipeline import RequestContext, Stage
-from kvflow.stages.engine import Engine, RequestOutput, UnknownRequestError
+from kvflow.stages.engine import Engine, RequestOutput
 from kvflow.stages.errors import engine_error
-from kvflow.stages.instances import PrefillInstance
 from kvflow.stages.reuse_load import release_load_buffers, unpin_prefix
 from kvflow.stages.route import release_prefill_slot
 from kvflow.stages.state import GenerateState
@@ -150,7 +149,7 @@ class PrefillStage(Stage):
         state: GenerateState = ctx.state
         release_prefill_slot(state, ctx.request_id)
         if state.prefill is not None and state.engine_request_id:
-            await drop_engine_request(state.prefill, state.engine_request_id)
+            await asyncio.wrap_future(state.prefill.worker.drop(state.engine_request_id))
 
 
 def _store_blocks(
@@ -167,17 +166,3 @@ def _store_blocks(
         logger.exception("storing %d blocks failed; they will be recomputed next time", len(keys))
         return 0
     return sum(1 for t in stored if t is not None)
-
-
-async def drop_engine_request(inst: PrefillInstance, engine_request_id: str) -> None:
-    """Abort (if running) and release a retained request's pages on the engine thread."""
-
-    def drop(engine: Engine) -> None:
-        try:
-            engine.abort(engine_request_id)
-            engine.release(engine_request_id)
-        except UnknownRequestError:
-            pass
-
-    inst.worker.abort(engine_request_id)
-    await asyncio.wrap_future(inst.worker.call(drop))

@@ -9,7 +9,7 @@ metadata through the shards' own event sync, so the next pass sees the new count
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvflow.kvdb import Shard
 from kvflow.replication import (
@@ -26,14 +26,20 @@ logger = logging.getLogger(__name__)
 class Replicator:
     """Brings blocks up to their replica target by copying them between local shards.
 
-    ``shards`` maps node id -> shard (the embedded cluster's prefill shards). ``run_once`` is
-    blocking I/O: call it from a worker thread. Not re-entrant.
+    ``shards`` maps node id -> shard (copies come from any of them); new replicas go to the
+    ``targets`` (default: every shard; the embedded cluster uses its prefill shards).
+    ``run_once`` is blocking I/O: call it from a worker thread. Not re-entrant.
     """
 
     def __init__(
-        self, shards: Mapping[str, Shard], metadata: MetadataView, batch: int = 256
+        self,
+        shards: Mapping[str, Shard],
+        metadata: MetadataView,
+        targets: Sequence[str] | None = None,
+        batch: int = 256,
     ) -> None:
         self._shards = shards
+        self._targets = [NodeId(t) for t in (targets if targets is not None else shards)]
         self._metadata = metadata
         self._batch = batch
         self.copied = 0
@@ -45,7 +51,7 @@ class Replicator:
         if not wanted:
             return 0
         local = [NodeId(s) for s in self._shards]
-        loads = [NodeLoad(n, view.blocks_on(n)) for n in local]
+        loads = [NodeLoad(n, view.blocks_on(n)) for n in self._targets]
         copied = 0
         for key, _count, target in wanted:
             holders = view.replicas(key)

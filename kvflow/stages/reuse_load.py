@@ -8,6 +8,7 @@ is pinned and read with one batch get_into into page-shaped tensors.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from kvflow.kvdb import BlockKey, EmbeddedClient, Tier
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.errors import NoCapacity
-from kvflow.stages.instances import PrefillInstance
+from kvflow.stages.instances import PrefillInstance, ShardOwner
 from kvflow.stages.state import GenerateState
 
 
@@ -31,8 +32,10 @@ class ReuseLoadStage(Stage):
         page_shape: tuple[int, ...],
         page_dtype: torch.dtype,
         block_size: int,
+        peers: Mapping[str, ShardOwner] | None = None,
     ) -> None:
         self._prefill = prefill
+        self._peers: Mapping[str, ShardOwner] = peers or {}
         self._page_shape = page_shape
         self._page_dtype = page_dtype
         self._block_size = block_size
@@ -44,7 +47,7 @@ class ReuseLoadStage(Stage):
         usable = state.block_keys[: (state.prompt_len - 1) // self._block_size]
         client = state.prefill.client(state.namespace)
         pull = state.decision.pull
-        pulled_range = range(0)
+        pulled: set[int] = set()
         if pull is not None and usable:
             holder = self._prefill[pull.from_instance]
             start = min(pull.start_block, len(usable))
@@ -54,13 +57,22 @@ class ReuseLoadStage(Stage):
                     self._pull, holder.client(state.namespace), client, usable, start, stop
                 )
                 span.set_attrs(blocks=copied, bytes=copied * self._page_nbytes())
-            pulled_range = range(start, start + copied)
+            pulled.update(range(start, start + copied))
+        if usable and self._peers:
+            # A shard elsewhere may hold how the local prefix goes on: e.g. a decode instance
+            # holds the blocks of an answer it generated, which a follow-up turn starts with.
+            with ctx.span("reuse-load.continue") as span:
+                start, copied, source = await asyncio.to_thread(
+                    self._continue_from_peers, state, client, usable
+                )
+                span.set_attrs(blocks=copied, source=source)
+            pulled.update(range(start, start + copied))
         with ctx.span("reuse-load.local") as span:
             hits, tiers = await asyncio.to_thread(self._load_local, client, usable, state)
             span.set_attrs(blocks=hits, bytes=hits * self._page_nbytes())
         by_tier: dict[str, int] = {}
         for i, tier in enumerate(tiers[:hits]):
-            name = "remote" if i in pulled_range else tier.name.lower()
+            name = "remote" if i in pulled else tier.name.lower()
             by_tier[name] = by_tier.get(name, 0) + self._block_size
         state.cached_by_tier = by_tier
         state.num_cached_tokens = hits * self._block_size
@@ -87,6 +99,28 @@ class ReuseLoadStage(Stage):
                 return self._new_pages(n)
             return staging.pages(state.load_lease, n)
         return self._new_pages(n)
+
+    def _continue_from_peers(
+        self, state: GenerateState, client: EmbeddedClient, keys: list[BlockKey]
+    ) -> tuple[int, int, str]:
+        """Copy the longest continuation of the local prefix found on another shard into the
+        local one. Returns (first block copied, blocks copied, source instance or "")."""
+        assert state.prefill is not None and state.namespace is not None
+        local = client.match_prefix(keys)
+        if local >= len(keys):
+            return local, 0, ""
+        best, source = 0, None
+        for pid, peer in self._peers.items():
+            if pid == state.prefill.instance_id:
+                continue
+            n = peer.store.shard.match_prefix(keys[local:])
+            if n > best:
+                best, source = n, pid
+        if source is None:
+            return local, 0, ""
+        peer = self._peers[source]
+        copied = self._pull(peer.client(state.namespace), client, keys, local, local + best)
+        return local, copied, source
 
     def _pull(
         self,

@@ -60,6 +60,8 @@ class GenerateState:
 
     # -- decode -------------------------------------------------------------------------------
     decode_admitted: bool = False
+    decode_request_id: str = ""
+    stored_decode_blocks: int = 0
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None

@@ -16,7 +16,6 @@ import torch
 
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.instances import PrefillInstance, pool_segment_name
-from kvflow.stages.prefill import drop_engine_request
 from kvflow.stages.state import GenerateState
 from kvflow.transfer import OpCode, TransferEngine, TransferError, TransferRequest
 
@@ -60,7 +59,7 @@ class StreamStage(Stage):
                 f"req={ctx.request_id}: streamed {state.streamed_blocks} of {num_pages} pages"
             )
         # Every page is in the decode instance's staging: the prefill copy can go.
-        await drop_engine_request(state.prefill, state.engine_request_id)
+        await asyncio.wrap_future(state.prefill.worker.drop(state.engine_request_id))
         ctx.set_attrs(pages=state.streamed_blocks, bytes=state.streamed_bytes)
 
     def _move(self, state: GenerateState, pages: dict[int, torch.Tensor]) -> int:

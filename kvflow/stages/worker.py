@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvflow.stages.engine import Engine, RequestOutput, SamplingParams
+from kvflow.stages.engine import Engine, RequestOutput, SamplingParams, UnknownRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,20 @@ class EngineWorker:
     def abort(self, request_id: str) -> None:
         """Abort a queued or running request; its pages are freed. Unknown ids are ignored."""
         self._commands.put(lambda: self._abort(request_id))
+
+    def drop(self, request_id: str) -> concurrent.futures.Future[None]:
+        """Abort the request if it runs and release its retained pages; unknown ids are fine.
+        Returns a future that is done once the engine forgot it."""
+
+        def drop(engine: Engine) -> None:
+            try:
+                engine.abort(request_id)
+                engine.release(request_id)
+            except UnknownRequestError:
+                pass
+
+        self.abort(request_id)
+        return self.call(drop)
 
     def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps; returns a future."""

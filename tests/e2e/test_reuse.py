@@ -87,3 +87,27 @@ def test_restart_keeps_the_cache_on_ssd(tiny_model, tmp_path):
     assert usage.cached_tokens == 80
     assert {t.tier: t.tokens for t in usage.cached_by_tier} == {"ssd": 80}
     assert out2 == out1
+
+
+def test_a_follow_up_turn_reuses_the_answer_the_decode_instance_generated(make_server, tiny_model):
+    server = make_server()
+    prompt = ids(70, seed=8)
+    answer, first, _ = server.generate(prompt, max_tokens=40, sampling=_no_eos())
+    assert len(answer) == 40 and first.cached_tokens == 0
+    follow_up = prompt + answer + ids(10, seed=9)  # 120 tokens
+    out, usage, _ = server.generate(follow_up, max_tokens=8)
+    # 4 prompt blocks from the prefill shard, then blocks 4-5 (the answer's KV, computed
+    # by the decode instance) pulled from the decode shard.
+    assert usage.cached_tokens == 96
+    assert {t.tier: t.tokens for t in usage.cached_by_tier} == {"dram": 64, "remote": 32}
+    engine = Engine.open(tiny_model, EngineConfig(block_size=BLOCK, num_pages=64))
+    assert out == engine.generate([follow_up], SamplingParams(max_tokens=8))[0]
+    decode_shard = server.cluster.decode["decode-0"].store.shard
+    assert decode_shard.stats().dram.blocks == 2
+    assert_no_leaks(server)
+
+
+def _no_eos():
+    from kvflow.stages.api import pb2
+
+    return pb2.SamplingParams(ignore_eos=True)

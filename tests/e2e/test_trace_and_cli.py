@@ -79,7 +79,7 @@ def test_kvdb_admin_cli_against_the_server(server, capsys):
     assert isinstance(shards, list) and shards
     assert main(["kvdb", "--server", server.address, "nodes", "--json"]) == 0
     nodes = json.loads(capsys.readouterr().out)
-    assert [n["node"] for n in nodes] == ["prefill-0"]
+    assert {n["node"]: n["kind"] for n in nodes} == {"prefill-0": "prefill", "decode-0": "decode"}
     assert main(["kvdb", "--server", server.address, "hot", "-n", "3", "--json"]) == 0
     hot = json.loads(capsys.readouterr().out)
     assert len(hot) == 3 and all(h["hits"] >= 1 for h in hot)
