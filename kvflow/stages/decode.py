@@ -33,7 +33,8 @@ class DecodeStage(Stage):
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
-        await ctx.join("prefill")
+        if "prefill" in ctx.children():  # on a decode node the prefill ran elsewhere
+            await ctx.join("prefill")
         inst = state.decode
         assert inst is not None and state.prompt_ids is not None and state.first_token is not None
         state.output_ids = [state.first_token]

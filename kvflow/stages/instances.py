@@ -48,11 +48,11 @@ class ShardClients:
 
 
 class ShardOwner(Protocol):
-    """An instance with a kvdb shard (prefill or decode)."""
+    """An instance that holds blocks (prefill or decode; here or on another node)."""
 
-    store: Store
+    def match_prefix(self, keys: list[bytes]) -> int: ...
 
-    def client(self, namespace: Namespace) -> EmbeddedClient: ...
+    def client(self, namespace: Namespace) -> Any: ...
 
 
 @dataclass
@@ -157,3 +157,7 @@ class DecodeInstance:
 
     def client(self, namespace: Namespace) -> EmbeddedClient:
         return self._clients.client(namespace)
+
+    def match_prefix(self, keys: list[bytes]) -> int:
+        """Leading keys held by this instance's shard (any tier)."""
+        return self.store.shard.match_prefix(keys)

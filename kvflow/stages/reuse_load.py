@@ -42,11 +42,11 @@ class ReuseLoadStage(Stage):
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
-        assert state.prefill is not None and state.namespace is not None and state.decision
+        assert state.prefill is not None and state.namespace is not None
         # At least one prompt token is always computed: it yields the first token's logits.
         usable = state.block_keys[: (state.prompt_len - 1) // self._block_size]
         client = state.prefill.client(state.namespace)
-        pull = state.decision.pull
+        pull = state.decision.pull if state.decision is not None else None
         pulled: set[int] = set()
         if pull is not None and usable:
             holder = self._prefill[pull.from_instance]
@@ -113,7 +113,7 @@ class ReuseLoadStage(Stage):
         for pid, peer in self._peers.items():
             if pid == state.prefill.instance_id:
                 continue
-            n = peer.store.shard.match_prefix(keys[local:])
+            n = peer.match_prefix(keys[local:])
             if n > best:
                 best, source = n, pid
         if source is None:

@@ -16,6 +16,7 @@ from kvflow.stages.engine import SamplingParams
 
 if TYPE_CHECKING:
     from kvflow.stages.instances import DecodeInstance, PrefillInstance, StagingLease
+    from kvflow.stages.stream import StreamTarget
 
 
 @dataclass
@@ -54,6 +55,7 @@ class GenerateState:
     first_token_at: float | None = None
     finish_reason: str | None = None
     staging: StagingLease | None = None
+    stream_target: StreamTarget | None = None
     streamed_blocks: int = 0
     streamed_bytes: int = 0
     stored_blocks: int = 0

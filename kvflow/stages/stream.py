@@ -10,6 +10,7 @@ has moved, the prefill engine's pages are released.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,11 +18,27 @@ import torch
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.instances import PrefillInstance, pool_segment_name
 from kvflow.stages.state import GenerateState
-from kvflow.transfer import OpCode, TransferEngine, TransferError, TransferRequest
+from kvflow.transfer import (
+    OpCode,
+    SegmentHandle,
+    TransferEngine,
+    TransferError,
+    TransferRequest,
+)
 
 
 class StreamFailed(RuntimeError):
     """A page could not be moved to the decode instance."""
+
+
+@dataclass(frozen=True)
+class StreamTarget:
+    """Where a request's KV pages go: a transfer segment (the decode side's staging area, in
+    this process or on a decode node) and the byte offset of each page's slot in it."""
+
+    segment: SegmentHandle
+    offsets: list[int]
+    page_nbytes: int
 
 
 class StreamStage(Stage):
@@ -41,10 +58,20 @@ class StreamStage(Stage):
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
-        assert state.decode is not None and state.prefill is not None
-        staging = state.decode.staging
+        assert state.prefill is not None
         num_pages = -(-state.prompt_len // self._block_size)
-        state.staging = staging.lease(num_pages)
+        if state.stream_target is None:  # embedded: lease the decode instance's staging slots
+            assert state.decode is not None
+            staging = state.decode.staging
+            assert staging.segment is not None, "decode staging is a transfer segment"
+            state.staging = staging.lease(num_pages)
+            offsets = [staging.offset(s) for s in state.staging.slots]
+            state.stream_target = StreamTarget(staging.segment, offsets, staging.page_nbytes)
+        if len(state.stream_target.offsets) < num_pages:
+            raise StreamFailed(
+                f"req={ctx.request_id}: {num_pages} pages to stream, "
+                f"{len(state.stream_target.offsets)} target slots"
+            )
         while True:
             kind, pages = await state.block_queue.get()
             if kind == "done":
@@ -58,29 +85,27 @@ class StreamStage(Stage):
             raise StreamFailed(
                 f"req={ctx.request_id}: streamed {state.streamed_blocks} of {num_pages} pages"
             )
-        # Every page is in the decode instance's staging: the prefill copy can go.
+        # Every page is at the decode side: the prefill copy can go.
         await asyncio.wrap_future(state.prefill.worker.drop(state.engine_request_id))
         ctx.set_attrs(pages=state.streamed_blocks, bytes=state.streamed_bytes)
 
     def _move(self, state: GenerateState, pages: dict[int, torch.Tensor]) -> int:
-        assert state.prefill is not None and state.decode is not None and state.staging
-        staging = state.decode.staging
-        assert staging.segment is not None, "decode staging is a transfer segment"
+        assert state.prefill is not None and state.stream_target is not None
+        target = state.stream_target
         pool = self._pools[state.prefill.instance_id]
         base = pool.data_ptr()
         segment = pool_segment_name(state.prefill.instance_id)
-        requests = []
-        for block, view in sorted(pages.items()):
-            requests.append(
-                TransferRequest(
-                    opcode=OpCode.WRITE,
-                    local_segment=segment,
-                    local_offset=view.data_ptr() - base,
-                    target=staging.segment,
-                    remote_offset=staging.offset(state.staging.slots[block]),
-                    length=staging.page_nbytes,
-                )
+        requests = [
+            TransferRequest(
+                opcode=OpCode.WRITE,
+                local_segment=segment,
+                local_offset=view.data_ptr() - base,
+                target=target.segment,
+                remote_offset=target.offsets[block],
+                length=target.page_nbytes,
             )
+            for block, view in sorted(pages.items())
+        ]
         try:
             statuses = self._transfer.transfer(requests, timeout=self._timeout_s)
         except TransferError as exc:
