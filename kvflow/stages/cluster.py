@@ -277,6 +277,10 @@ class EmbeddedCluster:
     def _on_reject(self, rejection: Any) -> None:
         self.serving_metrics.rejections.labels(reason=rejection.reason.value).inc()
 
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         self.metadata.wait_ready(10.0)

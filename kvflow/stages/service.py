@@ -177,7 +177,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             serving=c.pipeline.running,
             model=str(c.model_dir),
             model_fingerprint=c.model_fingerprint,
-            block_size=c.config.block_size,
+            block_size=c.block_size,
             max_model_len=c.max_model_len,
             prefill_instances=list(c.prefill),
             decode_instances=list(c.decode),

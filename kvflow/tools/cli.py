@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvflow.tools.generate",
     "kvflow.tools.trace_cmd",
     "kvflow.tools.profile",
+    "kvflow.tools.cluster",
     "kvflow.tools.replay",
     "kvflow.tools.bench_metadata",
     "kvflow.tools.bench_transfer",

@@ -24,8 +24,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--role",
         default="embedded",
-        choices=["embedded", "meta"],
-        help="embedded: every instance in this process (default); meta: one Raft metadata replica",
+        choices=["embedded", "meta", "node", "router"],
+        help="embedded: every instance in this process (default); meta: one Raft metadata "
+        "replica; node: one prefill or decode node; router: the conductor and inference API",
     )
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: demo model)")
     p.add_argument("--host", default="127.0.0.1")
@@ -47,6 +48,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--balancing-threshold", type=float, default=2.0)
     p.add_argument("--max-tokens-limit", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    cluster = p.add_argument_group("--role node / router")
+    cluster.add_argument("--meta", default="", help="metadata replicas' gRPC HOST:PORT, comma list")
+    cluster.add_argument("--node-id", default="", help="this node's name (--role node)")
+    cluster.add_argument("--kind", choices=["prefill", "decode"], default="prefill")
+    cluster.add_argument("--transfer-port", type=int, default=0, help="0 = any free port")
     meta = p.add_argument_group("--role meta")
     add_meta_arguments(meta)  # type: ignore[arg-type]
     p.set_defaults(func=run)
@@ -104,6 +110,10 @@ async def serve(config: ServeConfig, host: str, port: int, metrics_port: int) ->
 def run(args: argparse.Namespace) -> int:
     if args.role == "meta":
         return run_meta(args)
+    if args.role in ("node", "router"):
+        from kvflow.tools.cluster_roles import run_node, run_router
+
+        return run_node(args) if args.role == "node" else run_router(args)
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -11,4 +11,8 @@ from kvflow.grpc_proto import load_proto
 pb2, pb2_grpc = load_proto("kvflow/stages/api/inference.proto")
 SERVICE_NAME: str = pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
-__all__ = ["SERVICE_NAME", "pb2", "pb2_grpc"]
+# The node API a router uses (kvflow serve --role node).
+node_pb2, node_pb2_grpc = load_proto("kvflow/stages/api/node.proto")
+NODE_SERVICE_NAME: str = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
+
+__all__ = ["NODE_SERVICE_NAME", "SERVICE_NAME", "node_pb2", "node_pb2_grpc", "pb2", "pb2_grpc"]

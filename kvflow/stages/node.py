@@ -1,0 +1,471 @@
+"""NodeServer: one prefill or decode node of a multi-process cluster (`kvflow serve --role node`).
+
+A node holds one engine (its EngineWorker thread), its kvdb shard (metadata in the Raft group,
+reached with RemoteMetadata), a transfer engine with a tcp server (its page pool or staging
+area, and its shard's DRAM pool, are segments peers read and write), and one gRPC server with
+the Node service (api/node.proto), the kvdb admin service and the BlockService.
+
+A prefill node runs reuse-load, prefill and stream for each Prefill call on its own pipeline:
+the prefix comes from its shard, then the longest continuation held by another node (read over
+the transfer engine); the prompt's KV is written into the decode node's staging slots named in
+the request. A decode node leases staging slots (Reserve) and runs the decode stage (Decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from kvflow.kvdb import (
+    ADMIN_SERVICE_NAME,
+    BLOCK_SERVICE_NAME,
+    KVLayout,
+    Namespace,
+    ShardRef,
+    StaticAdminSource,
+    StoreConfig,
+    add_admin_service,
+    add_block_service,
+    block_keys,
+    open_store,
+)
+from kvflow.pipeline import Pipeline, PipelineConfig, RequestContext
+from kvflow.replication import NodeId, RemoteMetadata
+from kvflow.router import InstanceState
+from kvflow.stages.api import NODE_SERVICE_NAME, node_pb2, node_pb2_grpc
+from kvflow.stages.decode import DecodeStage
+from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
+from kvflow.stages.errors import InvalidArgument
+from kvflow.stages.instances import (
+    DecodeInstance,
+    PrefillInstance,
+    StagingArea,
+    StagingLease,
+    pool_segment_name,
+)
+from kvflow.stages.prefill import PrefillStage
+from kvflow.stages.remote_peers import RemotePeers, format_node_address
+from kvflow.stages.reuse_load import ReuseLoadStage
+from kvflow.stages.service import status_for
+from kvflow.stages.state import GenerateState
+from kvflow.stages.stream import StreamStage, StreamTarget
+from kvflow.stages.worker import EngineWorker
+from kvflow.transfer import TransferConfig, TransferEngine
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+STAGING_SEGMENT = "staging"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One node. ``kind`` is "prefill" or "decode"; ``meta`` the metadata replicas' gRPC
+    addresses; ``port``/``transfer_port`` 0 pick free ports."""
+
+    node_id: str
+    kind: str
+    model_dir: Path
+    data_dir: Path
+    meta: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    transfer_port: int = 0
+    dtype: str = "float32"
+    block_size: int = 64
+    num_pages: int = 512
+    prefill_chunk: int = 512
+    staging_pages: int = 512
+    dram_capacity_bytes: int = 1 << 30
+    ssd_capacity_bytes: int = 8 << 30
+    storage_engine: str = "rocksdb"
+    lease_timeout_s: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("prefill", "decode"):
+            raise ValueError(f"kind must be prefill or decode, got {self.kind!r}")
+        if not self.node_id or "|" in self.node_id or "/" in self.node_id:
+            raise ValueError(f"node_id must be a plain name, got {self.node_id!r}")
+        if not self.meta:
+            raise ValueError("meta: give the metadata replicas' gRPC addresses")
+
+
+def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(msg.temperature),
+            top_k=int(msg.top_k),
+            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            ignore_eos=bool(msg.ignore_eos),
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling: {exc}") from exc
+
+
+class NodeServer:
+    """Build with ``NodeServer(config)``; ``await start()`` serves; ``await stop()``."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self._closers: list[Any] = []
+        try:
+            self._build()
+        except BaseException:
+            self._close_resources()
+            raise
+
+    # -- building ---------------------------------------------------------------------------
+    def _build(self) -> None:
+        c = self.config
+        engine = Engine.open(
+            c.model_dir,
+            EngineConfig(
+                dtype=c.dtype,
+                block_size=c.block_size,
+                num_pages=c.num_pages,
+                prefill_chunk=c.prefill_chunk,
+                seed=c.seed,
+            ),
+        )
+        self.engine = engine
+        self.worker = EngineWorker(c.node_id, engine)
+        self.worker.start()
+        self._closers.append(self.worker.stop)
+        lay = engine.kv_layout
+        self.layout = KVLayout(
+            lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype
+        )
+        self.metadata = RemoteMetadata(list(c.meta))
+        self.metadata.start()
+        self._closers.append(self.metadata.close)
+        self.metadata.wait_ready(30.0)
+        self.transfer = TransferEngine(TransferConfig())
+        self._closers.append(self.transfer.close)
+        host, port = self.transfer.start_server(c.host, c.transfer_port)
+        self.transfer_address = f"{host}:{port}"
+        ns = Namespace("default", engine.model_fingerprint, self.layout)
+        self.store = open_store(
+            StoreConfig(
+                data_dir=c.data_dir / "shards" / c.node_id,
+                dram_capacity_bytes=c.dram_capacity_bytes,
+                ssd_capacity_bytes=c.ssd_capacity_bytes,
+                engine=c.storage_engine,
+                value_size=engine.page_nbytes,
+            ),
+            ns,
+            node_id=NodeId(c.node_id),
+            metadata=self.metadata,
+        )
+        self._closers.append(self.store.close)
+        self.state = InstanceState(c.node_id, c.kind)
+        if c.kind == "prefill":
+            self._build_prefill()
+        else:
+            self._build_decode()
+
+    def _build_prefill(self) -> None:
+        c, engine = self.config, self.engine
+        pool = engine.pool_tensor
+        self.transfer.register_memory(pool_segment_name(c.node_id), pool.view(torch.uint8).numpy())
+        load = StagingArea(
+            c.node_id, c.staging_pages, engine.page_shape, engine.page_dtype, None, name="load"
+        )
+        self.instance = PrefillInstance(c.node_id, self.worker, self.store, self.state, load)
+        self.peers = RemotePeers(c.node_id, self.metadata, self.transfer)
+        self._closers.append(self.peers.close)
+        stages = [
+            ReuseLoadStage(
+                {}, engine.page_shape, engine.page_dtype, c.block_size, peers=self.peers
+            ),
+            PrefillStage(c.block_size),
+            StreamStage(self.transfer, {c.node_id: pool}, c.block_size),
+        ]
+        self.pipeline = Pipeline(stages, PipelineConfig(queue_size=256, default_concurrency=64))
+
+    def _build_decode(self) -> None:
+        c, engine = self.config, self.engine
+        self.staging = StagingArea(
+            c.node_id,
+            c.staging_pages,
+            engine.page_shape,
+            engine.page_dtype,
+            self.transfer,
+            name=STAGING_SEGMENT,
+        )
+        self.instance = DecodeInstance(c.node_id, self.worker, self.state, self.staging, self.store)
+        self.leases: dict[str, tuple[StagingLease, float]] = {}
+        self._lease_lock = threading.Lock()
+        self.pipeline = Pipeline(
+            [DecodeStage(c.block_size)], PipelineConfig(queue_size=256, default_concurrency=64)
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        c = self.config
+        await self.pipeline.start()
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self), self.server)
+        source = StaticAdminSource(
+            {c.node_id: ShardRef(self.store.shard, NodeId(c.node_id), c.kind)},
+            self.metadata.view(),
+        )
+        add_admin_service(self.server, source)
+        self.blocks = add_block_service(self.server, source, self.transfer)
+        from grpc_reflection.v1alpha import reflection
+
+        reflection.enable_server_reflection(
+            (NODE_SERVICE_NAME, ADMIN_SERVICE_NAME, BLOCK_SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{c.host}:{c.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {c.host}:{c.port}")
+        await self.server.start()
+        self.address = f"{c.host}:{self.port}"
+        await asyncio.to_thread(
+            self.metadata.register_node,
+            NodeId(c.node_id),
+            format_node_address(self.address, self.transfer_address),
+            c.kind,
+        )
+        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
+
+    async def _heartbeats(self) -> None:
+        node = NodeId(self.config.node_id)
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                known = await asyncio.to_thread(self.metadata.heartbeat, node)
+                if not known:  # dropped (or a new metadata group): re-adopt what we hold
+                    holdings = await asyncio.to_thread(self.store.shard.holdings)
+                    await asyncio.to_thread(self.metadata.replace_holdings, node, holdings)
+                    await asyncio.to_thread(
+                        self.metadata.register_node,
+                        node,
+                        format_node_address(self.address, self.transfer_address),
+                        self.config.kind,
+                    )
+                if self.config.kind == "decode":
+                    self._reap_leases()
+            except Exception:
+                logger.warning("node=%s heartbeat failed", node, exc_info=True)
+
+    async def stop(self) -> None:
+        task = getattr(self, "_heartbeat", None)
+        if task is not None:
+            task.cancel()
+        server = getattr(self, "server", None)
+        if server is not None:
+            await server.stop(1.0)
+        await self.pipeline.stop(drain=False, timeout_s=5.0)
+        blocks = getattr(self, "blocks", None)
+        if blocks is not None:
+            blocks.close()
+        self._close_resources()
+
+    def _close_resources(self) -> None:
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception:
+                logger.exception("closing %r failed", closer)
+
+    # -- decode leases ----------------------------------------------------------------------
+    def lease(self, request_id: str, n: int) -> tuple[str, StagingLease]:
+        lease = self.staging.lease(n)
+        lease_id = f"{request_id}:{uuid.uuid4().hex[:8]}"
+        with self._lease_lock:
+            self.leases[lease_id] = (lease, time.monotonic() + self.config.lease_timeout_s)
+        return lease_id, lease
+
+    def take_lease(self, lease_id: str) -> StagingLease | None:
+        with self._lease_lock:
+            entry = self.leases.pop(lease_id, None)
+        return None if entry is None else entry[0]
+
+    def _reap_leases(self) -> None:
+        now = time.monotonic()
+        with self._lease_lock:
+            expired = [k for k, (_, deadline) in self.leases.items() if deadline < now]
+            dropped = [self.leases.pop(k)[0] for k in expired]
+        for lease in dropped:
+            self.staging.release(lease)
+        if dropped:
+            logger.info(
+                "node=%s released %d expired staging leases", self.config.node_id, len(dropped)
+            )
+
+
+class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
+    def __init__(self, node: NodeServer) -> None:
+        self._node = node
+
+    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        n = self._node
+        e = n.engine
+        return node_pb2.InfoReply(
+            node_id=n.config.node_id,
+            kind=n.config.kind,
+            model_fingerprint=e.model_fingerprint,
+            block_size=e.block_size,
+            page_nbytes=e.page_nbytes,
+            transfer_address=n.transfer_address,
+            max_model_len=e.max_model_len,
+            vocab_size=e.spec.vocab_size,
+            active_requests=n.worker.num_active,
+            free_pages=e.num_free_pages,
+            free_staging=n.staging.num_free if n.config.kind == "decode" else 0,
+            num_layers=n.layout.num_layers,
+            num_kv_heads=n.layout.num_kv_heads,
+            head_dim=n.layout.head_dim,
+            dtype=n.layout.dtype,
+            control_address=n.address,
+        )
+
+    def _namespace(self, tenant: str) -> Namespace:
+        try:
+            return Namespace(
+                tenant or "default", self._node.engine.model_fingerprint, self._node.layout
+            )
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+
+    async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        n = self._node
+        if n.config.kind != "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill node")
+        try:
+            ids = list(request.token_ids)
+            ns = self._namespace(request.tenant)
+            segment = await asyncio.to_thread(
+                n.transfer.open_segment, request.target_transfer_address, request.target_segment
+            )
+            state = GenerateState(
+                tenant=ns.tenant,
+                max_tokens=1,
+                sampling=sampling_from(request.sampling, 1),
+                prompt_ids=ids,
+                submitted_at=time.monotonic(),
+            )
+            state.namespace = ns
+            state.block_keys = block_keys(ns, ids)
+            state.prefill = n.instance  # type: ignore[assignment]
+            state.stream_target = StreamTarget(
+                segment, [int(o) for o in request.target_offsets], n.engine.page_nbytes
+            )
+            n.state.enqueue(request.request_id, 0.0)
+            ctx = RequestContext(request.request_id, state=state)
+            handle = n.pipeline.try_submit(ctx)
+        except Exception as exc:
+            code, details = status_for(exc)
+            await context.abort(code, details)
+            return
+        try:
+            async for kind, payload in handle:
+                if kind == "tokens":
+                    yield node_pb2.PrefillEvent(first_token=payload[0], has_first_token=True)
+            await handle.result()
+        except BaseException as exc:
+            handle.cancel("prefill failed or caller went away")
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            code, details = status_for(exc)
+            await context.abort(code, details)
+            return
+        yield node_pb2.PrefillEvent(
+            done=True,
+            finish_reason=state.finish_reason or "",
+            cached_tokens=state.num_cached_tokens,
+            cached_by_tier=state.cached_by_tier,
+            pulled_tokens=state.pulled_tokens,
+            streamed_bytes=state.streamed_bytes,
+        )
+
+    async def Reserve(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        n = self._node
+        if n.config.kind != "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
+        try:
+            lease_id, lease = n.lease(request.request_id, int(request.num_pages))
+        except Exception as exc:
+            code, details = status_for(exc)
+            await context.abort(code, details)
+            return None
+        return node_pb2.ReserveReply(
+            lease_id=lease_id,
+            transfer_address=n.transfer_address,
+            segment=STAGING_SEGMENT,
+            offsets=[n.staging.offset(s) for s in lease.slots],
+        )
+
+    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        n = self._node
+        lease = n.take_lease(request.lease_id) if n.config.kind == "decode" else None
+        if lease is not None:
+            n.staging.release(lease)
+        return node_pb2.ReleaseReply(released=lease is not None)
+
+    async def Decode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        n = self._node
+        if n.config.kind != "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
+        lease = n.take_lease(request.lease_id)
+        if lease is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"no staging lease {request.lease_id!r}"
+            )
+        ids = list(request.token_ids)
+        try:
+            ns = self._namespace(request.tenant)
+            if len(ids) < 2 or request.num_prefix_tokens != len(ids) - 1:
+                raise InvalidArgument("token_ids must be the prompt followed by the first token")
+            state = GenerateState(
+                tenant=ns.tenant,
+                max_tokens=max(1, int(request.max_tokens)),
+                sampling=replace(sampling_from(request.sampling, max(1, int(request.max_tokens)))),
+                prompt_ids=ids[:-1],
+                submitted_at=time.monotonic(),
+            )
+            state.namespace = ns
+            state.decode = n.instance  # type: ignore[assignment]
+            state.staging = lease
+            state.first_token = ids[-1]
+            state.first_token_at = time.monotonic()
+            n.state.add_decode(request.request_id, len(ids))
+            ctx = RequestContext(request.request_id, state=state)
+            handle = n.pipeline.try_submit(ctx)
+        except Exception as exc:
+            n.staging.release(lease)
+            code, details = status_for(exc)
+            await context.abort(code, details)
+            return
+        try:
+            async for kind, payload in handle:
+                if kind == "tokens":
+                    yield node_pb2.DecodeEvent(token_ids=payload)
+            await handle.result()
+        except BaseException as exc:
+            handle.cancel("decode failed or caller went away")
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            code, details = status_for(exc)
+            await context.abort(code, details)
+            return
+        finally:
+            with contextlib.suppress(KeyError):
+                n.state.remove_decode(request.request_id)
+        yield node_pb2.DecodeEvent(finished=True, finish_reason=state.finish_reason or "")

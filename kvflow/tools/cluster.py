@@ -1,0 +1,265 @@
+"""`kvflow cluster`: start and supervise a multi-process cluster on this machine.
+
+    kvflow cluster --meta 3 --prefill 2 --decode 1 [--model DIR] [--port 50051] [--data-dir DIR]
+
+starts 3 metadata replicas, the prefill and decode nodes and a router (listening on --port),
+each as its own `kvflow serve --role ...` process on 127.0.0.1, restarts a node or replica that
+dies (unless it was killed on purpose through `LocalCluster.kill`), and stops them all on
+Ctrl-C. `LocalCluster` is the same thing as a library, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+from kvflow.stages.api import pb2, pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = field(default=None, repr=False)
+    restarts: int = 0
+    keep_down: bool = False
+
+    def start(self) -> None:
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "kvflow.tools.cli", "serve", *self.args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+
+class LocalCluster:
+    """``meta`` replicas, ``prefill`` and ``decode`` nodes and one router, on 127.0.0.1."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        meta: int = 3,
+        prefill: int = 2,
+        decode: int = 1,
+        model: Path | None = None,
+        port: int = 0,
+        extra: tuple[str, ...] = (),
+        router_extra: tuple[str, ...] = (),
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        rafts = [f"127.0.0.1:{free_port()}" for _ in range(meta)]
+        grpcs = [free_port() for _ in range(meta)]
+        self.meta_addresses = [f"127.0.0.1:{p}" for p in grpcs]
+        common = ["--data-dir", str(self.data_dir), *extra]
+        if model is not None:
+            common += ["--model", str(model)]
+        self.procs: dict[str, Proc] = {}
+        for i, raft in enumerate(rafts):
+            peers = ",".join(r for r in rafts if r != raft)
+            self._add(
+                f"meta-{i}",
+                [
+                    "--role",
+                    "meta",
+                    "--meta-id",
+                    str(i),
+                    "--address",
+                    raft,
+                    "--peers",
+                    peers,
+                    "--grpc-port",
+                    str(grpcs[i]),
+                    "--raft-min-timeout-s",
+                    "0.3",
+                    "--raft-max-timeout-s",
+                    "0.8",
+                    *common,
+                ],
+            )
+        meta_list = ",".join(self.meta_addresses)
+        self.node_ports: dict[str, int] = {}
+        for kind, n in (("prefill", prefill), ("decode", decode)):
+            for i in range(n):
+                name = f"{kind}-{i}"
+                self.node_ports[name] = free_port()
+                self._add(
+                    name,
+                    [
+                        "--role",
+                        "node",
+                        "--kind",
+                        kind,
+                        "--node-id",
+                        name,
+                        "--port",
+                        str(self.node_ports[name]),
+                        "--meta",
+                        meta_list,
+                        "--metrics-port",
+                        "0",
+                        *common,
+                    ],
+                )
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._add(
+            "router",
+            [
+                "--role",
+                "router",
+                "--port",
+                str(self.port),
+                "--meta",
+                meta_list,
+                "--metrics-port",
+                "0",
+                *common,
+                *router_extra,
+            ],
+        )
+
+    def _add(self, name: str, args: list[str]) -> None:
+        self.procs[name] = Proc(name, args, self.data_dir / f"{name}.log")
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start everything (meta first, router last) and wait until the router serves."""
+        order = [p for p in self.procs.values() if p.name.startswith("meta")]
+        order += [p for p in self.procs.values() if not p.name.startswith(("meta", "router"))]
+        for proc in order:
+            proc.start()
+        self.procs["router"].start()
+        self.wait_serving(timeout_s)
+
+    def wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb2_grpc.InferenceStub(channel)
+            while True:
+                try:
+                    if stub.Health(pb2.HealthRequest(), timeout=2).serving:
+                        return
+                except grpc.RpcError:
+                    pass
+                dead = [p.name for p in self.procs.values() if not p.alive() and not p.keep_down]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"cluster did not start (exited: {dead}); logs in {self.data_dir}"
+                    )
+                time.sleep(0.3)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process and keep it down (a failure test)."""
+        proc = self.procs[name]
+        proc.keep_down = True
+        proc.stop(signal.SIGKILL)
+
+    def supervise_once(self) -> list[str]:
+        """Restart the processes that died without being killed on purpose."""
+        restarted = []
+        for proc in self.procs.values():
+            if not proc.alive() and not proc.keep_down and proc.popen is not None:
+                logger.warning("%s exited with %s; restarting it", proc.name, proc.popen.poll())
+                proc.stop()
+                proc.restarts += 1
+                proc.start()
+                restarted.append(proc.name)
+        return restarted
+
+    def stop(self) -> None:
+        """SIGTERM everything (router first), then SIGKILL what is left."""
+        for name in ["router", *[n for n in self.procs if n != "router"]]:
+            self.procs[name].stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("cluster", help="start and supervise a local multi-process cluster")
+    p.add_argument("--meta", type=int, default=3)
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--model", type=Path)
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--data-dir", type=Path, default=Path("data/cluster"))
+    p.add_argument("--policy", default="cache-aware")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(
+        args.data_dir,
+        args.meta,
+        args.prefill,
+        args.decode,
+        args.model,
+        args.port,
+        router_extra=("--policy", args.policy),
+    )
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start()
+        print(
+            f"kvflow cluster: router on {cluster.address}; metadata on "
+            f"{','.join(cluster.meta_addresses)}; logs in {cluster.data_dir}",
+            flush=True,
+        )
+        for name, port in cluster.node_ports.items():
+            print(f"  {name}: 127.0.0.1:{port}   (kvflow kvdb --server 127.0.0.1:{port} shards)")
+        while not stop["now"]:
+            cluster.supervise_once()
+            time.sleep(0.5)
+    except RuntimeError as exc:
+        print(f"kvflow cluster: {exc}")
+        return 1
+    finally:
+        print("kvflow cluster: stopping", flush=True)
+        cluster.stop()
+    return 0

@@ -1,0 +1,115 @@
+"""A real multi-process cluster on 127.0.0.1: 3 metadata replicas, 2 prefill nodes, 1 decode
+node and a router (`kvflow.tools.cluster.LocalCluster`, the code behind `kvflow cluster`).
+
+The tests run in file order on one cluster: the failure tests come last.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvflow.replication import NodeId, RemoteMetadata
+from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
+from kvflow.tools.cli import main
+from kvflow.tools.cluster import LocalCluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(
+        tmp_path_factory.mktemp("cluster"),
+        meta=3,
+        prefill=2,
+        decode=1,
+        model=tiny_model,
+        extra=("--block-size", str(BLOCK), "--num-pages", "256", "--dram-mb", "64"),
+        router_extra=("--policy", "round-robin"),
+    )
+    try:
+        c.start(timeout_s=180)
+        yield c
+    finally:
+        c.stop()
+
+
+def generate(
+    cluster: LocalCluster, ids: list[int], max_tokens: int = 8
+) -> tuple[list[int], object]:
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb2_grpc.InferenceStub(channel)
+        req = pb2.GenerateRequest(max_tokens=max_tokens)
+        req.token_ids.ids.extend(ids)
+        msgs = list(stub.Generate(req, timeout=120))
+    return [t for m in msgs for t in m.token_ids], msgs[-1].usage
+
+
+def wait_for_blocks(cluster: LocalCluster, node: str, n: int, timeout_s: float = 10.0) -> None:
+    with RemoteMetadata(cluster.meta_addresses) as meta:
+        deadline = time.monotonic() + timeout_s
+        while meta.view().blocks_on(NodeId(node)) < n:
+            assert time.monotonic() < deadline, f"{node} never registered {n} blocks"
+            time.sleep(0.05)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def test_a_prefix_computed_on_one_node_is_served_by_the_other_over_tcp(cluster, tiny_model):
+    ids = prompt(100, seed=1)
+    out1, u1 = generate(cluster, ids)
+    # Blocks reach the metadata asynchronously (a batched flush, then a Raft commit): until
+    # they do, another node cannot know they exist and would recompute.
+    wait_for_blocks(cluster, u1.prefill_instance, 6)
+    out2, u2 = generate(cluster, ids)  # round-robin: the other prefill node
+    assert {u1.prefill_instance, u2.prefill_instance} == {"prefill-0", "prefill-1"}
+    assert u1.cached_tokens == 0
+    assert u2.cached_tokens == 96 and u2.pulled_tokens == 96
+    assert {t.tier: t.tokens for t in u2.cached_by_tier} == {"remote": 96}
+    engine = Engine.open(tiny_model, EngineConfig(block_size=BLOCK, num_pages=64))
+    assert out1 == out2 == engine.generate([ids], SamplingParams(max_tokens=8))[0]
+
+
+def test_admin_cli_sees_every_node_and_both_replicas(cluster, capsys):
+    node = f"127.0.0.1:{cluster.node_ports['prefill-0']}"
+    capsys.readouterr()
+    assert main(["kvdb", "--server", node, "nodes", "--json"]) == 0
+    nodes = {n["node"]: n for n in json.loads(capsys.readouterr().out)}
+    assert set(nodes) == {"prefill-0", "prefill-1", "decode-0"}
+    assert main(["kvdb", "--server", node, "hot", "-n", "1", "--json"]) == 0
+    key = json.loads(capsys.readouterr().out)[0]["key"]
+    assert main(["kvdb", "--server", node, "replicas", key, "--json"]) == 0
+    replicas = json.loads(capsys.readouterr().out)
+    assert {"prefill-0", "prefill-1"} <= set(json.dumps(replicas).replace('"', " ").split())
+
+
+def test_a_killed_prefill_node_fails_no_request(cluster):
+    cluster.kill("prefill-1")
+    for seed in range(2, 6):
+        ids = prompt(60, seed=seed)
+        out, usage = generate(cluster, ids)
+        assert len(out) == 8 and usage.prefill_instance == "prefill-0"
+
+
+def test_a_killed_metadata_replica_fails_no_request(cluster):
+    cluster.kill("meta-0")
+    for seed in range(6, 9):
+        out, usage = generate(cluster, prompt(60, seed=seed))
+        assert len(out) == 8
+    ids = prompt(60, seed=6)
+    wait_for_blocks(cluster, "prefill-0", 3)
+    _, usage = generate(cluster, ids)
+    assert usage.cached_tokens == 48  # the store kept working: the repeat is a hit
