@@ -3,10 +3,10 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Everything but GPU tests: the `slow` ones (real-process failover, ~20 s) fit in CI too.
-PYTEST_ARGS ?= -m "not gpu"
+# The default run: no GPU tests, no `slow` ones (real-process clusters and failover).
+PYTEST_ARGS ?= -m "not slow and not gpu"
 
-.PHONY: run test lint test-fast clean
+.PHONY: run test lint test-all clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,8 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: lint
-	$(BIN)/python -m pytest -m "not slow and not gpu"
+test-all: lint
+	$(BIN)/python -m pytest -m "not gpu"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -108,6 +108,11 @@ class RemoteMetadataView:
         request = pb2.NodeBlocksRequest(node=check_node(node), include_keys=True)
         return keys_from(self._read("NodeBlocks", request).keys, "keys")
 
+    def under_replicated(self, limit: int = 100) -> list[tuple[bytes, int, int]]:
+        """Up to ``limit`` held keys below their replica target: ``(key, count, target)``."""
+        reply = self._read("UnderReplicated", pb2.UnderReplicatedRequest(limit=limit))
+        return [(bytes(e.key), int(e.count), int(e.target)) for e in reply.entries]
+
     def nodes(self) -> list[NodeInfo]:
         """Every known node, sorted by id."""
         return [node_info_from(msg) for msg in self._read("Nodes", pb2.NodesRequest()).nodes]

@@ -162,6 +162,19 @@ class MetadataServicer(pb2_grpc.MetadataServiceServicer):  # type: ignore[misc,n
 
         return self._guard(context, call)
 
+    def UnderReplicated(self, request: Any, context: grpc.ServicerContext) -> Any:
+        def call() -> Any:
+            limit = int(request.limit) or 100
+            if limit > 100_000:
+                raise ValueError(f"limit must be at most 100000, got {limit}")
+            entries = [
+                pb2.UnderReplicatedEntry(key=key, count=count, target=target)
+                for key, count, target in self._group.view().under_replicated(limit)
+            ]
+            return pb2.UnderReplicatedReply(entries=entries)
+
+        return self._guard(context, call)
+
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
         def call() -> Any:
             group = self._group

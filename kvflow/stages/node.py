@@ -40,7 +40,7 @@ from kvflow.kvdb import (
     open_store,
 )
 from kvflow.pipeline import Pipeline, PipelineConfig, RequestContext
-from kvflow.replication import NodeId, RemoteMetadata
+from kvflow.replication import NodeId, NodeLoad, RemoteMetadata, choose_source, choose_targets
 from kvflow.router import InstanceState
 from kvflow.stages.api import NODE_SERVICE_NAME, node_pb2, node_pb2_grpc
 from kvflow.stages.decode import DecodeStage
@@ -101,6 +101,14 @@ class NodeConfig:
             raise ValueError("meta: give the metadata replicas' gRPC addresses")
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(
@@ -156,6 +164,13 @@ class NodeServer:
         self._closers.append(self.transfer.close)
         host, port = self.transfer.start_server(c.host, c.transfer_port)
         self.transfer_address = f"{host}:{port}"
+        self.port = c.port or _free_port(c.host)
+        self.address = f"{c.host}:{self.port}"
+        # Register with the full address before the store opens: its re-adoption writes would
+        # otherwise register the node implicitly, without an address peers can use.
+        self.metadata.register_node(
+            NodeId(c.node_id), format_node_address(self.address, self.transfer_address), c.kind
+        )
         ns = Namespace("default", engine.model_fingerprint, self.layout)
         self.store = open_store(
             StoreConfig(
@@ -230,17 +245,9 @@ class NodeServer:
             (NODE_SERVICE_NAME, ADMIN_SERVICE_NAME, BLOCK_SERVICE_NAME, reflection.SERVICE_NAME),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{c.host}:{c.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {c.host}:{c.port}")
+        if self.server.add_insecure_port(self.address) == 0:
+            raise OSError(f"cannot listen on {self.address}")
         await self.server.start()
-        self.address = f"{c.host}:{self.port}"
-        await asyncio.to_thread(
-            self.metadata.register_node,
-            NodeId(c.node_id),
-            format_node_address(self.address, self.transfer_address),
-            c.kind,
-        )
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
 
     async def _heartbeats(self) -> None:
@@ -249,19 +256,52 @@ class NodeServer:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 known = await asyncio.to_thread(self.metadata.heartbeat, node)
-                if not known:  # dropped (or a new metadata group): re-adopt what we hold
-                    holdings = await asyncio.to_thread(self.store.shard.holdings)
-                    await asyncio.to_thread(self.metadata.replace_holdings, node, holdings)
+                if not known:  # dropped (or a new metadata group): re-register, re-adopt
                     await asyncio.to_thread(
                         self.metadata.register_node,
                         node,
                         format_node_address(self.address, self.transfer_address),
                         self.config.kind,
                     )
+                    holdings = await asyncio.to_thread(self.store.shard.holdings)
+                    await asyncio.to_thread(self.metadata.replace_holdings, node, holdings)
                 if self.config.kind == "decode":
                     self._reap_leases()
+                else:
+                    await asyncio.to_thread(self.replicate_once)
             except Exception:
                 logger.warning("node=%s heartbeat failed", node, exc_info=True)
+
+    def replicate_once(self, limit: int = 256) -> int:
+        """Act on replica targets: every prefill node computes the same placement from the
+        metadata (``choose_targets`` over the live prefill nodes), and a node that is a
+        target for a block it lacks reads it from a holder. Returns blocks copied."""
+        view = self.metadata.view()
+        wanted = view.under_replicated(limit)
+        if not wanted:
+            return 0
+        now = time.time()
+        loads = [
+            NodeLoad(i.node, view.blocks_on(i.node), healthy=now - i.last_heartbeat < 5.0)
+            for i in view.nodes()
+            if i.kind == "prefill"
+        ]
+        me = NodeId(self.config.node_id)
+        ns = Namespace("default", self.engine.model_fingerprint, self.layout)
+        copied = 0
+        for key, _count, target in wanted:
+            holders = view.replicas(key)
+            if me in holders or me not in choose_targets(holders, target, loads):
+                continue
+            source = choose_source(holders, [NodeId(p) for p in self.peers])
+            if source is None:
+                continue
+            buf = torch.empty(self.engine.page_shape, dtype=self.engine.page_dtype)
+            if self.peers[source].client(ns).batch_get_into([key], [buf])[0] is not None:
+                copied += self.store.shard.put(key, buf) is not None
+        if copied:
+            logger.info("node=%s copied %d blocks toward their replica targets", me, copied)
+        return copied
 
     async def stop(self) -> None:
         task = getattr(self, "_heartbeat", None)

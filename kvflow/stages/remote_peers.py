@@ -16,7 +16,7 @@ from kvflow.kvdb import Namespace, RemoteClient
 from kvflow.replication import NodeId
 from kvflow.transfer import TransferEngine
 
-PEERS_TTL_S = 2.0
+PEERS_TTL_S = 0.5
 
 
 def format_node_address(control: str, transfer: str) -> str:

@@ -8,6 +8,7 @@ is pinned and read with one batch get_into into page-shaped tensors.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.errors import NoCapacity
 from kvflow.stages.instances import PrefillInstance, ShardOwner
 from kvflow.stages.state import GenerateState
+
+logger = logging.getLogger(__name__)
 
 
 class ReuseLoadStage(Stage):

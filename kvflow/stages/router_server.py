@@ -138,7 +138,7 @@ class RouterServer:
                 raise TimeoutError("no prefill and decode nodes registered in the metadata")
             if not (self.prefill and self.decode):
                 await asyncio.sleep(0.2)
-        info = await next(iter(self.prefill.values())).stub.Info(node_pb2.InfoRequest(), timeout=10)
+        info = await self._first_info(deadline)
         self.model_fingerprint = info.model_fingerprint
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
@@ -161,6 +161,19 @@ class RouterServer:
         )
         await self.pipeline.start()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def _first_info(self, deadline: float) -> Any:
+        """Info of the first prefill node that answers (a node registers before it listens)."""
+        while True:
+            for node in list(self.prefill.values()):
+                try:
+                    return await node.stub.Info(node_pb2.InfoRequest(), timeout=2)
+                except grpc.aio.AioRpcError:
+                    continue
+            if time.monotonic() > deadline:
+                raise TimeoutError("no prefill node answered Info")
+            await asyncio.sleep(0.2)
+            await self._refresh()
 
     def _conductor(self, info: Any) -> Conductor:
         s = self.settings
@@ -263,12 +276,11 @@ class RemoteGenerateStage(Stage):
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
-        sent = 0  # tokens already emitted to the client
         for attempt in range(ATTEMPTS):
             if attempt:
                 self._reroute(ctx, state)
             try:
-                sent = await self._once(ctx, state, sent)
+                await self._once(ctx, state)
                 return
             except grpc.aio.AioRpcError as err:
                 if err.code() not in (
@@ -308,7 +320,7 @@ class RemoteGenerateStage(Stage):
         state.decode = r.decode[result.decode_id]  # type: ignore[assignment]
         r.conductor.commit(result, state.prefill.state, state.decode.state)
 
-    async def _once(self, ctx: RequestContext[Any], state: GenerateState, sent: int) -> int:
+    async def _once(self, ctx: RequestContext[Any], state: GenerateState) -> None:
         prefill: RemoteNode = state.prefill  # type: ignore[assignment]
         decode: RemoteNode = state.decode  # type: ignore[assignment]
         pages = -(-state.prompt_len // self._router.block_size)
@@ -338,7 +350,7 @@ class RemoteGenerateStage(Stage):
                         if state.first_token_at is None:
                             state.first_token_at = time.monotonic()
                         state.token_times = [state.first_token_at]
-                        sent = self._emit(ctx, produced, sent)
+                        self._emit(ctx, state, produced)
                     if ev.done:
                         done = ev
                 if done is None:
@@ -354,7 +366,7 @@ class RemoteGenerateStage(Stage):
                 await decode.stub.Release(node_pb2.ReleaseRequest(lease_id=lease.lease_id))
                 state.output_ids, state.finish_reason = produced, done.finish_reason or "length"
                 state.token_times = [state.first_token_at or time.monotonic()]
-                return sent
+                return
             with ctx.span("decode", node=decode.instance_id):
                 req = node_pb2.DecodeRequest(
                     request_id=ctx.request_id,
@@ -369,12 +381,11 @@ class RemoteGenerateStage(Stage):
                     if ev.token_ids:
                         produced.extend(ev.token_ids)
                         state.token_times.extend(time.monotonic() for _ in ev.token_ids)
-                        sent = self._emit(ctx, produced, sent)
+                        self._emit(ctx, state, produced)
                     if ev.finished:
                         state.finish_reason = ev.finish_reason
             state.output_ids = produced
             state.finished_at = time.monotonic()
-            return sent
         except BaseException:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await decode.stub.Release(
@@ -383,11 +394,12 @@ class RemoteGenerateStage(Stage):
             raise
 
     @staticmethod
-    def _emit(ctx: RequestContext[Any], produced: list[int], sent: int) -> int:
-        """Emit the tokens past what the client already has (a retry regenerates them)."""
-        if len(produced) > sent:
-            ctx.emit(("tokens", produced[sent:]))
-        return max(sent, len(produced))
+    def _emit(ctx: RequestContext[Any], state: GenerateState, produced: list[int]) -> None:
+        """Emit the tokens past what the client already has: a retry regenerates the same
+        tokens (the node's sampling is seeded per request id) and only the new ones go out."""
+        if len(produced) > state.emitted_tokens:
+            ctx.emit(("tokens", produced[state.emitted_tokens :]))
+            state.emitted_tokens = len(produced)
 
     @staticmethod
     async def _call(node: RemoteNode, call: Any) -> Any:

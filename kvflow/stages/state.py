@@ -65,6 +65,7 @@ class GenerateState:
     decode_request_id: str = ""
     stored_decode_blocks: int = 0
     output_ids: list[int] = field(default_factory=list)
+    emitted_tokens: int = 0
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None
 

@@ -138,6 +138,7 @@ class LocalCluster:
                         *common,
                     ],
                 )
+        self.expected = (prefill, decode)
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._add(
@@ -174,8 +175,12 @@ class LocalCluster:
             stub = pb2_grpc.InferenceStub(channel)
             while True:
                 try:
-                    if stub.Health(pb2.HealthRequest(), timeout=2).serving:
-                        return
+                    health = stub.Health(pb2.HealthRequest(), timeout=2)
+                    known = (len(health.prefill_instances), len(health.decode_instances))
+                    if health.serving and known == self.expected:
+                        stats = stub.Stats(pb2.StatsRequest(), timeout=2)
+                        if all(i.values["healthy"] == 1.0 for i in stats.instances):
+                            return  # the router serves and every node is known and healthy
                 except grpc.RpcError:
                     pass
                 dead = [p.name for p in self.procs.values() if not p.alive() and not p.keep_down]

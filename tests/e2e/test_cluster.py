@@ -32,7 +32,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         tmp_path_factory.mktemp("cluster"),
         meta=3,
         prefill=2,
-        decode=1,
+        decode=2,
         model=tiny_model,
         extra=("--block-size", str(BLOCK), "--num-pages", "256", "--dram-mb", "64"),
         router_extra=("--policy", "round-robin"),
@@ -56,11 +56,16 @@ def generate(
 
 
 def wait_for_blocks(cluster: LocalCluster, node: str, n: int, timeout_s: float = 10.0) -> None:
-    with RemoteMetadata(cluster.meta_addresses) as meta:
-        deadline = time.monotonic() + timeout_s
-        while meta.view().blocks_on(NodeId(node)) < n:
-            assert time.monotonic() < deadline, f"{node} never registered {n} blocks"
-            time.sleep(0.05)
+    """Until every live metadata replica reports ``n`` blocks on ``node`` (a node may read
+    from any replica, and followers apply a commit a moment after the leader)."""
+    deadline = time.monotonic() + timeout_s
+    for name, address in zip(cluster.procs, cluster.meta_addresses, strict=False):
+        if not cluster.procs[name].alive():
+            continue
+        with RemoteMetadata([address]) as meta:
+            while meta.view().blocks_on(NodeId(node)) < n:
+                assert time.monotonic() < deadline, f"{address}: {node} has < {n} blocks"
+                time.sleep(0.05)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -88,12 +93,52 @@ def test_admin_cli_sees_every_node_and_both_replicas(cluster, capsys):
     capsys.readouterr()
     assert main(["kvdb", "--server", node, "nodes", "--json"]) == 0
     nodes = {n["node"]: n for n in json.loads(capsys.readouterr().out)}
-    assert set(nodes) == {"prefill-0", "prefill-1", "decode-0"}
+    assert set(nodes) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
     assert main(["kvdb", "--server", node, "hot", "-n", "1", "--json"]) == 0
     key = json.loads(capsys.readouterr().out)[0]["key"]
     assert main(["kvdb", "--server", node, "replicas", key, "--json"]) == 0
     replicas = json.loads(capsys.readouterr().out)
     assert {"prefill-0", "prefill-1"} <= set(json.dumps(replicas).replace('"', " ").split())
+
+
+def test_a_replica_target_is_placed_on_another_node(cluster):
+    ids = prompt(50, seed=20)
+    _, usage = generate(cluster, ids)
+    holder = usage.prefill_instance
+    other = "prefill-1" if holder == "prefill-0" else "prefill-0"
+    with RemoteMetadata(cluster.meta_addresses) as meta:
+        view = meta.view()
+        deadline = time.monotonic() + 10
+        while True:  # until the new prompt's blocks are registered (asynchronously)
+            here = set(view.keys_on(NodeId(holder))) - set(view.keys_on(NodeId(other)))
+            if here:
+                break
+            assert time.monotonic() < deadline, f"{holder} never registered the new blocks"
+            time.sleep(0.05)
+        key = sorted(here)[0]
+        meta.set_replica_target(key, 2)
+        deadline = time.monotonic() + 20
+        while view.replica_count(key) < 2:
+            assert time.monotonic() < deadline, "the replica target was never met"
+            time.sleep(0.1)
+            view.forget([key])
+        assert set(view.replicas(key)) == {holder, other}
+
+
+def test_a_decode_node_killed_mid_stream_is_retried_with_the_same_output(cluster, tiny_model):
+    ids = prompt(40, seed=30)
+    req = pb2.GenerateRequest(max_tokens=400, sampling=pb2.SamplingParams(ignore_eos=True))
+    req.token_ids.ids.extend(ids)
+    with grpc.insecure_channel(cluster.address) as channel:
+        stream = pb2_grpc.InferenceStub(channel).Generate(req, timeout=120)
+        first = next(stream)
+        cluster.kill("decode-0")  # idle decode nodes tie on predicted TBT: decode-0 is chosen
+        rest = list(stream)
+    tokens = [t for m in [first, *rest] for t in m.token_ids]
+    usage = rest[-1].usage
+    assert usage.decode_instance == "decode-1"
+    engine = Engine.open(tiny_model, EngineConfig(block_size=BLOCK, num_pages=64))
+    assert tokens == engine.generate([ids], SamplingParams(max_tokens=400, ignore_eos=True))[0]
 
 
 def test_a_killed_prefill_node_fails_no_request(cluster):
