@@ -123,6 +123,14 @@ class ReuseLoadStage(Stage):
             return local, 0, ""
         peer = self._peers[source]
         copied = self._pull(peer.client(state.namespace), client, keys, local, local + best)
+        if copied < best:
+            logger.warning(
+                "continuation: %s holds %d blocks past the local %d, only %d could be read",
+                source,
+                best,
+                local,
+                copied,
+            )
         return local, copied, source
 
     def _pull(
