@@ -46,6 +46,7 @@ from kvflow.kvdb import (
     add_block_service,
     block_keys,
 )
+from kvflow.tools.rawsocket import timed_request
 from kvflow.transfer import TransferConfig, TransferEngine
 
 _RAW_REQUEST = struct.Struct("<QQ")  # size index, value count
@@ -144,15 +145,7 @@ class _RawReader:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def run(self, index: int, count: int, buf: memoryview) -> float:
-        start = time.perf_counter()
-        self.sock.sendall(_RAW_REQUEST.pack(index, count))
-        got, total = 0, buf.nbytes
-        while got < total:
-            n = self.sock.recv_into(buf[got:])
-            if n == 0:
-                raise ConnectionError("raw server closed")
-            got += n
-        return total / (time.perf_counter() - start) / 1e9
+        return timed_request(self.sock, _RAW_REQUEST.pack(index, count), buf)
 
     def close(self) -> None:
         self.sock.close()

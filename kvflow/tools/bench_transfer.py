@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.tools.rawsocket import timed_request
 from kvflow.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 
 SEGMENT_MIB = 128
@@ -144,16 +145,7 @@ class _RawGet:
         self.buffer = memoryview(bytearray(size * count))
 
     def run(self) -> float:
-        start = time.perf_counter()
-        self.sock.sendall(_RAW_REQUEST.pack(self.size, self.count))
-        got = 0
-        total = self.buffer.nbytes
-        while got < total:
-            n = self.sock.recv_into(self.buffer[got:])
-            if n == 0:
-                raise ConnectionError("raw server closed")
-            got += n
-        return total / (time.perf_counter() - start) / 1e9
+        return timed_request(self.sock, _RAW_REQUEST.pack(self.size, self.count), self.buffer)
 
     def close(self) -> None:
         self.sock.close()
