@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvflow.pipeline import RequestContext, Stage
-from kvflow.router import Conductor, Rejection, RouteRequest, UnknownInstanceError
+from kvflow.router import (
+    Conductor,
+    InstanceState,
+    Rejection,
+    RejectReason,
+    RouteDecision,
+    RouteRequest,
+    UnknownInstanceError,
+)
 from kvflow.stages.errors import Rejected
 from kvflow.stages.instances import DecodeInstance, PrefillInstance
 from kvflow.stages.state import GenerateState
@@ -17,10 +26,42 @@ from kvflow.stages.state import GenerateState
 logger = logging.getLogger(__name__)
 
 
+WAIT_POLL_S = 0.25
+
+
+async def route_or_wait(
+    conductor: Conductor,
+    req: RouteRequest,
+    instances: Callable[[], tuple[list[InstanceState], list[InstanceState]]],
+    wait_s: float,
+) -> RouteDecision | Rejection:
+    """The conductor's decision; while there is no healthy instance of a kind (a node is
+    restarting), wait up to ``wait_s`` for one before giving up. SLO rejections are final."""
+    deadline = time.monotonic() + wait_s
+    waited = False
+    while True:
+        prefill, decode = instances()
+        result = conductor.route(req, prefill, decode, now=time.monotonic())
+        no_instance = isinstance(result, Rejection) and result.reason is RejectReason.NO_INSTANCE
+        if not no_instance or time.monotonic() >= deadline:
+            if waited and not no_instance:
+                logger.info("req=%s: an instance is back; routed", req.request_id)
+            return result
+        if not waited:
+            logger.warning(
+                "req=%s: no healthy prefill or decode instance; waiting up to %.0f s",
+                req.request_id,
+                wait_s,
+            )
+            waited = True
+        await asyncio.sleep(WAIT_POLL_S)
+
+
 class RouteStage(Stage):
     """Fills ``state.decision``, ``state.prefill`` and ``state.decode``; commits the decision to
-    the instances' queues. Raises Rejected when an SLO cannot be met. Cleanup takes the request
-    off both instances' books if the later stages have not already."""
+    the instances' queues. Raises Rejected when an SLO cannot be met, or when no healthy
+    instance of a kind appears within ``instance_wait_s``. Cleanup takes the request off both
+    instances' books if the later stages have not already."""
 
     name = "route"
 
@@ -30,21 +71,21 @@ class RouteStage(Stage):
         prefill: Mapping[str, PrefillInstance],
         decode: Mapping[str, DecodeInstance],
         on_reject: Any = None,
+        instance_wait_s: float = 0.0,
     ) -> None:
         self._conductor = conductor
         self._prefill = prefill
         self._decode = decode
         self._on_reject = on_reject
+        self._instance_wait_s = instance_wait_s
+
+    def _states(self) -> tuple[list[InstanceState], list[InstanceState]]:
+        return [p.state for p in self._prefill.values()], [d.state for d in self._decode.values()]
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
         req = RouteRequest(ctx.request_id, tuple(state.block_keys), state.prompt_len)
-        result = self._conductor.route(
-            req,
-            [p.state for p in self._prefill.values()],
-            [d.state for d in self._decode.values()],
-            now=time.monotonic(),
-        )
+        result = await route_or_wait(self._conductor, req, self._states, self._instance_wait_s)
         if isinstance(result, Rejection):
             if self._on_reject is not None:
                 self._on_reject(result)

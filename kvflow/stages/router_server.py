@@ -41,7 +41,7 @@ from kvflow.stages.engine import Tokenizer
 from kvflow.stages.errors import NoCapacity, Rejected
 from kvflow.stages.hash import HashStage
 from kvflow.stages.remote_peers import parse_node_address
-from kvflow.stages.route import RouteStage
+from kvflow.stages.route import RouteStage, route_or_wait
 from kvflow.stages.serving_metrics import ServingMetrics
 from kvflow.stages.state import GenerateState
 from kvflow.stages.tokenize import TokenizeStage
@@ -66,6 +66,9 @@ class RouterSettings:
     default_max_tokens: int = 64
     max_tokens_limit: int = 4096
     node_dead_after_s: float = 5.0
+    # A request that finds no healthy prefill or decode node (the only one is restarting)
+    # waits this long for one before it is rejected.
+    instance_wait_s: float = 30.0
     trace_capacity: int = 1024
     seed: int = 0
 
@@ -80,8 +83,19 @@ class RemoteNode:
     state: InstanceState
     channel: grpc.aio.Channel
     stub: Any = field(init=False)
+    # Routable only once it answered a probe (it registers before it listens), and again
+    # after a failed call only when it answers one more (a restarted process does).
+    ready: bool = False
+    was_ready: bool = False
 
     def __post_init__(self) -> None:
+        self.stub = node_pb2_grpc.NodeStub(self.channel)
+
+    async def reconnect(self, control: str | None = None) -> None:
+        """A fresh channel (to ``control`` if it moved): the old one may be in backoff."""
+        await self.channel.close()
+        self.control = control or self.control
+        self.channel = grpc.aio.insecure_channel(self.control)
         self.stub = node_pb2_grpc.NodeStub(self.channel)
 
 
@@ -150,7 +164,12 @@ class RouterServer:
             [
                 TokenizeStage(self.tokenizer, info.vocab_size, info.max_model_len),
                 HashStage(info.model_fingerprint, self.layout),
-                RouteStage(self.conductor, self.prefill, self.decode),  # type: ignore[arg-type]
+                RouteStage(
+                    self.conductor,
+                    self.prefill,  # type: ignore[arg-type]
+                    self.decode,  # type: ignore[arg-type]
+                    instance_wait_s=self.settings.instance_wait_s,
+                ),
                 RemoteGenerateStage(self),
             ],
             PipelineConfig(
@@ -221,18 +240,40 @@ class RouterServer:
             if addresses is None or group is None:
                 continue
             node = group.get(info.node)
-            if node is None or node.control != addresses[0]:
-                channel = grpc.aio.insecure_channel(addresses[0])
+            if node is None:
                 node = RemoteNode(
-                    info.node, info.kind, addresses[0], InstanceState(info.node, info.kind), channel
+                    info.node,
+                    info.kind,
+                    addresses[0],
+                    InstanceState(info.node, info.kind),
+                    grpc.aio.insecure_channel(addresses[0]),
                 )
                 group[info.node] = node
+            elif node.control != addresses[0]:  # it came back elsewhere: keep its books
+                node.ready = False
+                await node.reconnect(addresses[0])
             alive = now - info.last_heartbeat < self.settings.node_dead_after_s
-            node.state.set_healthy(alive and not getattr(node, "failed_at", 0) > now - 2.0)
+            if alive and not node.ready:
+                node.ready = await self._probe(node)
+            node.state.set_healthy(alive and node.ready)
+
+    @staticmethod
+    async def _probe(node: RemoteNode) -> bool:
+        """Whether ``node`` answers Info now; a node that does not gets a fresh channel."""
+        try:
+            await node.stub.Info(node_pb2.InfoRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            await node.reconnect()
+            return False
+        if node.was_ready:
+            logger.info("router: node=%s answers again; routing to it", node.instance_id)
+        node.was_ready = True
+        return True
 
     def mark_failed(self, node: RemoteNode) -> None:
+        """Route around ``node`` until it answers a probe again (a dead node never does)."""
         node.state.set_healthy(False)
-        node.failed_at = time.time()  # type: ignore[attr-defined]
+        node.ready = False
         logger.warning("router: node=%s failed a call; routing around it", node.instance_id)
 
     async def stop(self) -> None:
@@ -278,7 +319,7 @@ class RemoteGenerateStage(Stage):
         state: GenerateState = ctx.state
         for attempt in range(ATTEMPTS):
             if attempt:
-                self._reroute(ctx, state)
+                await self._reroute(ctx, state)
             try:
                 await self._once(ctx, state)
                 return
@@ -299,7 +340,7 @@ class RemoteGenerateStage(Stage):
                 if attempt + 1 == ATTEMPTS:
                     raise
 
-    def _reroute(self, ctx: RequestContext[Any], state: GenerateState) -> None:
+    async def _reroute(self, ctx: RequestContext[Any], state: GenerateState) -> None:
         r = self._router
         for node in (state.prefill, state.decode):
             if node is not None:
@@ -307,11 +348,11 @@ class RemoteGenerateStage(Stage):
                     with contextlib.suppress(UnknownInstanceError, KeyError):
                         fn(ctx.request_id)
         req = RouteRequest(ctx.request_id, tuple(state.block_keys), state.prompt_len)
-        result = r.conductor.route(
+        result = await route_or_wait(
+            r.conductor,
             req,
-            [p.state for p in r.prefill.values()],
-            [d.state for d in r.decode.values()],
-            now=time.monotonic(),
+            lambda: ([p.state for p in r.prefill.values()], [d.state for d in r.decode.values()]),
+            r.settings.instance_wait_s,
         )
         if isinstance(result, Rejection):
             raise Rejected(result)

@@ -95,6 +95,10 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             state.prompt_text = request.prompt
         else:
             state.prompt_ids = list(request.token_ids.ids)
+        if request.skip_tokens > max_tokens:
+            raise InvalidArgument(
+                f"skip_tokens {request.skip_tokens} is more than max_tokens {max_tokens}"
+            )
         return state
 
     def _request_id(self, request: Any) -> str:
@@ -117,10 +121,17 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             return
         detok = IncrementalDetokenizer(self._cluster.tokenizer)
         metrics = self._cluster.serving_metrics
+        skip = request.skip_tokens  # tokens the caller already has (a resumed request)
         try:
             async for kind, payload in handle:
-                if kind == "tokens":
-                    yield pb2.GenerateResponse(token_ids=payload, text=detok.add(payload))
+                if kind != "tokens":
+                    continue
+                if skip:  # the detokenizer still sees them: the text goes on from there
+                    detok.add(payload[:skip])
+                    payload, skip = payload[skip:], max(0, skip - len(payload))
+                    if not payload:
+                        continue
+                yield pb2.GenerateResponse(token_ids=payload, text=detok.add(payload))
             await handle.result()
         except BaseException as exc:
             handle.cancel("client went away" if _is_cancel(exc) else "server error")

@@ -1,11 +1,14 @@
 """`kvflow cluster`: start and supervise a multi-process cluster on this machine.
 
-    kvflow cluster --meta 3 --prefill 2 --decode 1 [--model DIR] [--port 50051] [--data-dir DIR]
+    kvflow cluster --meta 3 --prefill 2 --decode 1 [--routers 2] [--model DIR] [--port 50051]
+                   [--data-dir DIR]
 
-starts 3 metadata replicas, the prefill and decode nodes and a router (listening on --port),
-each as its own `kvflow serve --role ...` process on 127.0.0.1, restarts a node or replica that
-dies (unless it was killed on purpose through `LocalCluster.kill`), and stops them all on
-Ctrl-C. `LocalCluster` is the same thing as a library, for tests and benchmarks.
+starts 3 metadata replicas, the prefill and decode nodes and the routers (the first listening
+on --port, the next ones on the ports after it), each as its own `kvflow serve --role ...`
+process on 127.0.0.1, restarts any process that dies (unless it was killed on purpose through
+`LocalCluster.kill`), and stops them all on Ctrl-C. Clients that list every router
+(`kvflow generate --server A,B`, `InferenceClient`) fail over when one dies. `LocalCluster` is
+the same thing as a library, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ class Proc:
 
 
 class LocalCluster:
-    """``meta`` replicas, ``prefill`` and ``decode`` nodes and one router, on 127.0.0.1."""
+    """``meta`` replicas, ``prefill`` and ``decode`` nodes and ``routers`` routers, on
+    127.0.0.1. ``address`` is the first router's, ``addresses`` every router's."""
 
     def __init__(
         self,
@@ -82,7 +86,10 @@ class LocalCluster:
         port: int = 0,
         extra: tuple[str, ...] = (),
         router_extra: tuple[str, ...] = (),
+        routers: int = 1,
     ) -> None:
+        if min(meta, prefill, decode, routers) < 1:
+            raise ValueError("a cluster needs at least one of each: meta, prefill, decode, router")
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         rafts = [f"127.0.0.1:{free_port()}" for _ in range(meta)]
@@ -139,39 +146,45 @@ class LocalCluster:
                     ],
                 )
         self.expected = (prefill, decode)
-        self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self._add(
-            "router",
-            [
-                "--role",
-                "router",
-                "--port",
-                str(self.port),
-                "--meta",
-                meta_list,
-                "--metrics-port",
-                "0",
-                *common,
-                *router_extra,
-            ],
-        )
+        self.router_ports = [port + i if port else free_port() for i in range(routers)]
+        self.port = self.router_ports[0]
+        self.addresses = [f"127.0.0.1:{p}" for p in self.router_ports]
+        self.address = self.addresses[0]
+        for i, router_port in enumerate(self.router_ports):
+            self._add(
+                f"router-{i}",
+                [
+                    "--role",
+                    "router",
+                    "--port",
+                    str(router_port),
+                    "--meta",
+                    meta_list,
+                    "--metrics-port",
+                    "0",
+                    *common,
+                    *router_extra,
+                ],
+            )
 
     def _add(self, name: str, args: list[str]) -> None:
         self.procs[name] = Proc(name, args, self.data_dir / f"{name}.log")
 
     def start(self, timeout_s: float = 120.0) -> None:
-        """Start everything (meta first, router last) and wait until the router serves."""
+        """Start everything (meta first, routers last) and wait until every router serves."""
         order = [p for p in self.procs.values() if p.name.startswith("meta")]
         order += [p for p in self.procs.values() if not p.name.startswith(("meta", "router"))]
+        order += [p for p in self.procs.values() if p.name.startswith("router")]
         for proc in order:
             proc.start()
-        self.procs["router"].start()
-        self.wait_serving(timeout_s)
-
-    def wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
+        for address in self.addresses:
+            self.wait_serving(max(1.0, deadline - time.monotonic()), address)
+
+    def wait_serving(self, timeout_s: float, address: str | None = None) -> None:
+        """Until the router at ``address`` (the first) knows every node and all are healthy."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(address or self.address) as channel:
             stub = pb2_grpc.InferenceStub(channel)
             while True:
                 try:
@@ -196,6 +209,14 @@ class LocalCluster:
         proc.keep_down = True
         proc.stop(signal.SIGKILL)
 
+    def restart(self, name: str) -> None:
+        """Start a process killed with ``kill`` again (same arguments, ports and data)."""
+        proc = self.procs[name]
+        proc.stop()
+        proc.keep_down = False
+        proc.restarts += 1
+        proc.start()
+
     def supervise_once(self) -> list[str]:
         """Restart the processes that died without being killed on purpose."""
         restarted = []
@@ -209,8 +230,9 @@ class LocalCluster:
         return restarted
 
     def stop(self) -> None:
-        """SIGTERM everything (router first), then SIGKILL what is left."""
-        for name in ["router", *[n for n in self.procs if n != "router"]]:
+        """SIGTERM everything (routers first), then SIGKILL what is left."""
+        routers = [n for n in self.procs if n.startswith("router")]
+        for name in [*routers, *[n for n in self.procs if n not in routers]]:
             self.procs[name].stop()
 
     def __enter__(self) -> LocalCluster:
@@ -225,6 +247,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--meta", type=int, default=3)
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--routers", type=int, default=2, help="routers, on --port and the next ports")
     p.add_argument("--model", type=Path)
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--data-dir", type=Path, default=Path("data/cluster"))
@@ -241,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         args.model,
         args.port,
         router_extra=("--policy", args.policy),
+        routers=args.routers,
     )
     stop = {"now": False}
 
@@ -251,11 +275,13 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         cluster.start()
+        routers = ",".join(cluster.addresses)
         print(
-            f"kvflow cluster: router on {cluster.address}; metadata on "
+            f"kvflow cluster: routers on {routers}; metadata on "
             f"{','.join(cluster.meta_addresses)}; logs in {cluster.data_dir}",
             flush=True,
         )
+        print(f"  try: kvflow generate --server {routers} --prompt 'Hello'", flush=True)
         for name, port in cluster.node_ports.items():
             print(f"  {name}: 127.0.0.1:{port}   (kvflow kvdb --server 127.0.0.1:{port} shards)")
         while not stop["now"]:

@@ -87,6 +87,7 @@ def run_router(args: argparse.Namespace) -> int:
             balancing_threshold=args.balancing_threshold,
             max_tokens_limit=args.max_tokens_limit,
             default_max_tokens=min(64, args.max_tokens_limit),
+            instance_wait_s=args.instance_wait_s,
             seed=args.seed,
         )
     except ValueError as exc:

@@ -10,12 +10,17 @@ from typing import Any
 
 import grpc
 
-from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.stages.api import pb2
+from kvflow.stages.api.client import InferenceClient, parse_servers
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="send a prompt to a kvflow server")
-    p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the gRPC API")
+    p.add_argument(
+        "--server",
+        default="127.0.0.1:50051",
+        help="HOST:PORT of the gRPC API; several, comma-separated, to fail over between routers",
+    )
     p.add_argument("--prompt", help="prompt text (or use --prompt-file / --token-ids)")
     p.add_argument("--prompt-file", help="read the prompt text from this file")
     p.add_argument("--token-ids", help="comma-separated token ids instead of text")
@@ -84,10 +89,13 @@ def run(args: argparse.Namespace) -> int:
     finish_reason = ""
     usage: Any = None
     started = time.perf_counter()
-    with grpc.insecure_channel(args.server) as channel:
-        stub = pb2_grpc.InferenceStub(channel)
+    try:
+        servers = parse_servers(args.server)
+    except ValueError as exc:
+        raise SystemExit(f"kvflow generate: --server: {exc}") from exc
+    with InferenceClient(servers) as client:
         try:
-            for msg in stub.Generate(req, timeout=args.timeout):
+            for msg in client.generate(req, timeout=args.timeout):
                 token_ids.extend(msg.token_ids)
                 text_parts.append(msg.text)
                 if not args.json and msg.text:
@@ -99,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             code = err.code().name if err.code() else "UNKNOWN"
             print(f"kvflow generate: {code}: {err.details()}", file=sys.stderr)
+            return 1
+        except TimeoutError as exc:
+            print(f"kvflow generate: {exc}", file=sys.stderr)
             return 1
     elapsed_ms = (time.perf_counter() - started) * 1000.0
     result: dict[str, Any] = {

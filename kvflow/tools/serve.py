@@ -53,6 +53,12 @@ def register(subparsers: Any) -> None:
     cluster.add_argument("--node-id", default="", help="this node's name (--role node)")
     cluster.add_argument("--kind", choices=["prefill", "decode"], default="prefill")
     cluster.add_argument("--transfer-port", type=int, default=0, help="0 = any free port")
+    cluster.add_argument(
+        "--instance-wait-s",
+        type=float,
+        default=30.0,
+        help="(router) how long a request waits for a healthy prefill/decode node",
+    )
     meta = p.add_argument_group("--role meta")
     add_meta_arguments(meta)  # type: ignore[arg-type]
     p.set_defaults(func=run)

@@ -1,22 +1,25 @@
-"""A real multi-process cluster on 127.0.0.1: 3 metadata replicas, 2 prefill nodes, 1 decode
-node and a router (`kvflow.tools.cluster.LocalCluster`, the code behind `kvflow cluster`).
+"""A real multi-process cluster on 127.0.0.1: 3 metadata replicas, 2 prefill nodes, 2 decode
+nodes and 2 routers (`kvflow.tools.cluster.LocalCluster`, the code behind `kvflow cluster`).
+Requests go through InferenceClient with both routers listed, as a user's client would.
 
-The tests run in file order on one cluster: the failure tests come last.
+The tests run in file order on one cluster: the failure tests come last, and each kills one
+more process.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvflow.replication import NodeId, RemoteMetadata
-from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.stages.api import pb2
+from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.tools.cli import main
 from kvflow.tools.cluster import LocalCluster
@@ -36,6 +39,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         model=tiny_model,
         extra=("--block-size", str(BLOCK), "--num-pages", "256", "--dram-mb", "64"),
         router_extra=("--policy", "round-robin"),
+        routers=2,
     )
     try:
         c.start(timeout_s=180)
@@ -47,12 +51,22 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def generate(
     cluster: LocalCluster, ids: list[int], max_tokens: int = 8
 ) -> tuple[list[int], object]:
-    with grpc.insecure_channel(cluster.address) as channel:
-        stub = pb2_grpc.InferenceStub(channel)
+    with InferenceClient(cluster.addresses) as client:
         req = pb2.GenerateRequest(max_tokens=max_tokens)
         req.token_ids.ids.extend(ids)
-        msgs = list(stub.Generate(req, timeout=120))
+        msgs = list(client.generate(req, timeout=120))
     return [t for m in msgs for t in m.token_ids], msgs[-1].usage
+
+
+def long_request(ids: list[int], max_tokens: int = 400) -> pb2.GenerateRequest:
+    req = pb2.GenerateRequest(max_tokens=max_tokens, sampling=pb2.SamplingParams(ignore_eos=True))
+    req.token_ids.ids.extend(ids)
+    return req
+
+
+def reference(model: Path, ids: list[int], max_tokens: int) -> list[int]:
+    engine = Engine.open(model, EngineConfig(block_size=BLOCK, num_pages=64))
+    return engine.generate([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
 
 
 def wait_for_blocks(cluster: LocalCluster, node: str, n: int, timeout_s: float = 10.0) -> None:
@@ -125,20 +139,52 @@ def test_a_replica_target_is_placed_on_another_node(cluster):
         assert set(view.replicas(key)) == {holder, other}
 
 
+def test_a_router_killed_mid_answer_is_resumed_by_the_client_on_the_other(cluster, tiny_model):
+    ids = prompt(40, seed=40)
+    with InferenceClient(cluster.addresses) as client:
+        stream = client.generate(long_request(ids), timeout=120)
+        first = next(stream)
+        cluster.kill("router-0")  # the client's first choice
+        rest = list(stream)
+        assert client.failovers == 1
+    tokens = [t for m in [first, *rest] for t in m.token_ids]
+    assert tokens == reference(tiny_model, ids, 400)
+
+
 def test_a_decode_node_killed_mid_stream_is_retried_with_the_same_output(cluster, tiny_model):
     ids = prompt(40, seed=30)
-    req = pb2.GenerateRequest(max_tokens=400, sampling=pb2.SamplingParams(ignore_eos=True))
-    req.token_ids.ids.extend(ids)
-    with grpc.insecure_channel(cluster.address) as channel:
-        stream = pb2_grpc.InferenceStub(channel).Generate(req, timeout=120)
+    with InferenceClient(cluster.addresses) as client:
+        stream = client.generate(long_request(ids), timeout=120)
         first = next(stream)
         cluster.kill("decode-0")  # idle decode nodes tie on predicted TBT: decode-0 is chosen
         rest = list(stream)
     tokens = [t for m in [first, *rest] for t in m.token_ids]
     usage = rest[-1].usage
     assert usage.decode_instance == "decode-1"
-    engine = Engine.open(tiny_model, EngineConfig(block_size=BLOCK, num_pages=64))
-    assert tokens == engine.generate([ids], SamplingParams(max_tokens=400, ignore_eos=True))[0]
+    assert tokens == reference(tiny_model, ids, 400)
+
+
+def test_a_request_waits_while_the_last_decode_node_restarts(cluster, tiny_model):
+    cluster.kill("decode-1")  # no decode node is left
+    ids = prompt(30, seed=50)
+    result: dict[str, object] = {}
+
+    def send() -> None:
+        try:
+            result["out"] = generate(cluster, ids, max_tokens=16)
+        except Exception as exc:  # reported by the assertion below
+            result["error"] = exc
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.0)  # the request is routed to the dead node, fails, and waits
+    assert sender.is_alive(), result
+    cluster.restart("decode-1")
+    sender.join(90)
+    assert "error" not in result, result.get("error")
+    out, usage = result["out"]  # type: ignore[misc]
+    assert usage.decode_instance == "decode-1"
+    assert out == reference(tiny_model, ids, 16)[: len(out)] and len(out) >= 1
 
 
 def test_a_killed_prefill_node_fails_no_request(cluster):
