@@ -106,32 +106,45 @@ class ReuseLoadStage(Stage):
     def _continue_from_peers(
         self, state: GenerateState, client: EmbeddedClient, keys: list[BlockKey]
     ) -> tuple[int, int, str]:
-        """Copy the longest continuation of the local prefix found on another shard into the
-        local one. Returns (first block copied, blocks copied, source instance or "")."""
+        """Copy the longest continuation of the local prefix found on other shards into the
+        local one: from the holder of the longest run first; where a read fails (the holder
+        died, a transfer timed out, a checksum is wrong), from the next holder of what is
+        still missing; what no holder could give is recomputed. Returns (first block copied,
+        blocks copied, the sources, comma-separated, or "")."""
         assert state.prefill is not None and state.namespace is not None
         local = client.match_prefix(keys)
-        if local >= len(keys):
-            return local, 0, ""
-        best, source = 0, None
-        for pid, peer in self._peers.items():
-            if pid == state.prefill.instance_id:
-                continue
-            n = peer.match_prefix(keys[local:])
-            if n > best:
-                best, source = n, pid
-        if source is None:
-            return local, 0, ""
-        peer = self._peers[source]
-        copied = self._pull(peer.client(state.namespace), client, keys, local, local + best)
-        if copied < best:
-            logger.warning(
-                "continuation: %s holds %d blocks past the local %d, only %d could be read",
-                source,
-                best,
-                local,
-                copied,
-            )
-        return local, copied, source
+        pos, sources, tried = local, [], {state.prefill.instance_id}
+        while pos < len(keys):
+            best, source = 0, None
+            for pid, peer in self._peers.items():
+                if pid in tried:
+                    continue
+                n = peer.match_prefix(keys[pos:])
+                if n > best:
+                    best, source = n, pid
+            if source is None:
+                break
+            tried.add(source)
+            try:
+                copied = self._pull(
+                    self._peers[source].client(state.namespace), client, keys, pos, pos + best
+                )
+            except Exception as exc:  # a lost cache block must never fail the request
+                logger.warning("continuation: reading from %s failed: %r", source, exc)
+                copied = 0
+            if copied < best:
+                logger.warning(
+                    "continuation: %s holds %d blocks past %d, only %d could be read; "
+                    "trying another holder",
+                    source,
+                    best,
+                    pos,
+                    copied,
+                )
+            if copied:
+                sources.append(source)
+                pos += copied
+        return local, pos - local, ",".join(sources)
 
     def _pull(
         self,
