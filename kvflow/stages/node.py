@@ -14,12 +14,11 @@ the request. A decode node leases staging slots (Reserve) and runs the decode st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +35,14 @@ from kvflow.kvdb import (
     StoreConfig,
     add_admin_service,
     add_block_service,
-    block_keys,
     open_store,
 )
-from kvflow.pipeline import Pipeline, PipelineConfig, RequestContext
+from kvflow.pipeline import Pipeline, PipelineConfig
 from kvflow.replication import NodeId, NodeLoad, RemoteMetadata, choose_source, choose_targets
 from kvflow.router import InstanceState
-from kvflow.stages.api import NODE_SERVICE_NAME, node_pb2, node_pb2_grpc
+from kvflow.stages.api import NODE_SERVICE_NAME, node_pb2_grpc
 from kvflow.stages.decode import DecodeStage
-from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
-from kvflow.stages.errors import InvalidArgument
+from kvflow.stages.engine import Engine, EngineConfig
 from kvflow.stages.instances import (
     DecodeInstance,
     PrefillInstance,
@@ -53,19 +50,17 @@ from kvflow.stages.instances import (
     StagingLease,
     pool_segment_name,
 )
+from kvflow.stages.node_service import STAGING_SEGMENT, NodeServicer
 from kvflow.stages.prefill import PrefillStage
 from kvflow.stages.remote_peers import RemotePeers, format_node_address
 from kvflow.stages.reuse_load import ReuseLoadStage
-from kvflow.stages.service import status_for
-from kvflow.stages.state import GenerateState
-from kvflow.stages.stream import StreamStage, StreamTarget
+from kvflow.stages.stream import StreamStage
 from kvflow.stages.worker import EngineWorker
 from kvflow.transfer import TransferConfig, TransferEngine
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
-STAGING_SEGMENT = "staging"
 
 
 @dataclass(frozen=True)
@@ -107,20 +102,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(msg.temperature),
-            top_k=int(msg.top_k),
-            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
-            seed=int(msg.seed) if msg.HasField("seed") else None,
-            ignore_eos=bool(msg.ignore_eos),
-        )
-    except ValueError as exc:
-        raise InvalidArgument(f"sampling: {exc}") from exc
 
 
 class NodeServer:
@@ -348,164 +329,3 @@ class NodeServer:
             logger.info(
                 "node=%s released %d expired staging leases", self.config.node_id, len(dropped)
             )
-
-
-class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
-    def __init__(self, node: NodeServer) -> None:
-        self._node = node
-
-    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = self._node
-        e = n.engine
-        return node_pb2.InfoReply(
-            node_id=n.config.node_id,
-            kind=n.config.kind,
-            model_fingerprint=e.model_fingerprint,
-            block_size=e.block_size,
-            page_nbytes=e.page_nbytes,
-            transfer_address=n.transfer_address,
-            max_model_len=e.max_model_len,
-            vocab_size=e.spec.vocab_size,
-            active_requests=n.worker.num_active,
-            free_pages=e.num_free_pages,
-            free_staging=n.staging.num_free if n.config.kind == "decode" else 0,
-            num_layers=n.layout.num_layers,
-            num_kv_heads=n.layout.num_kv_heads,
-            head_dim=n.layout.head_dim,
-            dtype=n.layout.dtype,
-            control_address=n.address,
-        )
-
-    def _namespace(self, tenant: str) -> Namespace:
-        try:
-            return Namespace(
-                tenant or "default", self._node.engine.model_fingerprint, self._node.layout
-            )
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-
-    async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = self._node
-        if n.config.kind != "prefill":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill node")
-        try:
-            ids = list(request.token_ids)
-            ns = self._namespace(request.tenant)
-            segment = await asyncio.to_thread(
-                n.transfer.open_segment, request.target_transfer_address, request.target_segment
-            )
-            state = GenerateState(
-                tenant=ns.tenant,
-                max_tokens=1,
-                sampling=sampling_from(request.sampling, 1),
-                prompt_ids=ids,
-                submitted_at=time.monotonic(),
-            )
-            state.namespace = ns
-            state.block_keys = block_keys(ns, ids)
-            state.prefill = n.instance  # type: ignore[assignment]
-            state.stream_target = StreamTarget(
-                segment, [int(o) for o in request.target_offsets], n.engine.page_nbytes
-            )
-            n.state.enqueue(request.request_id, 0.0)
-            ctx = RequestContext(request.request_id, state=state)
-            handle = n.pipeline.try_submit(ctx)
-        except Exception as exc:
-            code, details = status_for(exc)
-            await context.abort(code, details)
-            return
-        try:
-            async for kind, payload in handle:
-                if kind == "tokens":
-                    yield node_pb2.PrefillEvent(first_token=payload[0], has_first_token=True)
-            await handle.result()
-        except BaseException as exc:
-            handle.cancel("prefill failed or caller went away")
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            code, details = status_for(exc)
-            await context.abort(code, details)
-            return
-        yield node_pb2.PrefillEvent(
-            done=True,
-            finish_reason=state.finish_reason or "",
-            cached_tokens=state.num_cached_tokens,
-            cached_by_tier=state.cached_by_tier,
-            pulled_tokens=state.pulled_tokens,
-            streamed_bytes=state.streamed_bytes,
-        )
-
-    async def Reserve(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = self._node
-        if n.config.kind != "decode":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
-        try:
-            lease_id, lease = n.lease(request.request_id, int(request.num_pages))
-        except Exception as exc:
-            code, details = status_for(exc)
-            await context.abort(code, details)
-            return None
-        return node_pb2.ReserveReply(
-            lease_id=lease_id,
-            transfer_address=n.transfer_address,
-            segment=STAGING_SEGMENT,
-            offsets=[n.staging.offset(s) for s in lease.slots],
-        )
-
-    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = self._node
-        lease = n.take_lease(request.lease_id) if n.config.kind == "decode" else None
-        if lease is not None:
-            n.staging.release(lease)
-        return node_pb2.ReleaseReply(released=lease is not None)
-
-    async def Decode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = self._node
-        if n.config.kind != "decode":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
-        lease = n.take_lease(request.lease_id)
-        if lease is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"no staging lease {request.lease_id!r}"
-            )
-        ids = list(request.token_ids)
-        try:
-            ns = self._namespace(request.tenant)
-            if len(ids) < 2 or request.num_prefix_tokens != len(ids) - 1:
-                raise InvalidArgument("token_ids must be the prompt followed by the first token")
-            state = GenerateState(
-                tenant=ns.tenant,
-                max_tokens=max(1, int(request.max_tokens)),
-                sampling=replace(sampling_from(request.sampling, max(1, int(request.max_tokens)))),
-                prompt_ids=ids[:-1],
-                submitted_at=time.monotonic(),
-            )
-            state.namespace = ns
-            state.decode = n.instance  # type: ignore[assignment]
-            state.staging = lease
-            state.first_token = ids[-1]
-            state.first_token_at = time.monotonic()
-            n.state.add_decode(request.request_id, len(ids))
-            ctx = RequestContext(request.request_id, state=state)
-            handle = n.pipeline.try_submit(ctx)
-        except Exception as exc:
-            n.staging.release(lease)
-            code, details = status_for(exc)
-            await context.abort(code, details)
-            return
-        try:
-            async for kind, payload in handle:
-                if kind == "tokens":
-                    yield node_pb2.DecodeEvent(token_ids=payload)
-            await handle.result()
-        except BaseException as exc:
-            handle.cancel("decode failed or caller went away")
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            code, details = status_for(exc)
-            await context.abort(code, details)
-            return
-        finally:
-            with contextlib.suppress(KeyError):
-                n.state.remove_decode(request.request_id)
-        yield node_pb2.DecodeEvent(finished=True, finish_reason=state.finish_reason or "")
