@@ -230,9 +230,12 @@ class LocalCluster:
         return restarted
 
     def stop(self) -> None:
-        """SIGTERM everything (routers first), then SIGKILL what is left."""
+        """SIGTERM routers, then nodes (they flush their holdings to the metadata), then the
+        metadata replicas; SIGKILL what does not exit in time."""
         routers = [n for n in self.procs if n.startswith("router")]
-        for name in [*routers, *[n for n in self.procs if n not in routers]]:
+        metas = [n for n in self.procs if n.startswith("meta")]
+        nodes = [n for n in self.procs if n not in routers and n not in metas]
+        for name in [*routers, *nodes, *metas]:
             self.procs[name].stop()
 
     def __enter__(self) -> LocalCluster:

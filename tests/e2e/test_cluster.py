@@ -15,9 +15,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvflow.replication import NodeId, RemoteMetadata
+from kvflow.replication.wire import pb2 as meta_pb2
+from kvflow.replication.wire import pb2_grpc as meta_pb2_grpc
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
@@ -195,8 +198,19 @@ def test_a_killed_prefill_node_fails_no_request(cluster):
         assert len(out) == 8 and usage.prefill_instance == "prefill-0"
 
 
-def test_a_killed_metadata_replica_fails_no_request(cluster):
-    cluster.kill("meta-0")
+def _metadata_leader(cluster: LocalCluster) -> str:
+    for i, address in enumerate(cluster.meta_addresses):
+        with grpc.insecure_channel(address) as channel:
+            status = meta_pb2_grpc.MetadataServiceStub(channel).Status(
+                meta_pb2.StatusRequest(), timeout=5
+            )
+            if status.is_leader:
+                return f"meta-{i}"
+    raise AssertionError("no metadata replica says it leads")
+
+
+def test_a_killed_metadata_leader_fails_no_request(cluster):
+    cluster.kill(_metadata_leader(cluster))  # writes go on after a re-election
     for seed in range(6, 9):
         out, usage = generate(cluster, prompt(60, seed=seed))
         assert len(out) == 8
