@@ -48,6 +48,10 @@ class InstanceState:
 
     Decode side: the requests in (or reserved for) the decode batch with their context tokens
     (``add_decode`` / ``grow_decode`` / ``remove_decode``).
+
+    Reported load: with several routers, each books only its own requests. ``set_reported_load``
+    takes what the instance itself reports (every router's work); the part this router has not
+    booked is kept as external load and added to every snapshot until the next report.
     """
 
     def __init__(self, instance_id: str, kind: InstanceKind | str, healthy: bool = True) -> None:
@@ -58,6 +62,7 @@ class InstanceState:
         self._healthy = healthy
         self._queue: dict[str, _Queued] = {}
         self._decode: dict[str, int] = {}
+        self._external = (0.0, 0, 0)  # queued seconds, decode batch, decode context tokens
         self._lock = threading.Lock()
 
     # --- health -------------------------------------------------------------------------------
@@ -159,17 +164,46 @@ class InstanceState:
         with self._lock:
             return sum(self._decode.values())
 
-    def snapshot(self, now: float | None = None) -> InstanceSnapshot:
-        """A consistent read of every field at once."""
+    # --- load reported by the instance ---------------------------------------------------------
+    def set_reported_load(
+        self,
+        queued_seconds: float,
+        decode_batch_size: int,
+        decode_context_tokens: int,
+        now: float | None = None,
+    ) -> None:
+        """The instance's own account of its load (all routers' requests). What exceeds this
+        router's books at this moment is external load, added to snapshots. ValueError on
+        negative or non-finite values."""
+        if not (math.isfinite(queued_seconds) and queued_seconds >= 0):
+            raise ValueError(f"queued_seconds must be finite and >= 0, got {queued_seconds}")
+        if decode_batch_size < 0 or decode_context_tokens < 0:
+            raise ValueError("decode_batch_size and decode_context_tokens must be >= 0")
         with self._lock:
+            self._external = (
+                max(0.0, queued_seconds - self._queued_seconds_locked(now)),
+                max(0, decode_batch_size - len(self._decode)),
+                max(0, decode_context_tokens - sum(self._decode.values())),
+            )
+
+    @property
+    def external_load(self) -> tuple[float, int, int]:
+        """(queued seconds, decode batch, decode context tokens) booked by other routers."""
+        with self._lock:
+            return self._external
+
+    def snapshot(self, now: float | None = None) -> InstanceSnapshot:
+        """A consistent read of every field at once (external load included)."""
+        with self._lock:
+            ext_s, ext_batch, ext_ctx = self._external
             return InstanceSnapshot(
                 instance_id=self.instance_id,
                 kind=self.kind,
                 healthy=self._healthy,
                 queued_requests=len(self._queue),
-                queued_seconds=self._queued_seconds_locked(now),
-                decode_batch_size=len(self._decode),
-                decode_context_tokens=sum(self._decode.values()),
+                queued_seconds=self._queued_seconds_locked(now) + ext_s,
+                decode_batch_size=len(self._decode) + ext_batch,
+                decode_context_tokens=sum(self._decode.values()) + ext_ctx,
             )
 
     def __repr__(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ import grpc
 
 from kvflow.kvdb import Namespace, block_keys
 from kvflow.pipeline import RequestContext
+from kvflow.router import UnknownInstanceError
 from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.engine import SamplingParams
 from kvflow.stages.errors import InvalidArgument
@@ -65,6 +67,9 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             head_dim=n.layout.head_dim,
             dtype=n.layout.dtype,
             control_address=n.address,
+            queued_prefill_s=n.state.queued_seconds(time.monotonic()),
+            decode_batch_size=n.state.decode_batch_size,
+            decode_context_tokens=n.state.decode_context_tokens,
         )
 
     def _namespace(self, tenant: str) -> Namespace:
@@ -79,6 +84,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
         n = self._node
         if n.config.kind != "prefill":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill node")
+        queued = False
         try:
             ids = list(request.token_ids)
             ns = self._namespace(request.tenant)
@@ -98,10 +104,17 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             state.stream_target = StreamTarget(
                 segment, [int(o) for o in request.target_offsets], n.engine.page_nbytes
             )
-            n.state.enqueue(request.request_id, 0.0)
+            predicted = request.predicted_prefill_s
+            n.state.enqueue(
+                request.request_id, max(0.0, predicted) if math.isfinite(predicted) else 0.0
+            )
+            queued = True
             ctx = RequestContext(request.request_id, state=state)
             handle = n.pipeline.try_submit(ctx)
         except Exception as exc:
+            if queued:  # not admitted: off the books again
+                with contextlib.suppress(UnknownInstanceError):
+                    n.state.finish(request.request_id)
             code, details = status_for(exc)
             await context.abort(code, details)
             return

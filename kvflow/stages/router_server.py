@@ -256,6 +256,23 @@ class RouterServer:
             if alive and not node.ready:
                 node.ready = await self._probe(node)
             node.state.set_healthy(alive and node.ready)
+        healthy = [n for n in [*self.prefill.values(), *self.decode.values()] if n.state.healthy]
+        await asyncio.gather(*(self._read_load(n) for n in healthy))
+
+    @staticmethod
+    async def _read_load(node: RemoteNode) -> None:
+        """The node's own account of its load (every router's requests): the conductor adds
+        what other routers sent there to this router's books (``set_reported_load``)."""
+        try:
+            info = await node.stub.Info(node_pb2.InfoRequest(), timeout=1.0)
+            node.state.set_reported_load(
+                info.queued_prefill_s,
+                info.decode_batch_size,
+                info.decode_context_tokens,
+                now=time.monotonic(),
+            )
+        except (grpc.aio.AioRpcError, ValueError) as exc:  # keep the last report
+            logger.debug("router: no load report from node=%s: %r", node.instance_id, exc)
 
     @staticmethod
     async def _probe(node: RemoteNode) -> bool:
@@ -289,17 +306,22 @@ class RouterServer:
 
     # -- what the inference service reads -------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        instances = [
-            (
-                n.instance_id,
-                n.kind,
-                {
-                    "healthy": float(n.state.healthy),
-                    "queued_requests": float(n.state.queued_requests),
-                },
-            )
-            for n in [*self.prefill.values(), *self.decode.values()]
-        ]
+        """Per node: health, this router's queue, and the load it routes on (its own books
+        plus what the node reports other routers sent: ``external_*``)."""
+        now = time.monotonic()
+        instances = []
+        for n in [*self.prefill.values(), *self.decode.values()]:
+            snap = n.state.snapshot(now)
+            ext_s, ext_batch, _ = n.state.external_load
+            values = {
+                "healthy": float(snap.healthy),
+                "queued_requests": float(snap.queued_requests),
+                "queued_seconds": snap.queued_seconds,
+                "decode_batch_size": float(snap.decode_batch_size),
+                "external_queued_seconds": ext_s,
+                "external_decode_batch_size": float(ext_batch),
+            }
+            instances.append((n.instance_id, n.kind, values))
         router = {"in_flight": float(self.pipeline.in_flight())}
         return {"router": router, "instances": instances}
 
@@ -383,6 +405,7 @@ class RemoteGenerateStage(Stage):
                     target_transfer_address=lease.transfer_address,
                     target_segment=lease.segment,
                     target_offsets=lease.offsets,
+                    predicted_prefill_s=state.decision.t_prefill if state.decision else 0.0,
                 )
                 done = None
                 async for ev in self._stream(prefill, prefill.stub.Prefill(req, timeout=600)):

@@ -21,7 +21,7 @@ import pytest
 from kvflow.replication import NodeId, RemoteMetadata
 from kvflow.replication.wire import pb2 as meta_pb2
 from kvflow.replication.wire import pb2_grpc as meta_pb2_grpc
-from kvflow.stages.api import pb2
+from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.tools.cli import main
@@ -140,6 +140,29 @@ def test_a_replica_target_is_placed_on_another_node(cluster):
             time.sleep(0.1)
             view.forget([key])
         assert set(view.replicas(key)) == {holder, other}
+
+
+def test_each_router_routes_on_the_load_the_other_sent(cluster):
+    """Router-1 streams a long answer; router-0 learns from the decode node's own report that
+    it is decoding (routers book only their own requests)."""
+    seen: list[float] = []
+    with InferenceClient([cluster.addresses[1]]) as client:
+        stream = client.generate(long_request(prompt(40, seed=60), max_tokens=2000), timeout=120)
+        next(stream)
+        with grpc.insecure_channel(cluster.addresses[0]) as channel:
+            stub = pb2_grpc.InferenceStub(channel)
+            deadline = time.monotonic() + 10
+            while not seen and time.monotonic() < deadline:
+                stats = stub.Stats(pb2.StatsRequest(), timeout=5)
+                seen = [
+                    i.values["external_decode_batch_size"]
+                    for i in stats.instances
+                    if i.kind == "decode" and i.values["external_decode_batch_size"] >= 1
+                ]
+                time.sleep(0.1)
+        rest = list(stream)
+    assert seen == [1.0]
+    assert sum(len(m.token_ids) for m in rest) == 1999
 
 
 def test_a_router_killed_mid_answer_is_resumed_by_the_client_on_the_other(cluster, tiny_model):

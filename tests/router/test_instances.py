@@ -62,3 +62,30 @@ def test_concurrent_enqueue_finish():
     for th in threads:
         th.join()
     assert (s.queued_requests, s.queued_seconds()) == (0, 0.0)
+
+
+def test_reported_load_adds_what_other_routers_booked():
+    s = InstanceState("p", "prefill")
+    s.enqueue("mine", 1.0)
+    s.add_decode("d", 10)
+    # The instance reports 3 s queued, 4 decoding with 100 context tokens: of which this
+    # router booked 1 s and one request of 10 tokens.
+    s.set_reported_load(3.0, 4, 100)
+    assert s.external_load == (2.0, 3, 90)
+    snap = s.snapshot()
+    assert (snap.queued_seconds, snap.decode_batch_size, snap.decode_context_tokens) == (
+        3.0,
+        4,
+        100,
+    )
+    s.finish("mine")  # this router's own work leaves at once; the external part stays
+    assert s.snapshot().queued_seconds == 2.0
+    s.set_reported_load(0.5, 0, 0)  # a report below our books: no external load
+    assert s.external_load == (0.5, 0, 0)
+    s.enqueue("again", 2.0)
+    s.set_reported_load(1.0, 0, 0)
+    assert s.external_load == (0.0, 0, 0) and s.snapshot().queued_seconds == 2.0
+    for bad in ((-1.0, 0, 0), (float("nan"), 0, 0), (0.0, -1, 0)):
+        with pytest.raises(ValueError):
+            s.set_reported_load(*bad)
+    assert s.external_load == (0.0, 0, 0)
