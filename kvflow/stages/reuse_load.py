@@ -38,7 +38,9 @@ class ReuseLoadStage(Stage):
         peers: Mapping[str, ShardOwner] | None = None,
     ) -> None:
         self._prefill = prefill
-        self._peers: Mapping[str, ShardOwner] = peers or {}
+        # Not ``peers or {}``: a live mapping (RemotePeers) is empty while this node is the
+        # first to register, and must still be the one read later.
+        self._peers: Mapping[str, ShardOwner] = peers if peers is not None else {}
         self._page_shape = page_shape
         self._page_dtype = page_dtype
         self._block_size = block_size

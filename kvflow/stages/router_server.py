@@ -49,7 +49,7 @@ from kvflow.stages.tokenize import TokenizeStage
 logger = logging.getLogger(__name__)
 
 REFRESH_S = 1.0
-ATTEMPTS = 3
+ATTEMPTS = 5  # a request may meet several dead nodes before they are all marked
 TCP_BYTES_PER_S = 1.5e9
 
 

@@ -26,6 +26,8 @@ from typing import IO, Any
 
 import grpc
 
+from kvflow.replication.wire import pb2 as meta_pb2
+from kvflow.replication.wire import pb2_grpc as meta_pb2_grpc
 from kvflow.stages.api import pb2, pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -203,11 +205,37 @@ class LocalCluster:
                     )
                 time.sleep(0.3)
 
-    def kill(self, name: str) -> None:
-        """SIGKILL one process and keep it down (a failure test)."""
+    def wait_all(self, timeout_s: float) -> None:
+        """Until every process runs again (``supervise_once`` restarts crashed ones; call it
+        meanwhile) and every router knows every node as healthy."""
+        deadline = time.monotonic() + timeout_s
+        while any(not p.alive() and not p.keep_down for p in self.procs.values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes did not come back; logs in {self.data_dir}")
+            time.sleep(0.2)
+        for address in self.addresses:
+            self.wait_serving(max(1.0, deadline - time.monotonic()), address)
+
+    def kill(self, name: str, keep_down: bool = True) -> None:
+        """SIGKILL one process (a failure test). ``keep_down=False``: a crash, which
+        ``supervise_once`` restarts."""
         proc = self.procs[name]
-        proc.keep_down = True
+        proc.keep_down = keep_down
         proc.stop(signal.SIGKILL)
+
+    def metadata_leader(self) -> str | None:
+        """The name of the metadata replica that says it leads, or None."""
+        for i, address in enumerate(self.meta_addresses):
+            if not self.procs[f"meta-{i}"].alive():
+                continue
+            with grpc.insecure_channel(address) as channel:
+                stub = meta_pb2_grpc.MetadataServiceStub(channel)
+                try:
+                    if stub.Status(meta_pb2.StatusRequest(), timeout=5).is_leader:
+                        return f"meta-{i}"
+                except grpc.RpcError:
+                    continue
+        return None
 
     def restart(self, name: str) -> None:
         """Start a process killed with ``kill`` again (same arguments, ports and data)."""

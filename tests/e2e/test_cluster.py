@@ -19,8 +19,6 @@ import grpc
 import pytest
 
 from kvflow.replication import NodeId, RemoteMetadata
-from kvflow.replication.wire import pb2 as meta_pb2
-from kvflow.replication.wire import pb2_grpc as meta_pb2_grpc
 from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
@@ -90,19 +88,32 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(n)]
 
 
+def blocks_held(cluster: LocalCluster, node: str) -> int:
+    with RemoteMetadata(cluster.meta_addresses) as meta:
+        return meta.view().blocks_on(NodeId(node))
+
+
 def test_a_prefix_computed_on_one_node_is_served_by_the_other_over_tcp(cluster, tiny_model):
-    ids = prompt(100, seed=1)
-    out1, u1 = generate(cluster, ids)
-    # Blocks reach the metadata asynchronously (a batched flush, then a Raft commit): until
-    # they do, another node cannot know they exist and would recompute.
-    wait_for_blocks(cluster, u1.prefill_instance, 6)
-    out2, u2 = generate(cluster, ids)  # round-robin: the other prefill node
-    assert {u1.prefill_instance, u2.prefill_instance} == {"prefill-0", "prefill-1"}
-    assert u1.cached_tokens == 0
-    assert u2.cached_tokens == 96 and u2.pulled_tokens == 96
-    assert {t.tier: t.tokens for t in u2.cached_by_tier} == {"remote": 96}
+    """Both ways (round-robin: p0, p1, then a filler on p0, then p1, p0): whichever node
+    registered first must still find the other as a peer."""
     engine = Engine.open(tiny_model, EngineConfig(block_size=BLOCK, num_pages=64))
-    assert out1 == out2 == engine.generate([ids], SamplingParams(max_tokens=8))[0]
+    pairs = []
+    for seed in (1, 3):
+        ids = prompt(100, seed=seed)
+        held = {p: blocks_held(cluster, p) for p in ("prefill-0", "prefill-1")}
+        out1, u1 = generate(cluster, ids)
+        # Blocks reach the metadata asynchronously (a batched flush, then a Raft commit):
+        # until they do, another node cannot know they exist and would recompute.
+        wait_for_blocks(cluster, u1.prefill_instance, held[u1.prefill_instance] + 6)
+        out2, u2 = generate(cluster, ids)  # round-robin: the other prefill node
+        pairs.append((u1.prefill_instance, u2.prefill_instance))
+        assert u1.cached_tokens == 0
+        assert u2.cached_tokens == 96 and u2.pulled_tokens == 96, pairs
+        assert {t.tier: t.tokens for t in u2.cached_by_tier} == {"remote": 96}
+        assert out1 == out2 == engine.generate([ids], SamplingParams(max_tokens=8))[0]
+        if seed == 1:
+            generate(cluster, prompt(20, seed=2))  # a filler, so the next pair runs backwards
+    assert sorted(pairs) == [("prefill-0", "prefill-1"), ("prefill-1", "prefill-0")]
 
 
 def test_admin_cli_sees_every_node_and_both_replicas(cluster, capsys):
@@ -221,19 +232,10 @@ def test_a_killed_prefill_node_fails_no_request(cluster):
         assert len(out) == 8 and usage.prefill_instance == "prefill-0"
 
 
-def _metadata_leader(cluster: LocalCluster) -> str:
-    for i, address in enumerate(cluster.meta_addresses):
-        with grpc.insecure_channel(address) as channel:
-            status = meta_pb2_grpc.MetadataServiceStub(channel).Status(
-                meta_pb2.StatusRequest(), timeout=5
-            )
-            if status.is_leader:
-                return f"meta-{i}"
-    raise AssertionError("no metadata replica says it leads")
-
-
 def test_a_killed_metadata_leader_fails_no_request(cluster):
-    cluster.kill(_metadata_leader(cluster))  # writes go on after a re-election
+    leader = cluster.metadata_leader()
+    assert leader is not None
+    cluster.kill(leader)  # writes go on after a re-election
     for seed in range(6, 9):
         out, usage = generate(cluster, prompt(60, seed=seed))
         assert len(out) == 8
