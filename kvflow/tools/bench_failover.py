@@ -9,7 +9,8 @@ then both decode nodes at once — it:
    lists both routers, and waits for its first token;
 2. SIGKILLs the victim, and at once sends ``--requests`` short requests from as many threads;
 3. records the longest gap between two messages of the long answer and the latency of every
-   short request, and checks every output against a reference run made before any kill.
+   short request, and checks every output against a reference run made just before the kill
+   (whose longest gap and short-request latency are reported beside, as the baseline).
 
 One summary line; ``--json PATH`` writes every phase. Failed requests and wrong outputs are
 counted, never hidden: the run exits 1 if there is any.
@@ -64,6 +65,10 @@ def _short(addresses: list[str], req: Any) -> tuple[list[int] | None, float, str
         return None, time.perf_counter() - started, f"{type(exc).__name__}: {exc}"
 
 
+def _gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
 def _supervise(cluster: LocalCluster, stop: threading.Event) -> None:
     while not stop.is_set():
         cluster.supervise_once()
@@ -93,7 +98,7 @@ def _phase(
             times.append(time.perf_counter())
         results = [f.result() for f in futures]
     client.close()
-    gaps = [b - a for a, b in itertools.pairwise(times)]
+    gaps = _gaps(times)
     errors = [err for _, _, err in results if err]
     wrong = sum(
         out is not None and out != ref
@@ -151,9 +156,16 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.requests)
                 ]
                 with InferenceClient(cluster.addresses) as client:  # references, before the kill
-                    long_ref, _ = _stream(client, long_req)
-                    shorts = [(r, _stream(client, r)[0]) for r in short_reqs]
-                phases.append(_phase(cluster, victim, long_req, long_ref, shorts))
+                    long_ref, ref_times = _stream(client, long_req)
+                    shorts, ref_latency = [], []
+                    for r in short_reqs:
+                        started = time.perf_counter()
+                        shorts.append((r, _stream(client, r)[0]))
+                        ref_latency.append(time.perf_counter() - started)
+                phase = _phase(cluster, victim, long_req, long_ref, shorts)
+                phase["baseline_max_gap_s"] = round(max(_gaps(ref_times), default=0.0), 3)
+                phase["baseline_short_latency_max_s"] = round(max(ref_latency), 3)
+                phases.append(phase)
                 cluster.wait_all(timeout_s=120)  # every process back before the next one
         finally:
             stop.set()
@@ -162,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         ph["short_failed"] + ph["short_wrong"] + (not ph["long_answer_ok"]) for ph in phases
     )
     summary = ", ".join(
-        f"{ph['victim']}: gap {ph['long_answer_max_gap_s']:.2f}s, "
-        f"short max {ph['short_latency_max_s']:.2f}s"
+        f"{ph['victim']}: gap {ph['long_answer_max_gap_s']:.2f}s "
+        f"(no kill {ph['baseline_max_gap_s']:.2f}s), short max {ph['short_latency_max_s']:.2f}s "
+        f"(no kill {ph['baseline_short_latency_max_s']:.2f}s)"
         for ph in phases
     )
     total = sum(ph["short_requests"] + 1 for ph in phases)
