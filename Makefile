@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The default run: everything but the GPU tests, including the `slow` ones (real-process
-# clusters and failover; about 40 s of the ~2 minutes on 2 cores).
+# clusters and failover; about 75 s of the ~2.5 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"
 
 .PHONY: run test lint test-fast clean
