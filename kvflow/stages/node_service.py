@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import math
 import time
-from dataclasses import replace
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -17,9 +17,8 @@ from kvflow.kvdb import Namespace, block_keys
 from kvflow.pipeline import RequestContext
 from kvflow.router import UnknownInstanceError
 from kvflow.stages.api import node_pb2, node_pb2_grpc
-from kvflow.stages.engine import SamplingParams
 from kvflow.stages.errors import InvalidArgument
-from kvflow.stages.service import status_for
+from kvflow.stages.service import sampling_from, status_for
 from kvflow.stages.state import GenerateState
 from kvflow.stages.stream import StreamTarget
 
@@ -29,18 +28,22 @@ if TYPE_CHECKING:
 STAGING_SEGMENT = "staging"
 
 
-def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
+async def _relay(
+    handle: Any, context: grpc.aio.ServicerContext, to_event: Any, what: str
+) -> AsyncIterator[Any]:
+    """The request's token payloads as events; on an error, cancel the request and abort the
+    call with its status (a cancelled call propagates)."""
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(msg.temperature),
-            top_k=int(msg.top_k),
-            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
-            seed=int(msg.seed) if msg.HasField("seed") else None,
-            ignore_eos=bool(msg.ignore_eos),
-        )
-    except ValueError as exc:
-        raise InvalidArgument(f"sampling: {exc}") from exc
+        async for kind, payload in handle:
+            if kind == "tokens":
+                yield to_event(payload)
+        await handle.result()
+    except BaseException as exc:
+        handle.cancel(f"{what} failed or caller went away")
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        code, details = status_for(exc)
+        await context.abort(code, details)
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
@@ -118,18 +121,12 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             code, details = status_for(exc)
             await context.abort(code, details)
             return
-        try:
-            async for kind, payload in handle:
-                if kind == "tokens":
-                    yield node_pb2.PrefillEvent(first_token=payload[0], has_first_token=True)
-            await handle.result()
-        except BaseException as exc:
-            handle.cancel("prefill failed or caller went away")
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            code, details = status_for(exc)
-            await context.abort(code, details)
-            return
+
+        def first_token(payload: list[int]) -> Any:
+            return node_pb2.PrefillEvent(first_token=payload[0], has_first_token=True)
+
+        async for event in _relay(handle, context, first_token, "prefill"):
+            yield event
         yield node_pb2.PrefillEvent(
             done=True,
             finish_reason=state.finish_reason or "",
@@ -180,7 +177,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             state = GenerateState(
                 tenant=ns.tenant,
                 max_tokens=max(1, int(request.max_tokens)),
-                sampling=replace(sampling_from(request.sampling, max(1, int(request.max_tokens)))),
+                sampling=sampling_from(request.sampling, max(1, int(request.max_tokens))),
                 prompt_ids=ids[:-1],
                 submitted_at=time.monotonic(),
             )
@@ -198,17 +195,10 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             await context.abort(code, details)
             return
         try:
-            async for kind, payload in handle:
-                if kind == "tokens":
-                    yield node_pb2.DecodeEvent(token_ids=payload)
-            await handle.result()
-        except BaseException as exc:
-            handle.cancel("decode failed or caller went away")
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            code, details = status_for(exc)
-            await context.abort(code, details)
-            return
+            async for event in _relay(
+                handle, context, lambda payload: node_pb2.DecodeEvent(token_ids=payload), "decode"
+            ):
+                yield event
         finally:
             with contextlib.suppress(KeyError):
                 n.state.remove_decode(request.request_id)

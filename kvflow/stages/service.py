@@ -53,6 +53,22 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
+def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
+    """SamplingParams from a Sampling / SamplingParams message (the inference and node APIs
+    share the fields); a bad value is InvalidArgument naming it."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(msg.temperature),
+            top_k=int(msg.top_k),
+            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            ignore_eos=bool(msg.ignore_eos),
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling: {exc}") from exc
+
+
 class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-defined]
     def __init__(self, cluster: EmbeddedCluster) -> None:
         self._cluster = cluster
@@ -66,19 +82,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             raise InvalidArgument(
                 f"max_tokens {max_tokens} is out of range [1, {c.max_tokens_limit}]"
             )
-        s = request.sampling
-        try:
-            sampling = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=float(s.temperature),
-                top_k=int(s.top_k),
-                top_p=float(s.top_p) if s.top_p > 0 else 1.0,
-                seed=int(s.seed) if s.HasField("seed") else None,
-                ignore_eos=bool(s.ignore_eos),
-            )
-        except ValueError as exc:
-            raise InvalidArgument(f"sampling: {exc}") from exc
-        return max_tokens, sampling
+        return max_tokens, sampling_from(request.sampling, max_tokens)
 
     def _state(self, request: Any) -> GenerateState:
         max_tokens, sampling = self._sampling(request)
