@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient, parse_servers
 from kvflow.tools.cli import main
+from tests.e2e.conftest import ServerThread, base_config
 
 
 def _request(prompt: str, **fields: object) -> pb2.GenerateRequest:
@@ -107,3 +109,36 @@ def test_generate_cli_takes_several_servers(server, capsys):
     assert '"completion_tokens": 3' in capsys.readouterr().out
     with pytest.raises(SystemExit, match="bad server address"):
         main(["generate", "--server", "nohost", "--prompt", "hi"])
+
+
+def test_the_only_router_coming_back_is_waited_for(tiny_model, tmp_path):
+    """One router, restarted (as the supervisor does): the request waits for it."""
+    port = _closed_port()
+    started: list[ServerThread] = []
+
+    def start_later() -> None:
+        time.sleep(1.5)
+        started.append(ServerThread(base_config(tiny_model, tmp_path / "data"), port=port))
+
+    starter = threading.Thread(target=start_later)
+    starter.start()
+    try:
+        with InferenceClient([f"127.0.0.1:{port}"]) as client:
+            msgs = list(client.generate(_request("come back", max_tokens=4), timeout=60))
+            assert sum(len(m.token_ids) for m in msgs) == 4
+            assert client.failovers >= 1
+    finally:
+        starter.join()
+        for server in started:
+            server.close()
+
+
+def test_a_router_that_stays_down_is_given_up_after_the_retry_window():
+    client = InferenceClient([f"127.0.0.1:{_closed_port()}"], retry_for_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(_request("nobody", max_tokens=2), timeout=60))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 10
+    assert client.failovers >= 1
+    client.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -46,34 +47,51 @@ def parse_servers(text: str) -> list[str]:
 class InferenceClient:
     """Generate with failover over ``servers`` (router addresses serving the same cluster).
 
-    ``max_attempts``: how many times one request is sent in all (default: two rounds over the
-    servers, at least 3), with a short pause before each new round. Thread-safe for
-    concurrent ``generate`` calls (one gRPC channel per server, shared)."""
+    A request that meets an unreachable or dying router goes to the next one, round after
+    round (a short pause before each new round, doubling up to 2 s), for as long as
+    ``retry_for_s`` passes without a token coming back — long enough for a supervisor to
+    restart the only router. ``max_attempts`` caps the sends of one request (None: no cap).
+    Thread-safe for concurrent ``generate`` calls (one gRPC channel per server, shared)."""
 
     def __init__(
         self,
         servers: Sequence[str],
         max_attempts: int | None = None,
-        backoff_s: float = 0.5,
+        backoff_s: float = 0.25,
+        retry_for_s: float = 15.0,
         seed: int | None = None,
     ) -> None:
         if not servers:
             raise ValueError("InferenceClient needs at least one server address")
-        self.servers = list(servers)
-        self.max_attempts = max_attempts or max(3, 2 * len(self.servers))
-        if self.max_attempts < 1:
+        if max_attempts is not None and max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if backoff_s < 0 or retry_for_s < 0:
+            raise ValueError("backoff_s and retry_for_s must be >= 0")
+        self.servers = list(servers)
+        self.max_attempts = max_attempts
         self.backoff_s = backoff_s
+        self.retry_for_s = retry_for_s
         self._rng = random.Random(seed)
         self._channels: dict[str, grpc.Channel] = {}
+        self._retired: list[grpc.Channel] = []
+        self._lock = threading.Lock()
         self._preferred = 0
         self.failovers = 0  # requests resent to another router, over this client's life
 
     def _stub(self, server: str) -> Any:
-        channel = self._channels.get(server)
-        if channel is None:
-            channel = self._channels[server] = grpc.insecure_channel(server)
+        with self._lock:
+            channel = self._channels.get(server)
+            if channel is None:
+                channel = self._channels[server] = grpc.insecure_channel(server)
         return pb2_grpc.InferenceStub(channel)
+
+    def _forget(self, server: str) -> None:
+        """Drop a failed server's channel: a new one connects at once when the server is back,
+        where the old one could be waiting out its reconnect backoff."""
+        with self._lock:
+            channel = self._channels.pop(server, None)
+            if channel is not None:  # closed with the client: other calls may still use it
+                self._retired.append(channel)
 
     def generate(self, request: Any, timeout: float = 600.0) -> Iterator[Any]:
         """Yield the GenerateResponse messages of one answer, across router failures."""
@@ -84,17 +102,22 @@ class InferenceClient:
         deadline = time.monotonic() + timeout
         received = 0
         first = self._preferred
-        for attempt in range(self.max_attempts):
+        failing_since: float | None = None
+        pause = self.backoff_s
+        attempt = 0
+        while True:
             index = (first + attempt) % len(self.servers)
             server = self.servers[index]
-            if attempt and attempt % len(self.servers) == 0:
-                time.sleep(min(self.backoff_s, max(0.0, deadline - time.monotonic())))
+            if attempt and attempt % len(self.servers) == 0:  # a new round: every server failed
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(2.0, pause * 2 or 0.1)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"no router answered within {timeout} s")
             req.skip_tokens = request.skip_tokens + received
             if attempt and request.request_id:  # a fresh id: the old one may linger on a node
                 req.request_id = f"{request.request_id}-r{attempt}"
+            before = received
             try:
                 for msg in self._stub(server).Generate(req, timeout=remaining):
                     received += len(msg.token_ids)
@@ -103,8 +126,16 @@ class InferenceClient:
                 return
             except grpc.RpcError as err:
                 code = err.code()
-                if code not in RETRYABLE or attempt + 1 == self.max_attempts:
+                if code not in RETRYABLE:
                     raise
+                now = time.monotonic()
+                if failing_since is None or received > before:  # progress restarts the window
+                    failing_since, pause = now, self.backoff_s
+                attempt += 1
+                out_of_attempts = self.max_attempts is not None and attempt >= self.max_attempts
+                if out_of_attempts or now - failing_since > self.retry_for_s:
+                    raise
+                self._forget(server)
                 self.failovers += 1
                 self._preferred = (index + 1) % len(self.servers)
                 logger.warning(
@@ -113,14 +144,15 @@ class InferenceClient:
                     code.name,
                     err.details(),
                     received,
-                    self.servers[(index + 1) % len(self.servers)],
+                    self.servers[self._preferred],
                 )
-        raise AssertionError("unreachable")  # the loop returns or raises
 
     def close(self) -> None:
-        for channel in self._channels.values():
+        with self._lock:
+            channels = [*self._channels.values(), *self._retired]
+            self._channels, self._retired = {}, []
+        for channel in channels:
             channel.close()
-        self._channels.clear()
 
     def __enter__(self) -> InferenceClient:
         return self
