@@ -34,9 +34,11 @@ async def route_or_wait(
     req: RouteRequest,
     instances: Callable[[], tuple[list[InstanceState], list[InstanceState]]],
     wait_s: float,
+    on_wait: Callable[[], None] | None = None,
 ) -> RouteDecision | Rejection:
     """The conductor's decision; while there is no healthy instance of a kind (a node is
-    restarting), wait up to ``wait_s`` for one before giving up. SLO rejections are final."""
+    restarting), wait up to ``wait_s`` for one before giving up (``on_wait`` is called once
+    when a request starts waiting). SLO rejections are final."""
     deadline = time.monotonic() + wait_s
     waited = False
     while True:
@@ -48,6 +50,8 @@ async def route_or_wait(
                 logger.info("req=%s: an instance is back; routed", req.request_id)
             return result
         if not waited:
+            if on_wait is not None:
+                on_wait()
             logger.warning(
                 "req=%s: no healthy prefill or decode instance; waiting up to %.0f s",
                 req.request_id,
@@ -72,12 +76,14 @@ class RouteStage(Stage):
         decode: Mapping[str, DecodeInstance],
         on_reject: Any = None,
         instance_wait_s: float = 0.0,
+        on_wait: Callable[[], None] | None = None,
     ) -> None:
         self._conductor = conductor
         self._prefill = prefill
         self._decode = decode
         self._on_reject = on_reject
         self._instance_wait_s = instance_wait_s
+        self._on_wait = on_wait
 
     def _states(self) -> tuple[list[InstanceState], list[InstanceState]]:
         return [p.state for p in self._prefill.values()], [d.state for d in self._decode.values()]
@@ -85,7 +91,9 @@ class RouteStage(Stage):
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
         req = RouteRequest(ctx.request_id, tuple(state.block_keys), state.prompt_len)
-        result = await route_or_wait(self._conductor, req, self._states, self._instance_wait_s)
+        result = await route_or_wait(
+            self._conductor, req, self._states, self._instance_wait_s, self._on_wait
+        )
         if isinstance(result, Rejection):
             if self._on_reject is not None:
                 self._on_reject(result)

@@ -140,6 +140,14 @@ class RouterServer:
         self.tracer = Tracer(settings.trace_capacity)
         self.metrics = Metrics()
         self.serving_metrics = ServingMetrics(self.metrics)
+        self._node_failures = self.metrics.counter(
+            "node_failures", "Calls to a node that failed (the request was routed again)", ["node"]
+        )
+        self._instance_waits = self.metrics.counter(
+            "instance_waits", "Requests that found no healthy prefill or decode node and waited"
+        )
+        self.failures_total = 0
+        self.waits_total = 0
         self.config = settings  # default_max_tokens / max_tokens_limit for the service
 
     async def start(self, timeout_s: float = 60.0) -> None:
@@ -169,6 +177,7 @@ class RouterServer:
                     self.prefill,  # type: ignore[arg-type]
                     self.decode,  # type: ignore[arg-type]
                     instance_wait_s=self.settings.instance_wait_s,
+                    on_wait=self.count_wait,
                 ),
                 RemoteGenerateStage(self),
             ],
@@ -287,10 +296,16 @@ class RouterServer:
         node.was_ready = True
         return True
 
+    def count_wait(self) -> None:
+        self.waits_total += 1
+        self._instance_waits.inc()
+
     def mark_failed(self, node: RemoteNode) -> None:
         """Route around ``node`` until it answers a probe again (a dead node never does)."""
         node.state.set_healthy(False)
         node.ready = False
+        self.failures_total += 1
+        self._node_failures.labels(node=node.instance_id).inc()
         logger.warning("router: node=%s failed a call; routing around it", node.instance_id)
 
     async def stop(self) -> None:
@@ -322,7 +337,11 @@ class RouterServer:
                 "external_decode_batch_size": float(ext_batch),
             }
             instances.append((n.instance_id, n.kind, values))
-        router = {"in_flight": float(self.pipeline.in_flight())}
+        router = {
+            "in_flight": float(self.pipeline.in_flight()),
+            "node_failures": float(self.failures_total),
+            "instance_waits": float(self.waits_total),
+        }
         return {"router": router, "instances": instances}
 
     def admin_source(self) -> StaticAdminSource:
@@ -375,6 +394,7 @@ class RemoteGenerateStage(Stage):
             req,
             lambda: ([p.state for p in r.prefill.values()], [d.state for d in r.decode.values()]),
             r.settings.instance_wait_s,
+            on_wait=r.count_wait,
         )
         if isinstance(result, Rejection):
             raise Rejected(result)

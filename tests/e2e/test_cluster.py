@@ -222,6 +222,9 @@ def test_a_request_waits_while_the_last_decode_node_restarts(cluster, tiny_model
     out, usage = result["out"]  # type: ignore[misc]
     assert usage.decode_instance == "decode-1"
     assert out == reference(tiny_model, ids, 16)[: len(out)] and len(out) >= 1
+    with grpc.insecure_channel(cluster.addresses[1]) as channel:  # router-0 is down by now
+        router = pb2_grpc.InferenceStub(channel).Stats(pb2.StatsRequest(), timeout=5).router
+    assert router["node_failures"] >= 1 and router["instance_waits"] >= 1
 
 
 def test_a_killed_prefill_node_fails_no_request(cluster):
