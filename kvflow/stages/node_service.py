@@ -125,8 +125,12 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
         def first_token(payload: list[int]) -> Any:
             return node_pb2.PrefillEvent(first_token=payload[0], has_first_token=True)
 
-        async for event in _relay(handle, context, first_token, "prefill"):
-            yield event
+        try:
+            async for event in _relay(handle, context, first_token, "prefill"):
+                yield event
+        finally:  # the prefill stage releases it, but not when an earlier stage failed
+            with contextlib.suppress(UnknownInstanceError):
+                n.state.finish(request.request_id)
         yield node_pb2.PrefillEvent(
             done=True,
             finish_reason=state.finish_reason or "",

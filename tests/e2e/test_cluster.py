@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from kvflow.replication import NodeId, RemoteMetadata
-from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.stages.api import node_pb2, node_pb2_grpc, pb2, pb2_grpc
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.tools.cli import main
@@ -246,3 +246,9 @@ def test_a_killed_metadata_leader_fails_no_request(cluster):
     wait_for_blocks(cluster, "prefill-0", 3)
     _, usage = generate(cluster, ids)
     assert usage.cached_tokens == 48  # the store kept working: the repeat is a hit
+    # Every request has ended: no node still books prefill or decode work.
+    for name, port in cluster.node_ports.items():
+        if cluster.procs[name].alive():
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=5)
+            assert (info.queued_prefill_s, info.decode_batch_size) == (0.0, 0), name
