@@ -39,6 +39,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# A process that ran this long before it died is restarted at once; one that dies sooner is
+# crash-looping (a port in use, a bad flag): its restarts back off, doubling up to MAX.
+STABLE_AFTER_S = 10.0
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+
+
 @dataclass
 class Proc:
     name: str
@@ -48,8 +55,13 @@ class Proc:
     log: IO[bytes] | None = field(default=None, repr=False)
     restarts: int = 0
     keep_down: bool = False
+    started_at: float = 0.0
+    backoff_s: float = 0.0
+    restart_at: float | None = None  # when a dead process is due to start again
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
+        self.restart_at = None
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "kvflow.tools.cli", "serve", *self.args],
@@ -245,12 +257,29 @@ class LocalCluster:
         proc.restarts += 1
         proc.start()
 
-    def supervise_once(self) -> list[str]:
-        """Restart the processes that died without being killed on purpose."""
+    def supervise_once(self, now: float | None = None) -> list[str]:
+        """Restart the processes that died without being killed on purpose: at once if they
+        had run ``STABLE_AFTER_S``, else after a backoff that doubles with each quick death.
+        Returns the names restarted now."""
+        now = time.monotonic() if now is None else now
         restarted = []
         for proc in self.procs.values():
-            if not proc.alive() and not proc.keep_down and proc.popen is not None:
-                logger.warning("%s exited with %s; restarting it", proc.name, proc.popen.poll())
+            if proc.alive() or proc.keep_down or proc.popen is None:
+                continue
+            if proc.restart_at is None:  # a death not seen before
+                quick = now - proc.started_at < STABLE_AFTER_S
+                proc.backoff_s = (
+                    min(MAX_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * proc.backoff_s)) if quick else 0.0
+                )
+                proc.restart_at = now + proc.backoff_s
+                logger.warning(
+                    "%s exited with %s; restarting it%s (log: %s)",
+                    proc.name,
+                    proc.popen.poll(),
+                    f" in {proc.backoff_s:.1f} s" if proc.backoff_s else "",
+                    proc.log_path,
+                )
+            if now >= proc.restart_at:
                 proc.stop()
                 proc.restarts += 1
                 proc.start()
