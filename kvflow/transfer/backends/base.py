@@ -17,8 +17,9 @@ from typing import ClassVar
 
 from kvflow.transfer.batch import RequestProgress
 from kvflow.transfer.config import TransferConfig
+from kvflow.transfer.errors import TransferError
 from kvflow.transfer.memory import SegmentTable
-from kvflow.transfer.types import SegmentHandle, TransferRequest
+from kvflow.transfer.types import OpCode, SegmentHandle, TransferRequest
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,26 @@ def settle_failed(task: TransferTask, error: BaseException | str, *, timeout: bo
     task.progress.expect_slices(1)
     task.progress.fail(error, timeout=timeout)
     task.progress.settle_slice()
+
+
+def copy_tasks(
+    tasks: Sequence[TransferTask], window: Callable[[TransferRequest], memoryview]
+) -> None:
+    """Run each task as one memcpy with the remote memory ``window(request)`` (the local and
+    shm backends): every task is terminal on return; a TransferError fails only its task."""
+    for task in tasks:
+        progress = task.progress
+        request = task.request
+        progress.expect_slices(1)
+        try:
+            remote = window(request)
+            progress.start()
+            if request.opcode is OpCode.READ:
+                task.local[:] = remote
+            else:
+                remote[:] = task.local
+            progress.add_bytes(request.length)
+        except TransferError as exc:
+            progress.fail(exc)
+        finally:
+            progress.settle_slice()

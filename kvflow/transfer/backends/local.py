@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvflow.transfer.backends.base import Backend, TransferTask
-from kvflow.transfer.errors import TransferError
+from kvflow.transfer.backends.base import Backend, TransferTask, copy_tasks
 from kvflow.transfer.registry import register_backend
-from kvflow.transfer.types import LOCAL_PEER, OpCode, SegmentHandle
+from kvflow.transfer.types import LOCAL_PEER, SegmentHandle, TransferRequest
 
 
 @register_backend
@@ -27,20 +26,8 @@ class LocalBackend(Backend):
         return SegmentHandle(self.name, LOCAL_PEER, name, segment.segment_id, segment.size)
 
     def submit(self, tasks: Sequence[TransferTask]) -> None:
-        for task in tasks:
-            progress = task.progress
-            request = task.request
-            progress.expect_slices(1)
-            try:
-                segment = self.context.segments.by_id(request.target.segment_id)
-                remote = segment.window(request.remote_offset, request.length)
-                progress.start()
-                if request.opcode is OpCode.READ:
-                    task.local[:] = remote
-                else:
-                    remote[:] = task.local
-                progress.add_bytes(request.length)
-            except TransferError as exc:
-                progress.fail(exc)
-            finally:
-                progress.settle_slice()
+        copy_tasks(tasks, self._window)
+
+    def _window(self, request: TransferRequest) -> memoryview:
+        segment = self.context.segments.by_id(request.target.segment_id)
+        return segment.window(request.remote_offset, request.length)

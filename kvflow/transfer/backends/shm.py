@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-from kvflow.transfer.backends.base import Backend, BackendContext, TransferTask
-from kvflow.transfer.errors import OutOfBoundsError, TransferError, UnknownSegmentError
+from kvflow.transfer.backends.base import Backend, BackendContext, TransferTask, copy_tasks
+from kvflow.transfer.errors import OutOfBoundsError, UnknownSegmentError
 from kvflow.transfer.registry import register_backend
 from kvflow.transfer.shared import (
     attach_shared,
@@ -24,7 +24,7 @@ from kvflow.transfer.shared import (
     read_header,
     shm_segment_name,
 )
-from kvflow.transfer.types import SHM_SCHEME, OpCode, SegmentHandle
+from kvflow.transfer.types import SHM_SCHEME, SegmentHandle
 
 logger = logging.getLogger(__name__)
 
@@ -85,22 +85,7 @@ class ShmBackend(Backend):
         return SegmentHandle(self.name, peer, name, segment_id, size)
 
     def submit(self, tasks: Sequence[TransferTask]) -> None:
-        for task in tasks:
-            progress = task.progress
-            request = task.request
-            progress.expect_slices(1)
-            try:
-                remote = self._window(request.target, request.remote_offset, request.length)
-                progress.start()
-                if request.opcode is OpCode.READ:
-                    task.local[:] = remote
-                else:
-                    remote[:] = task.local
-                progress.add_bytes(request.length)
-            except TransferError as exc:
-                progress.fail(exc)
-            finally:
-                progress.settle_slice()
+        copy_tasks(tasks, lambda req: self._window(req.target, req.remote_offset, req.length))
 
     def _window(self, target: SegmentHandle, offset: int, length: int) -> memoryview:
         with self._lock:
