@@ -38,6 +38,7 @@ from kvflow.router import (
     TransferEstimator,
     load_profile,
 )
+from kvflow.stages.closers import Closers
 from kvflow.stages.config import ServeConfig
 from kvflow.stages.decode import DecodeStage
 from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
@@ -92,7 +93,7 @@ class EmbeddedCluster:
     def __init__(self, config: ServeConfig, metadata_port: int | None = None) -> None:
         self.config = config
         self.model_dir = ensure_model(config)
-        self._closers: list[Any] = []
+        self._closers = Closers()
         try:
             self._build(metadata_port)
         except BaseException:
@@ -115,13 +116,13 @@ class EmbeddedCluster:
         engine = Engine.open(self.model_dir, self._engine_config())
         worker = EngineWorker(instance_id, engine)
         worker.start()
-        self._closers.append(worker.stop)
+        self._closers.add(worker.stop)
         return worker
 
     def _build(self, metadata_port: int | None) -> None:
         c = self.config
         self.transfer = TransferEngine(TransferConfig())
-        self._closers.append(self.transfer.close)
+        self._closers.add(self.transfer.close)
         self.metadata = MetadataGroup(
             MetadataConfig(
                 self_address=f"127.0.0.1:{metadata_port or _free_port()}",
@@ -129,7 +130,7 @@ class EmbeddedCluster:
             )
         )
         self.metadata.start()
-        self._closers.append(self.metadata.close)
+        self._closers.add(self.metadata.close)
         self.prefill: dict[str, PrefillInstance] = {}
         self.decode: dict[str, DecodeInstance] = {}
         self.pools: dict[str, torch.Tensor] = {}
@@ -208,7 +209,7 @@ class EmbeddedCluster:
             node_id=NodeId(instance_id),
             metadata=self.metadata,
         )
-        self._closers.append(store.close)
+        self._closers.add(store.close)
         return store
 
     def _add_decode(self, instance_id: str) -> None:
@@ -343,12 +344,7 @@ class EmbeddedCluster:
 
     def close_resources(self) -> None:
         """Stop engines, close shards (DRAM flushed to SSD), metadata and transfer. Idempotent."""
-        while self._closers:
-            closer = self._closers.pop()
-            try:
-                closer()
-            except Exception:
-                logger.exception("closing %r failed", closer)
+        self._closers.close_all()
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import torch
@@ -41,6 +40,7 @@ from kvflow.pipeline import Pipeline, PipelineConfig
 from kvflow.replication import NodeId, NodeLoad, RemoteMetadata, choose_source, choose_targets
 from kvflow.router import InstanceState
 from kvflow.stages.api import NODE_SERVICE_NAME, node_pb2_grpc
+from kvflow.stages.closers import Closers
 from kvflow.stages.decode import DecodeStage
 from kvflow.stages.engine import Engine, EngineConfig
 from kvflow.stages.instances import (
@@ -109,7 +109,7 @@ class NodeServer:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self._closers: list[Any] = []
+        self._closers = Closers()
         try:
             self._build()
         except BaseException:
@@ -132,17 +132,17 @@ class NodeServer:
         self.engine = engine
         self.worker = EngineWorker(c.node_id, engine)
         self.worker.start()
-        self._closers.append(self.worker.stop)
+        self._closers.add(self.worker.stop)
         lay = engine.kv_layout
         self.layout = KVLayout(
             lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype
         )
         self.metadata = RemoteMetadata(list(c.meta))
         self.metadata.start()
-        self._closers.append(self.metadata.close)
+        self._closers.add(self.metadata.close)
         self.metadata.wait_ready(30.0)
         self.transfer = TransferEngine(TransferConfig())
-        self._closers.append(self.transfer.close)
+        self._closers.add(self.transfer.close)
         host, port = self.transfer.start_server(c.host, c.transfer_port)
         self.transfer_address = f"{host}:{port}"
         self.port = c.port or _free_port(c.host)
@@ -165,7 +165,7 @@ class NodeServer:
             node_id=NodeId(c.node_id),
             metadata=self.metadata,
         )
-        self._closers.append(self.store.close)
+        self._closers.add(self.store.close)
         self.state = InstanceState(c.node_id, c.kind)
         if c.kind == "prefill":
             self._build_prefill()
@@ -181,7 +181,7 @@ class NodeServer:
         )
         self.instance = PrefillInstance(c.node_id, self.worker, self.store, self.state, load)
         self.peers = RemotePeers(c.node_id, self.metadata, self.transfer)
-        self._closers.append(self.peers.close)
+        self._closers.add(self.peers.close)
         stages = [
             ReuseLoadStage(
                 {}, engine.page_shape, engine.page_dtype, c.block_size, peers=self.peers
@@ -298,12 +298,7 @@ class NodeServer:
         self._close_resources()
 
     def _close_resources(self) -> None:
-        while self._closers:
-            closer = self._closers.pop()
-            try:
-                closer()
-            except Exception:
-                logger.exception("closing %r failed", closer)
+        self._closers.close_all()
 
     # -- decode leases ----------------------------------------------------------------------
     def lease(self, request_id: str, n: int) -> tuple[str, StagingLease]:

@@ -243,6 +243,7 @@ class RouterServer:
             reaped = await asyncio.to_thread(self.metadata.reap_dead_nodes)
             if reaped:
                 logger.warning("router: dropped dead nodes %s and their replicas", reaped)
+        polls: list[tuple[RemoteNode, bool]] = []
         for info in nodes:
             addresses = parse_node_address(info.address)
             group = {"prefill": self.prefill, "decode": self.decode}.get(info.kind)
@@ -261,40 +262,38 @@ class RouterServer:
             elif node.control != addresses[0]:  # it came back elsewhere: keep its books
                 node.ready = False
                 await node.reconnect(addresses[0])
-            alive = now - info.last_heartbeat < self.settings.node_dead_after_s
-            if alive and not node.ready:
-                node.ready = await self._probe(node)
-            node.state.set_healthy(alive and node.ready)
-        healthy = [n for n in [*self.prefill.values(), *self.decode.values()] if n.state.healthy]
-        await asyncio.gather(*(self._read_load(n) for n in healthy))
+            polls.append((node, now - info.last_heartbeat < self.settings.node_dead_after_s))
+        await asyncio.gather(*(self._poll(node, alive) for node, alive in polls))
 
     @staticmethod
-    async def _read_load(node: RemoteNode) -> None:
-        """The node's own account of its load (every router's requests): the conductor adds
-        what other routers sent there to this router's books (``set_reported_load``)."""
-        try:
-            info = await node.stub.Info(node_pb2.InfoRequest(), timeout=1.0)
-            node.state.set_reported_load(
-                info.queued_prefill_s,
-                info.decode_batch_size,
-                info.decode_context_tokens,
-                now=time.monotonic(),
-            )
-        except (grpc.aio.AioRpcError, ValueError) as exc:  # keep the last report
-            logger.debug("router: no load report from node=%s: %r", node.instance_id, exc)
-
-    @staticmethod
-    async def _probe(node: RemoteNode) -> bool:
-        """Whether ``node`` answers Info now; a node that does not gets a fresh channel."""
-        try:
-            await node.stub.Info(node_pb2.InfoRequest(), timeout=1.0)
-        except grpc.aio.AioRpcError:
-            await node.reconnect()
-            return False
-        if node.was_ready:
-            logger.info("router: node=%s answers again; routing to it", node.instance_id)
-        node.was_ready = True
-        return True
+    async def _poll(node: RemoteNode, alive: bool) -> None:
+        """One ``Info`` call per live node per refresh. It is the readiness probe (a node is
+        routable once it answers, and again after a failed call only once it answers again; a
+        node that does not answer gets a fresh channel) and the node's own account of its
+        load, every router's requests: what other routers sent there is added to this
+        router's books (``set_reported_load``)."""
+        if alive:
+            try:
+                info = await node.stub.Info(node_pb2.InfoRequest(), timeout=1.0)
+            except grpc.aio.AioRpcError:
+                if not node.ready:
+                    await node.reconnect()
+            else:
+                if not node.ready and node.was_ready:
+                    logger.info("router: node=%s answers again; routing to it", node.instance_id)
+                node.ready = node.was_ready = True
+                try:
+                    node.state.set_reported_load(
+                        info.queued_prefill_s,
+                        info.decode_batch_size,
+                        info.decode_context_tokens,
+                        now=time.monotonic(),
+                    )
+                except ValueError as exc:  # keep the last report
+                    logger.warning(
+                        "router: bad load report from node=%s: %s", node.instance_id, exc
+                    )
+        node.state.set_healthy(alive and node.ready)
 
     def count_wait(self) -> None:
         self.waits_total += 1

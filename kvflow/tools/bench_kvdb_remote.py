@@ -46,7 +46,7 @@ from kvflow.kvdb import (
     add_block_service,
     block_keys,
 )
-from kvflow.tools.rawsocket import timed_request
+from kvflow.tools.rawsocket import stop_server_process, timed_request
 from kvflow.transfer import TransferConfig, TransferEngine
 
 _RAW_REQUEST = struct.Struct("<QQ")  # size index, value count
@@ -220,11 +220,7 @@ def run_remote(
             finally:
                 raw.close()
     finally:
-        parent.send("stop")
-        holder.join(timeout=30)
-        if holder.is_alive():
-            holder.terminate()
-            holder.join()
+        stop_server_process(parent, holder)
     return {
         "benchmark": "kvdb_remote_batch_get_into",
         "seed": seed,

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.tools.rawsocket import timed_request
+from kvflow.tools.rawsocket import stop_server_process, timed_request
 from kvflow.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 
 SEGMENT_MIB = 128
@@ -202,11 +202,7 @@ def run_benchmark(
             for size in sizes:
                 results.append(_measure(engine, peer, raw_port, size, total_mib, repeats, rng))
     finally:
-        parent.send("stop")
-        server.join(timeout=30)
-        if server.is_alive():
-            server.terminate()
-            server.join()
+        stop_server_process(parent, server)
     return {
         "benchmark": "transfer_tcp_loopback",
         "seed": seed,

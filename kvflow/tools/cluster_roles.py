@@ -14,6 +14,7 @@ from kvflow.stages.config import ServeConfig
 from kvflow.stages.node import NodeConfig, NodeServer
 from kvflow.stages.router_server import RouterServer, RouterSettings
 from kvflow.stages.service import create_server
+from kvflow.tools.serve import engine_store_args
 
 
 def _meta(args: argparse.Namespace) -> tuple[str, ...]:
@@ -44,19 +45,11 @@ def run_node(args: argparse.Namespace) -> int:
             node_id=args.node_id or f"{args.kind}-{args.port}",
             kind=args.kind,
             model_dir=_model(args),
-            data_dir=args.data_dir,
             meta=_meta(args),
             host=args.host,
             port=args.port,
             transfer_port=args.transfer_port,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            num_pages=args.num_pages,
-            prefill_chunk=args.prefill_chunk,
-            dram_capacity_bytes=args.dram_mb << 20,
-            ssd_capacity_bytes=args.ssd_mb << 20,
-            storage_engine=args.storage_engine,
-            seed=args.seed,
+            **engine_store_args(args),
         )
     except ValueError as exc:
         print(f"kvflow serve --role node: {exc}")

@@ -64,26 +64,33 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def engine_store_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine and shard settings that the embedded server and a node take alike."""
+    return {
+        "data_dir": args.data_dir,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "num_pages": args.num_pages,
+        "prefill_chunk": args.prefill_chunk,
+        "dram_capacity_bytes": args.dram_mb << 20,
+        "ssd_capacity_bytes": args.ssd_mb << 20,
+        "storage_engine": args.storage_engine,
+        "seed": args.seed,
+    }
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model_dir=args.model,
-        data_dir=args.data_dir,
         num_prefill=args.prefill,
         num_decode=args.decode,
         policy=args.policy,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_pages=args.num_pages,
-        prefill_chunk=args.prefill_chunk,
-        dram_capacity_bytes=args.dram_mb << 20,
-        ssd_capacity_bytes=args.ssd_mb << 20,
-        storage_engine=args.storage_engine,
+        **engine_store_args(args),
         ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1000.0,
         tbt_slo_s=None if args.tbt_slo_ms is None else args.tbt_slo_ms / 1000.0,
         balancing_threshold=args.balancing_threshold,
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=min(64, args.max_tokens_limit),
-        seed=args.seed,
     )
 
 
