@@ -5,10 +5,15 @@ See README.md in this folder for the layers, configuration and API.
 
 from __future__ import annotations
 
-from kvflow.kvdb.block_service import BlockServer, add_block_service, segment_name
+from kvflow.kvdb.admin import (
+    AdminSource,
+    KVAdmin,
+    ShardRef,
+    StaticAdminSource,
+    add_admin_service,
+)
 from kvflow.kvdb.client import EmbeddedClient, KVClient
 from kvflow.kvdb.config import StoreConfig
-from kvflow.kvdb.dram_lease import HotBlock, LeasedBlock
 from kvflow.kvdb.errors import (
     BlockPinnedError,
     ChecksumError,
@@ -30,17 +35,12 @@ from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored
 from kvflow.kvdb.keys import BlockKey, KVLayout, Namespace, block_keys, next_key
 from kvflow.kvdb.metadata_sync import MetadataSync
 from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, BLOCK_SERVICE_NAME
-from kvflow.kvdb.remote import RemoteClient
-from kvflow.kvdb.remote_config import BlockServiceConfig, RemoteClientConfig
-from kvflow.kvdb.remote_types import RemoteBlock, RemoteLease, RemoteStats
+from kvflow.kvdb.remote.config import BlockServiceConfig, RemoteClientConfig
+from kvflow.kvdb.remote.dram_lease import HotBlock, LeasedBlock
+from kvflow.kvdb.remote.reader import RemoteClient
+from kvflow.kvdb.remote.server import BlockServer, add_block_service, segment_name
+from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.replicas import LocalReplicas, MetadataReplicas, ReplicaCounter
-from kvflow.kvdb.service import (
-    AdminSource,
-    KVAdmin,
-    ShardRef,
-    StaticAdminSource,
-    add_admin_service,
-)
 from kvflow.kvdb.shard import Shard
 from kvflow.kvdb.stats import StoreStats, TierStats
 from kvflow.kvdb.store import Store, open_store, single_replica_metadata

@@ -23,7 +23,6 @@ from kvflow.kvdb.buffers import readable_bytes, writable_bytes
 from kvflow.kvdb.codec import copy_and_checksum, verified_copy
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.dram import DramTier
-from kvflow.kvdb.dram_lease import HotBlock, LeasedBlock, hottest, lease_leading, release_pins
 from kvflow.kvdb.engines import ENGINES, StorageEngine
 from kvflow.kvdb.entry import Entry
 from kvflow.kvdb.errors import (
@@ -38,6 +37,13 @@ from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored, Outbox
 from kvflow.kvdb.eviction import POLICIES
 from kvflow.kvdb.keys import KEY_BYTES, BlockKey
 from kvflow.kvdb.mover import ShardState, TierMover
+from kvflow.kvdb.remote.dram_lease import (
+    HotBlock,
+    LeasedBlock,
+    hottest,
+    lease_leading,
+    release_pins,
+)
 from kvflow.kvdb.replicas import LocalReplicas, ReplicaCounter
 from kvflow.kvdb.ssd import SsdTier
 from kvflow.kvdb.stats import StoreStats, TierCounters, snapshot

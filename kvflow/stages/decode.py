@@ -18,9 +18,9 @@ from kvflow.kvdb import block_keys
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.engine import Engine, RequestOutput
 from kvflow.stages.errors import engine_error
-from kvflow.stages.instances import DecodeInstance
+from kvflow.stages.runtime.instances import DecodeInstance
+from kvflow.stages.runtime.worker import WorkItem
 from kvflow.stages.state import GenerateState
-from kvflow.stages.worker import WorkItem
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from kvflow.stages.engine import Engine, RequestOutput
 from kvflow.stages.errors import engine_error
 from kvflow.stages.reuse_load import release_load_buffers, unpin_prefix
 from kvflow.stages.route import release_prefill_slot
+from kvflow.stages.runtime.worker import WorkItem
 from kvflow.stages.state import GenerateState
-from kvflow.stages.worker import WorkItem
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 from kvflow.kvdb import BlockKey, EmbeddedClient, Tier
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.errors import NoCapacity
-from kvflow.stages.instances import PrefillInstance, ShardOwner
+from kvflow.stages.runtime.instances import PrefillInstance, ShardOwner
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from kvflow.router import (
     UnknownInstanceError,
 )
 from kvflow.stages.errors import Rejected
-from kvflow.stages.instances import DecodeInstance, PrefillInstance
+from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from kvflow.router import RouteDecision
 from kvflow.stages.engine import SamplingParams
 
 if TYPE_CHECKING:
-    from kvflow.stages.instances import DecodeInstance, PrefillInstance, StagingLease
+    from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, StagingLease
     from kvflow.stages.stream import StreamTarget
 
 

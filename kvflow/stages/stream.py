@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvflow.pipeline import RequestContext, Stage
-from kvflow.stages.instances import PrefillInstance, pool_segment_name
+from kvflow.stages.runtime.instances import PrefillInstance, pool_segment_name
 from kvflow.stages.state import GenerateState
 from kvflow.transfer import (
     OpCode,

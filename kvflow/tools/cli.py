@@ -16,12 +16,12 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvflow.tools.demo_model",
     "kvflow.tools.serve",
     "kvflow.tools.generate",
-    "kvflow.tools.trace_cmd",
+    "kvflow.tools.trace",
     "kvflow.tools.profile",
     "kvflow.tools.cluster",
     "kvflow.tools.replay",
-    "kvflow.tools.bench_metadata",
-    "kvflow.tools.bench_transfer",
+    "kvflow.tools.bench.metadata",
+    "kvflow.tools.bench.transfer",
     "kvflow.tools.kvadmin",
 )
 

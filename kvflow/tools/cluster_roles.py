@@ -9,11 +9,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvflow.pipeline import serve_metrics
-from kvflow.stages.cluster import ensure_model
-from kvflow.stages.config import ServeConfig
-from kvflow.stages.node import NodeConfig, NodeServer
-from kvflow.stages.router_server import RouterServer, RouterSettings
-from kvflow.stages.service import create_server
+from kvflow.stages.api.inference import create_server
+from kvflow.stages.serve.config import ServeConfig
+from kvflow.stages.serve.embedded import ensure_model
+from kvflow.stages.serve.node import NodeConfig, NodeServer
+from kvflow.stages.serve.router import RouterServer, RouterSettings
 from kvflow.tools.serve import engine_store_args
 
 

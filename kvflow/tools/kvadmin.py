@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 
 from kvflow.kvdb import InvalidRequestError
+from kvflow.kvdb.admin import MAX_HOT, TIER_NAMES, parse_key
 from kvflow.kvdb.proto import pb2, pb2_grpc
-from kvflow.kvdb.service import MAX_HOT, TIER_NAMES, parse_key
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

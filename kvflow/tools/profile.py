@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.stages.engine import Engine, EngineConfig, ModelLoadError
-from kvflow.stages.profiler import ProfileGrid, profile_engine
+from kvflow.tools.profiling import ProfileGrid, profile_engine
 
 
 def register(subparsers: Any) -> None:

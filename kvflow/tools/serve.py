@@ -11,9 +11,9 @@ from typing import Any
 
 from kvflow.pipeline import serve_metrics
 from kvflow.router import policy_names
-from kvflow.stages.cluster import EmbeddedCluster
-from kvflow.stages.config import ServeConfig
-from kvflow.stages.service import create_server
+from kvflow.stages.api.inference import create_server
+from kvflow.stages.serve.config import ServeConfig
+from kvflow.stages.serve.embedded import EmbeddedCluster
 from kvflow.tools.meta import add_meta_arguments, run_meta
 
 logger = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvflow.stages.background import BackgroundServer
-from kvflow.stages.config import ServeConfig
 from kvflow.stages.engine import write_demo_model
+from kvflow.stages.serve.background import BackgroundServer
+from kvflow.stages.serve.config import ServeConfig
 
 BLOCK = 16
 

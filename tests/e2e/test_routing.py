@@ -48,7 +48,7 @@ def test_repeat_goes_to_the_holder_and_pulls_when_it_is_overloaded(make_server):
 
 def _keys(cluster, prompt):
     from kvflow.kvdb import block_keys
-    from kvflow.stages.cluster import namespace_for
+    from kvflow.stages.serve.embedded import namespace_for
 
     return block_keys(namespace_for(cluster, "default"), prompt)[: (len(prompt) - 1) // BLOCK]
 
@@ -98,7 +98,7 @@ def test_change_replica_copies_the_block_to_another_shard(make_server):
     holder = usage.prefill_instance
     other = next(p for p in cluster.prefill if p != holder)
     keys = _keys(cluster, prompt)
-    from kvflow.stages.cluster import namespace_for
+    from kvflow.stages.serve.embedded import namespace_for
 
     client = cluster.prefill[holder].client(namespace_for(cluster, "default"))
     client.change_replica(keys[0], 2)

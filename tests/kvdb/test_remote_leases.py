@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvflow.kvdb.keys import BlockKey
-from kvflow.kvdb.leases import LeaseTable
+from kvflow.kvdb.remote.leases import LeaseTable
 
 K = tuple(BlockKey(bytes([i]) * 16) for i in range(4))
 

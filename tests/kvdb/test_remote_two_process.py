@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.tools.bench_kvdb import main as bench_main
-from kvflow.tools.bench_kvdb_remote import run_remote, summary
+from kvflow.tools.bench.kvdb import main as bench_main
+from kvflow.tools.bench.kvdb_remote import run_remote, summary
 
 
 def test_remote_reads_across_processes_match_raw_bytes() -> None:

@@ -15,7 +15,7 @@ then both decode nodes at once — it:
 One summary line; ``--json PATH`` writes every phase. Failed requests and wrong outputs are
 counted, never hidden: the run exits 1 if there is any.
 
-    .venv/bin/python -m kvflow.tools.bench_failover [--requests 4] [--max-tokens 300]
+    .venv/bin/python -m kvflow.tools.bench.failover [--requests 4] [--max-tokens 300]
 """
 
 from __future__ import annotations

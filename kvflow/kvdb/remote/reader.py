@@ -33,11 +33,11 @@ import numpy as np
 
 from kvflow.kvdb.buffers import writable_bytes
 from kvflow.kvdb.codec import checksum
-from kvflow.kvdb.destinations import Destinations
 from kvflow.kvdb.errors import RemoteReadError, ValueSizeError
 from kvflow.kvdb.proto import pb2, pb2_grpc
-from kvflow.kvdb.remote_config import RemoteClientConfig
-from kvflow.kvdb.remote_types import RemoteBlock, RemoteLease, RemoteStats
+from kvflow.kvdb.remote.config import RemoteClientConfig
+from kvflow.kvdb.remote.destinations import Destinations
+from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.shard import check_key
 from kvflow.replication import Tier
 from kvflow.transfer import (

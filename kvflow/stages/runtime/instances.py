@@ -18,7 +18,7 @@ import torch
 from kvflow.kvdb import EmbeddedClient, Namespace, Store
 from kvflow.router import InstanceState
 from kvflow.stages.errors import NoCapacity
-from kvflow.stages.worker import EngineWorker
+from kvflow.stages.runtime.worker import EngineWorker
 from kvflow.transfer import SegmentHandle, TransferEngine
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvflow.stages.instances import PrefillInstance
+from kvflow.stages.runtime.instances import PrefillInstance
 
 
 class ShardPrefixIndex:

@@ -13,8 +13,8 @@ gRPC (the clock stops when every replica reports all blocks), then the leader is
 caught up before the next kill. Prints one summary line; ``--json PATH`` writes the full
 results.
 
-    .venv/bin/python -m kvflow.tools.bench_metadata [--blocks N] [--batch B] [--replicas 1,3]
-    .venv/bin/python -m kvflow.tools.bench_metadata --processes [--kills 5] [--writers 1]
+    .venv/bin/python -m kvflow.tools.bench.metadata [--blocks N] [--batch B] [--replicas 1,3]
+    .venv/bin/python -m kvflow.tools.bench.metadata --processes [--kills 5] [--writers 1]
 """
 
 from __future__ import annotations

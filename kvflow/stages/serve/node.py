@@ -40,22 +40,22 @@ from kvflow.pipeline import Pipeline, PipelineConfig
 from kvflow.replication import NodeId, NodeLoad, RemoteMetadata, choose_source, choose_targets
 from kvflow.router import InstanceState
 from kvflow.stages.api import NODE_SERVICE_NAME, node_pb2_grpc
-from kvflow.stages.closers import Closers
+from kvflow.stages.api.node import STAGING_SEGMENT, NodeServicer
 from kvflow.stages.decode import DecodeStage
 from kvflow.stages.engine import Engine, EngineConfig
-from kvflow.stages.instances import (
+from kvflow.stages.prefill import PrefillStage
+from kvflow.stages.reuse_load import ReuseLoadStage
+from kvflow.stages.runtime.instances import (
     DecodeInstance,
     PrefillInstance,
     StagingArea,
     StagingLease,
     pool_segment_name,
 )
-from kvflow.stages.node_service import STAGING_SEGMENT, NodeServicer
-from kvflow.stages.prefill import PrefillStage
-from kvflow.stages.remote_peers import RemotePeers, format_node_address
-from kvflow.stages.reuse_load import ReuseLoadStage
+from kvflow.stages.runtime.peers import RemotePeers, format_node_address
+from kvflow.stages.runtime.worker import EngineWorker
+from kvflow.stages.serve.closers import Closers
 from kvflow.stages.stream import StreamStage
-from kvflow.stages.worker import EngineWorker
 from kvflow.transfer import TransferConfig, TransferEngine
 
 logger = logging.getLogger(__name__)

@@ -23,13 +23,13 @@ from typing import Any
 
 import grpc
 
+from kvflow.kvdb.admin import AdminSource, ShardRef
 from kvflow.kvdb.errors import InvalidRequestError, StoreClosedError, UnknownShardError
 from kvflow.kvdb.grpc_mount import method_names, servicer_for
 from kvflow.kvdb.keys import KEY_BYTES, BlockKey
-from kvflow.kvdb.leases import Lease, LeaseTable
 from kvflow.kvdb.proto import BLOCK_SERVICE_NAME, pb2, pb2_grpc
-from kvflow.kvdb.remote_config import BlockServiceConfig
-from kvflow.kvdb.service import AdminSource, ShardRef
+from kvflow.kvdb.remote.config import BlockServiceConfig
+from kvflow.kvdb.remote.leases import Lease, LeaseTable
 from kvflow.transfer import SegmentExistsError, TransferEngine, UnknownSegmentError
 
 logger = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ from kvflow.pipeline import (
     to_chrome_trace,
 )
 from kvflow.stages.api import SERVICE_NAME, pb2, pb2_grpc
-from kvflow.stages.cluster import EmbeddedCluster
 from kvflow.stages.detokenize import IncrementalDetokenizer
 from kvflow.stages.engine import SamplingParams
 from kvflow.stages.errors import InvalidArgument, NoCapacity, Rejected
+from kvflow.stages.serve.embedded import EmbeddedCluster
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)

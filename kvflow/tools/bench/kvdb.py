@@ -16,8 +16,8 @@ summary line; ``--json PATH`` writes everything.
 ``--remote`` measures instead the remote read path between two processes on loopback
 (RemoteClient batch get_into vs a raw socket; see ``bench_kvdb_remote``).
 
-    .venv/bin/python -m kvflow.tools.bench_kvdb --json bench_kvdb.json
-    .venv/bin/python -m kvflow.tools.bench_kvdb --remote --repeat 7 --json remote.json
+    .venv/bin/python -m kvflow.tools.bench.kvdb --json bench_kvdb.json
+    .venv/bin/python -m kvflow.tools.bench.kvdb --remote --repeat 7 --json remote.json
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from kvflow.kvdb import (
     add_block_service,
     block_keys,
 )
-from kvflow.tools.rawsocket import stop_server_process, timed_request
+from kvflow.tools.bench._net import stop_server_process, timed_request
 from kvflow.transfer import TransferConfig, TransferEngine
 
 _RAW_REQUEST = struct.Struct("<QQ")  # size index, value count

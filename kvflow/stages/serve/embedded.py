@@ -38,21 +38,26 @@ from kvflow.router import (
     TransferEstimator,
     load_profile,
 )
-from kvflow.stages.closers import Closers
-from kvflow.stages.config import ServeConfig
 from kvflow.stages.decode import DecodeStage
 from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
 from kvflow.stages.hash import HashStage
-from kvflow.stages.index import ShardPrefixIndex
-from kvflow.stages.instances import DecodeInstance, PrefillInstance, StagingArea, pool_segment_name
 from kvflow.stages.prefill import PrefillStage
-from kvflow.stages.replicator import Replicator
 from kvflow.stages.reuse_load import ReuseLoadStage
 from kvflow.stages.route import RouteStage
-from kvflow.stages.serving_metrics import ServingMetrics
+from kvflow.stages.runtime.instances import (
+    DecodeInstance,
+    PrefillInstance,
+    StagingArea,
+    pool_segment_name,
+)
+from kvflow.stages.runtime.prefix_index import ShardPrefixIndex
+from kvflow.stages.runtime.replicator import Replicator
+from kvflow.stages.runtime.worker import EngineWorker
+from kvflow.stages.serve.closers import Closers
+from kvflow.stages.serve.config import ServeConfig
+from kvflow.stages.serve.metrics import ServingMetrics
 from kvflow.stages.stream import StreamStage
 from kvflow.stages.tokenize import TokenizeStage
-from kvflow.stages.worker import EngineWorker
 from kvflow.transfer import TransferConfig, TransferEngine
 
 logger = logging.getLogger(__name__)

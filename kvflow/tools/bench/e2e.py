@@ -11,8 +11,8 @@ routing policy: requests/s and TTFT p50/p99.
 
 Seeded; prints one summary line; `--json PATH` writes every number.
 
-    python -m kvflow.tools.bench_e2e                 # small preset, 2K and 8K prompts
-    python -m kvflow.tools.bench_e2e --quick         # tiny preset, seconds
+    python -m kvflow.tools.bench.e2e                 # small preset, 2K and 8K prompts
+    python -m kvflow.tools.bench.e2e --quick         # tiny preset, seconds
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import torch
 
 from kvflow.router import policy_names
 from kvflow.stages.api import pb2
-from kvflow.stages.background import BackgroundServer
-from kvflow.stages.cluster import ensure_model
-from kvflow.stages.config import ServeConfig
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams, write_demo_model
+from kvflow.stages.serve.background import BackgroundServer
+from kvflow.stages.serve.config import ServeConfig
+from kvflow.stages.serve.embedded import ensure_model
 
 
 class Server(BackgroundServer):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BlockServiceConfig:
-    """Knobs of a holder's BlockService (``kvflow.kvdb.block_service``).
+    """Knobs of a holder's BlockService (``kvflow.kvdb.remote.server``).
 
     lease_timeout_s: a lease not released within this many seconds is dropped and its pins
         released (a dead reader must not pin blocks forever). Keep it above the readers'
@@ -36,7 +36,7 @@ class BlockServiceConfig:
 
 @dataclass(frozen=True)
 class RemoteClientConfig:
-    """Knobs of a reader's RemoteClient (``kvflow.kvdb.remote``).
+    """Knobs of a reader's RemoteClient (``kvflow.kvdb.remote.reader``).
 
     rpc_timeout_s: deadline of each Lease / Release call.
     staging_bytes: size of the registered staging buffer used for destinations that are not

@@ -15,7 +15,7 @@ see the same background load.
 Reports the median GB/s of each and the ratio engine / raw. Prints one summary line;
 ``--json PATH`` writes every run.
 
-    .venv/bin/python -m kvflow.tools.bench_transfer [--sizes 64K,1M,4M] [--total-mib 128]
+    .venv/bin/python -m kvflow.tools.bench.transfer [--sizes 64K,1M,4M] [--total-mib 128]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.tools.rawsocket import stop_server_process, timed_request
+from kvflow.tools.bench._net import stop_server_process, timed_request
 from kvflow.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 
 SEGMENT_MIB = 128

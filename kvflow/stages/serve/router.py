@@ -40,9 +40,9 @@ from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.engine import Tokenizer
 from kvflow.stages.errors import NoCapacity, Rejected
 from kvflow.stages.hash import HashStage
-from kvflow.stages.remote_peers import parse_node_address
 from kvflow.stages.route import RouteStage, route_or_wait
-from kvflow.stages.serving_metrics import ServingMetrics
+from kvflow.stages.runtime.peers import parse_node_address
+from kvflow.stages.serve.metrics import ServingMetrics
 from kvflow.stages.state import GenerateState
 from kvflow.stages.tokenize import TokenizeStage
 

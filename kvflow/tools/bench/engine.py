@@ -6,8 +6,8 @@ prefill time of N tokens with P of them imported from exported pages; decode tok
 several batch sizes (and at batch 1 with the plain contiguous KV). Seeded; prints one summary
 line; `--json PATH` writes every number.
 
-    python -m kvflow.tools.bench_engine              # the full matrix on the small preset
-    python -m kvflow.tools.bench_engine --quick      # seconds, on the tiny preset
+    python -m kvflow.tools.bench.engine              # the full matrix on the small preset
+    python -m kvflow.tools.bench.engine --quick      # seconds, on the tiny preset
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def _summary(preset: str, results: list[dict[str, Any]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvflow.tools.bench_engine", description=__doc__.splitlines()[0]
+        prog="kvflow.tools.bench.engine", description=__doc__.splitlines()[0]
     )
     p.add_argument("--model", type=Path, help="model directory (default: write the demo preset)")
     p.add_argument("--preset", choices=["tiny", "small"], default="small")

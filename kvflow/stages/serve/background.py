@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 import grpc
 
 from kvflow.stages.api import pb2, pb2_grpc
-from kvflow.stages.cluster import EmbeddedCluster
-from kvflow.stages.config import ServeConfig
-from kvflow.stages.service import create_server
+from kvflow.stages.api.inference import create_server
+from kvflow.stages.serve.config import ServeConfig
+from kvflow.stages.serve.embedded import EmbeddedCluster
 
 T = TypeVar("T")
 

@@ -17,13 +17,13 @@ from kvflow.kvdb import Namespace, block_keys
 from kvflow.pipeline import RequestContext
 from kvflow.router import UnknownInstanceError
 from kvflow.stages.api import node_pb2, node_pb2_grpc
+from kvflow.stages.api.inference import sampling_from, status_for
 from kvflow.stages.errors import InvalidArgument
-from kvflow.stages.service import sampling_from, status_for
 from kvflow.stages.state import GenerateState
 from kvflow.stages.stream import StreamTarget
 
 if TYPE_CHECKING:
-    from kvflow.stages.node import NodeServer
+    from kvflow.stages.serve.node import NodeServer
 
 STAGING_SEGMENT = "staging"
 
