@@ -29,12 +29,14 @@ from kvflow.pipeline.runtime import Pipeline
 from kvflow.pipeline.spans import RequestTrace, Span, Tracer, TraceStatus
 from kvflow.pipeline.stage import FunctionStage, Stage
 from kvflow.pipeline.tracing import (
+    ProcessTraces,
     StageStats,
     format_breakdown,
     from_chrome_trace,
     load_traces,
     stage_breakdown,
     to_chrome_trace,
+    to_chrome_trace_by_process,
     traces_from_dict,
     traces_to_dict,
     write_chrome_trace,
@@ -54,6 +56,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineError",
     "PipelineMetrics",
+    "ProcessTraces",
     "RequestCancelled",
     "RequestContext",
     "RequestHandle",
@@ -71,6 +74,7 @@ __all__ = [
     "serve_metrics",
     "stage_breakdown",
     "to_chrome_trace",
+    "to_chrome_trace_by_process",
     "traces_from_dict",
     "traces_to_dict",
     "write_chrome_trace",

@@ -38,6 +38,7 @@ __all__ = [
     "percentile",
     "stage_breakdown",
     "to_chrome_trace",
+    "to_chrome_trace_by_process",
     "traces_from_dict",
     "traces_to_dict",
     "write_chrome_trace",
@@ -77,6 +78,60 @@ def to_chrome_trace(
                 named_threads.add((pid, tid))
                 events.append(_meta("thread_name", pid, tid, {"name": lane}))
             events.append(_span_event(trace.request_id, span, pid, tid, origin))
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"producer": "kvflow", "origin_s": origin},
+    }
+
+
+SPAN_ID_STRIDE = 1_000_000  # span ids of the k-th process row start at k * stride
+
+
+@dataclass(frozen=True)
+class ProcessTraces:
+    """One process's traces for a merged document. ``shift_s`` is added to every span time
+    to put them on a common clock (e.g. wall time: ``time.time() - time.monotonic()`` of
+    that process)."""
+
+    name: str
+    traces: tuple[RequestTrace, ...]
+    shift_s: float = 0.0
+
+
+def to_chrome_trace_by_process(rows: Iterable[ProcessTraces]) -> dict[str, Any]:
+    """One Chrome/Perfetto document of requests whose spans were recorded in several
+    processes (a router and the nodes it called): one process row per process, one thread
+    per stage lane. ``from_chrome_trace`` reads it back as one trace per request with the
+    spans of every process (span ids of the k-th row are offset by k * SPAN_ID_STRIDE)."""
+    rows = list(rows)
+    starts = [s.start_s + row.shift_s for row in rows for tr in row.traces for s in tr.spans]
+    origin = min(starts) if starts else 0.0
+    events: list[dict[str, Any]] = []
+    described: set[str] = set()
+    for k, row in enumerate(rows):
+        pid = k + 1
+        events.append(_meta("process_name", pid, 0, {"name": row.name}))
+        tids: dict[str, int] = {}
+        for trace in row.traces:
+            if trace.request_id not in described:
+                described.add(trace.request_id)
+                events.append(_request_meta(trace, pid))
+            for span in trace.spans:
+                lane = span.stage or span.name
+                if lane not in tids:
+                    tids[lane] = len(tids) + 1
+                    events.append(_meta("thread_name", pid, tids[lane], {"name": lane}))
+                shifted = Span(
+                    name=span.name,
+                    start_s=span.start_s + row.shift_s,
+                    duration_s=span.duration_s,
+                    attrs={**span.attrs, "process": row.name},
+                    parent=None if span.parent is None else span.parent + k * SPAN_ID_STRIDE,
+                    span_id=span.span_id + k * SPAN_ID_STRIDE,
+                    stage=span.stage,
+                )
+                events.append(_span_event(trace.request_id, shifted, pid, tids[lane], origin))
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

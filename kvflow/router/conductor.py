@@ -82,6 +82,11 @@ class Conductor:
     def policy_name(self) -> str:
         return self._policy.name
 
+    @property
+    def decides_pulls(self) -> bool:
+        """Whether decisions' ``pull`` is the whole pull plan (see ``Policy.decides_pulls``)."""
+        return self._policy.decides_pulls
+
     def route(
         self,
         req: RouteRequest,

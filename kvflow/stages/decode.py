@@ -28,12 +28,16 @@ logger = logging.getLogger(__name__)
 class DecodeStage(Stage):
     name = "decode"
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, wait_for_prefill: bool) -> None:
+        """``wait_for_prefill``: the prefill runs in this pipeline as a background stage (the
+        embedded server) and its end is awaited; False on a decode node, where the prefill
+        ran elsewhere and the call arrives after it."""
         self._block_size = block_size
+        self._wait_for_prefill = wait_for_prefill
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
-        if "prefill" in ctx.children():  # on a decode node the prefill ran elsewhere
+        if self._wait_for_prefill:
             await ctx.join("prefill")
         inst = state.decode
         assert inst is not None and state.prompt_ids is not None and state.first_token is not None
@@ -41,7 +45,7 @@ class DecodeStage(Stage):
         state.token_times = [state.first_token_at or time.monotonic()]
         if state.finish_reason == "stop" or state.max_tokens == 1:
             state.finish_reason = state.finish_reason or "length"
-            self._release_staging(state)
+            state.release_staging()
             state.finished_at = time.monotonic()
             return
         loop = asyncio.get_running_loop()
@@ -111,7 +115,7 @@ class DecodeStage(Stage):
                 now = time.monotonic()
                 state.output_ids.extend(out.new_token_ids)
                 state.token_times.extend(now for _ in out.new_token_ids)
-                inst.state.grow_decode(ctx.request_id, len(out.new_token_ids))
+                state.booking.grow_decode(len(out.new_token_ids))
                 ctx.emit(("tokens", list(out.new_token_ids)))
             if out.finished:
                 state.finish_reason = out.finish_reason
@@ -143,16 +147,11 @@ class DecodeStage(Stage):
     @staticmethod
     def _admitted(state: GenerateState) -> None:
         state.decode_admitted = True
-        DecodeStage._release_staging(state)
-
-    @staticmethod
-    def _release_staging(state: GenerateState) -> None:
-        if state.staging is not None and state.decode is not None:
-            state.decode.staging.release(state.staging)
-            state.staging = None
+        state.release_staging()  # the engine has copied the staged pages
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
         state: GenerateState = ctx.state
-        self._release_staging(state)
+        state.release_staging()
+        state.booking.release_decode()
         if state.decode is not None and state.decode_request_id:
             await asyncio.wrap_future(state.decode.worker.drop(state.decode_request_id))

@@ -34,3 +34,12 @@ def engine_error(exc: BaseException, instance_id: str) -> BaseException:
     if isinstance(exc, InvalidRequestError):
         return InvalidArgument(f"instance {instance_id}: {exc}")
     return exc
+
+
+class NodeCallFailed(RuntimeError):
+    """A call to another node failed in a way a retry elsewhere can fix (the node died,
+    timed out or broke): the router marks ``node`` failed and routes the request again."""
+
+    def __init__(self, node: object, details: str) -> None:
+        super().__init__(details)
+        self.node = node

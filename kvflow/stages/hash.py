@@ -12,6 +12,15 @@ from kvflow.stages.state import GenerateState
 DEFAULT_TENANT = "default"
 
 
+def namespace_for(tenant: str, model_fingerprint: str, layout: KVLayout) -> Namespace:
+    """The request's namespace (an empty tenant is the default one): the one place a serving
+    path builds a Namespace. InvalidArgument names a malformed tenant."""
+    try:
+        return Namespace(tenant or DEFAULT_TENANT, model_fingerprint, layout)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc).replace("Namespace.tenant", "tenant")) from exc
+
+
 class HashStage(Stage):
     """Fills ``state.namespace`` and ``state.block_keys`` (one key per full block).
 
@@ -26,10 +35,7 @@ class HashStage(Stage):
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
         assert state.prompt_ids is not None, "tokenize runs before hash"
-        tenant = state.tenant or DEFAULT_TENANT
-        try:
-            state.namespace = Namespace(tenant, self._fingerprint, self._layout)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc).replace("Namespace.tenant", "tenant")) from exc
+        state.namespace = namespace_for(state.tenant, self._fingerprint, self._layout)
+        tenant = state.namespace.tenant
         state.block_keys = block_keys(state.namespace, state.prompt_ids)
         ctx.set_attrs(tenant=tenant, blocks=len(state.block_keys))

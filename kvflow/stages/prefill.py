@@ -24,7 +24,6 @@ from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.engine import Engine, RequestOutput
 from kvflow.stages.errors import engine_error
 from kvflow.stages.reuse_load import release_load_buffers, unpin_prefix
-from kvflow.stages.route import release_prefill_slot
 from kvflow.stages.runtime.worker import WorkItem
 from kvflow.stages.state import GenerateState
 
@@ -78,7 +77,7 @@ class PrefillStage(Stage):
             verify_pages=False,  # kvdb verified each block's checksum
             on_admitted=on_admitted,
         )
-        inst.state.start(ctx.request_id, time.monotonic())
+        state.booking.start_prefill(time.monotonic())
         inst.worker.submit(item)
         client = inst.client(state.namespace)
         stores: list[asyncio.Future[int]] = []
@@ -91,7 +90,7 @@ class PrefillStage(Stage):
                 done = await asyncio.gather(*stores, return_exceptions=True)
                 state.stored_blocks = sum(n for n in done if isinstance(n, int))
         state.prefill_done = True
-        release_prefill_slot(state, ctx.request_id)
+        state.booking.release_prefill()  # the prefill is over: off the queue
         ctx.set_attrs(
             computed_tokens=prompt_len - state.num_cached_tokens,
             stored_blocks=state.stored_blocks,
@@ -147,7 +146,7 @@ class PrefillStage(Stage):
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
         state: GenerateState = ctx.state
-        release_prefill_slot(state, ctx.request_id)
+        state.booking.release_prefill()
         if state.prefill is not None and state.engine_request_id:
             await asyncio.wrap_future(state.prefill.worker.drop(state.engine_request_id))
 

@@ -1,8 +1,14 @@
 """reuse-load: bring the matched prefix blocks into page buffers for the prefill engine.
 
-If the conductor planned a pull, the blocks missing locally are first copied from the holder's
-shard into this instance's shard (which replicates hot blocks by itself), then the local prefix
-is pinned and read with one batch get_into into page-shaped tensors.
+1. The conductor's pull plan (``state.pull``: holder, blocks), exactly: the blocks are copied
+   from the holder's shard into this instance's shard, which replicates hot blocks by itself
+   (Algorithm 1). The same in the embedded server and on a prefill node, where the plan came
+   in the Prefill call.
+2. A continuation of the local prefix held elsewhere. When the conductor decides pulls
+   (``state.pulls_decided``), only from shards it does not route to (a decode instance's
+   generated blocks, which a follow-up turn starts with), plus, as the fallback, the planned
+   blocks the holder failed to give. When the policy is cache-blind, from any shard.
+3. The local prefix is pinned and read with one batch get_into into page-shaped tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 from kvflow.kvdb import BlockKey, EmbeddedClient, Tier
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.errors import NoCapacity
-from kvflow.stages.runtime.instances import PrefillInstance, ShardOwner
+from kvflow.stages.runtime.instances import ShardOwner
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)
@@ -31,13 +37,13 @@ class ReuseLoadStage(Stage):
 
     def __init__(
         self,
-        prefill: dict[str, PrefillInstance],
+        holders: Mapping[str, ShardOwner],
         page_shape: tuple[int, ...],
         page_dtype: torch.dtype,
         block_size: int,
         peers: Mapping[str, ShardOwner] | None = None,
     ) -> None:
-        self._prefill = prefill
+        self._holders = holders  # where a planned pull reads from, by instance id
         # Not ``peers or {}``: a live mapping (RemotePeers) is empty while this node is the
         # first to register, and must still be the one read later.
         self._peers: Mapping[str, ShardOwner] = peers if peers is not None else {}
@@ -51,24 +57,25 @@ class ReuseLoadStage(Stage):
         # At least one prompt token is always computed: it yields the first token's logits.
         usable = state.block_keys[: (state.prompt_len - 1) // self._block_size]
         client = state.prefill.client(state.namespace)
-        pull = state.decision.pull if state.decision is not None else None
+        pull = state.pull
         pulled: set[int] = set()
+        fallback = not state.pulls_decided  # cache-blind policy: any continuation
         if pull is not None and usable:
-            holder = self._prefill[pull.from_instance]
             start = min(pull.start_block, len(usable))
             stop = min(pull.start_block + pull.num_blocks, len(usable))
             with ctx.span("reuse-load.pull", source=pull.from_instance) as span:
                 copied = await asyncio.to_thread(
-                    self._pull, holder.client(state.namespace), client, usable, start, stop
+                    self._planned_pull, pull.from_instance, state, client, usable, start, stop
                 )
                 span.set_attrs(blocks=copied, bytes=copied * self._page_nbytes())
             pulled.update(range(start, start + copied))
+            fallback = fallback or copied < stop - start
         if usable and self._peers:
             # A shard elsewhere may hold how the local prefix goes on: e.g. a decode instance
             # holds the blocks of an answer it generated, which a follow-up turn starts with.
             with ctx.span("reuse-load.continue") as span:
                 start, copied, source = await asyncio.to_thread(
-                    self._continue_from_peers, state, client, usable
+                    self._continue_from_peers, state, client, usable, fallback
                 )
                 span.set_attrs(blocks=copied, source=source)
             pulled.update(range(start, start + copied))
@@ -105,8 +112,32 @@ class ReuseLoadStage(Stage):
             return staging.pages(state.load_lease, n)
         return self._new_pages(n)
 
+    def _planned_pull(
+        self,
+        holder_id: str,
+        state: GenerateState,
+        client: EmbeddedClient,
+        keys: list[BlockKey],
+        start: int,
+        stop: int,
+    ) -> int:
+        """The conductor's pull; 0 (logged) when the holder is unknown or its read fails."""
+        holder = self._holders.get(holder_id)
+        if holder is None:
+            logger.warning("planned pull: holder %s is not known here", holder_id)
+            return 0
+        try:
+            return self._pull(holder.client(state.namespace), client, keys, start, stop)
+        except Exception as exc:  # a lost cache block must never fail the request
+            logger.warning("planned pull: reading from %s failed: %r", holder_id, exc)
+            return 0
+
     def _continue_from_peers(
-        self, state: GenerateState, client: EmbeddedClient, keys: list[BlockKey]
+        self,
+        state: GenerateState,
+        client: EmbeddedClient,
+        keys: list[BlockKey],
+        any_peer: bool = True,
     ) -> tuple[int, int, str]:
         """Copy the longest continuation of the local prefix found on other shards into the
         local one: from the holder of the longest run first; where a read fails (the holder
@@ -119,7 +150,7 @@ class ReuseLoadStage(Stage):
         while pos < len(keys):
             best, source = 0, None
             for pid, peer in self._peers.items():
-                if pid in tried:
+                if pid in tried or not (any_peer or getattr(peer, "kind", "") != "prefill"):
                     continue
                 n = peer.match_prefix(keys[pos:])
                 if n > best:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -17,11 +16,10 @@ from kvflow.router import (
     RejectReason,
     RouteDecision,
     RouteRequest,
-    UnknownInstanceError,
 )
 from kvflow.stages.errors import Rejected
-from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance
-from kvflow.stages.state import GenerateState
+from kvflow.stages.runtime.instances import DecodeInstance
+from kvflow.stages.state import GenerateState, StreamTarget
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +59,63 @@ async def route_or_wait(
         await asyncio.sleep(WAIT_POLL_S)
 
 
+async def route_and_commit(
+    conductor: Conductor,
+    state: GenerateState,
+    request_id: str,
+    instances: Callable[[], tuple[Mapping[str, Any], Mapping[str, Any]]],
+    wait_s: float,
+    on_wait: Callable[[], None] | None = None,
+    on_reject: Callable[[Rejection], None] | None = None,
+) -> RouteDecision:
+    """Route the request (waiting up to ``wait_s`` for a healthy instance) and book the
+    decision through ``state.booking`` (releasing an earlier booking first: a re-route).
+    Fills ``state.decision``, ``state.prefill``, ``state.decode``; raises Rejected.
+
+    ``instances()`` returns (prefill, decode) mappings id -> instance; an instance is anything
+    with an ``InstanceState`` as ``.state`` (an in-process instance or a router's RemoteNode).
+    The one place a request is routed, for RouteStage and the router's re-route alike."""
+    state.booking.release()
+
+    def states() -> tuple[list[InstanceState], list[InstanceState]]:
+        prefill, decode = instances()
+        return [p.state for p in prefill.values()], [d.state for d in decode.values()]
+
+    req = RouteRequest(request_id, tuple(state.block_keys), state.prompt_len)
+    result = await route_or_wait(conductor, req, states, wait_s, on_wait)
+    if isinstance(result, Rejection):
+        if on_reject is not None:
+            on_reject(result)
+        raise Rejected(result)
+    prefill_map, decode_map = instances()
+    prefill, decode = prefill_map[result.prefill_id], decode_map[result.decode_id]
+    state.booking.commit(result, prefill.state, decode.state)
+    state.decision, state.prefill, state.decode = result, prefill, decode
+    state.pull, state.pulls_decided = result.pull, conductor.decides_pulls
+    return result
+
+
 class RouteStage(Stage):
-    """Fills ``state.decision``, ``state.prefill`` and ``state.decode``; commits the decision to
-    the instances' queues. Raises Rejected when an SLO cannot be met, or when no healthy
-    instance of a kind appears within ``instance_wait_s``. Cleanup takes the request off both
-    instances' books if the later stages have not already."""
+    """Fills ``state.decision``, ``state.prefill`` and ``state.decode`` and books the decision
+    (``state.booking``). Raises Rejected when an SLO cannot be met, or when no healthy
+    instance of a kind appears within ``instance_wait_s``.
+
+    ``block_size`` given (the embedded server, where the decode instance is in this
+    process): also leases the decode instance's staging slots for the prompt's pages and sets
+    ``state.stream_target`` to them. None (a router): the remote-generate stage reserves them
+    on the decode node. Cleanup releases the booking and any staging slots still held."""
 
     name = "route"
 
     def __init__(
         self,
         conductor: Conductor,
-        prefill: Mapping[str, PrefillInstance],
-        decode: Mapping[str, DecodeInstance],
-        on_reject: Any = None,
+        prefill: Mapping[str, Any],
+        decode: Mapping[str, Any],
+        on_reject: Callable[[Rejection], None] | None = None,
         instance_wait_s: float = 0.0,
         on_wait: Callable[[], None] | None = None,
+        block_size: int | None = None,
     ) -> None:
         self._conductor = conductor
         self._prefill = prefill
@@ -84,24 +123,21 @@ class RouteStage(Stage):
         self._on_reject = on_reject
         self._instance_wait_s = instance_wait_s
         self._on_wait = on_wait
-
-    def _states(self) -> tuple[list[InstanceState], list[InstanceState]]:
-        return [p.state for p in self._prefill.values()], [d.state for d in self._decode.values()]
+        self._block_size = block_size
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
-        req = RouteRequest(ctx.request_id, tuple(state.block_keys), state.prompt_len)
-        result = await route_or_wait(
-            self._conductor, req, self._states, self._instance_wait_s, self._on_wait
+        result = await route_and_commit(
+            self._conductor,
+            state,
+            ctx.request_id,
+            lambda: (self._prefill, self._decode),
+            self._instance_wait_s,
+            self._on_wait,
+            self._on_reject,
         )
-        if isinstance(result, Rejection):
-            if self._on_reject is not None:
-                self._on_reject(result)
-            raise Rejected(result)
-        prefill = self._prefill[result.prefill_id]
-        decode = self._decode[result.decode_id]
-        self._conductor.commit(result, prefill.state, decode.state)
-        state.decision, state.prefill, state.decode = result, prefill, decode
+        if self._block_size is not None:
+            lease_local_staging(state, self._block_size)
         ctx.set_attrs(
             prefill=result.prefill_id,
             decode=result.decode_id,
@@ -113,16 +149,16 @@ class RouteStage(Stage):
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
         state: GenerateState = ctx.state
-        if state.prefill is not None:
-            release_prefill_slot(state, ctx.request_id)
-        if state.decode is not None:
-            with contextlib.suppress(UnknownInstanceError):
-                state.decode.state.remove_decode(ctx.request_id)
+        state.booking.release()
+        state.release_staging()
 
 
-def release_prefill_slot(state: GenerateState, request_id: str) -> None:
-    """Take the request off its prefill instance's queue (idempotent)."""
-    if state.prefill is None:
-        return
-    with contextlib.suppress(UnknownInstanceError):
-        state.prefill.state.finish(request_id)
+def lease_local_staging(state: GenerateState, block_size: int) -> None:
+    """Lease the in-process decode instance's staging slots for the prompt's pages and point
+    ``state.stream_target`` at them (NoCapacity when too few are free)."""
+    decode: DecodeInstance = state.decode  # type: ignore[assignment]
+    staging = decode.staging
+    assert staging.segment is not None, "decode staging is a transfer segment"
+    state.staging = staging.lease(-(-state.prompt_len // block_size))
+    offsets = [staging.offset(s) for s in state.staging.slots]
+    state.stream_target = StreamTarget(staging.segment, offsets, staging.page_nbytes)

@@ -1,4 +1,6 @@
-"""GenerateState: what one Generate request carries from stage to stage.
+"""GenerateState: what one Generate request carries from stage to stage, with the two objects
+every stage shares: where its KV is streamed (StreamTarget) and what it has booked on its
+instances (Booking).
 
 Each stage fills its own group of fields; a field is None (or empty) until its stage ran.
 Counters follow vLLM's habit: progress is counted in tokens (``num_cached_tokens``...).
@@ -7,16 +9,97 @@ Counters follow vLLM's habit: progress is counted in tokens (``num_cached_tokens
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvflow.kvdb import BlockKey, Namespace
-from kvflow.router import RouteDecision
+from kvflow.router import InstanceState, PullPlan, RouteDecision, UnknownInstanceError
 from kvflow.stages.engine import SamplingParams
 
 if TYPE_CHECKING:
-    from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, StagingLease
-    from kvflow.stages.stream import StreamTarget
+    from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance
+    from kvflow.stages.runtime.staging import StagingLease
+
+
+@dataclass(frozen=True)
+class StreamTarget:
+    """Where a request's KV pages go: a transfer segment (the decode side's staging area, in
+    this process or on a decode node) and the byte offset of each page's slot in it."""
+
+    segment: Any  # transfer.SegmentHandle
+    offsets: list[int]
+    page_nbytes: int
+
+
+class Booking:
+    """What one request holds on its instances' books (router.InstanceState): predicted
+    seconds in a prefill instance's queue, a slot in a decode instance's batch.
+
+    The one owner of both: stages and servicers book through it and release through it.
+    ``release_prefill``/``release_decode``/``release`` are idempotent and thread-safe, so
+    every way a request can end (done, failed, cancelled, re-routed) may call them."""
+
+    def __init__(self, request_id: str = "") -> None:
+        self.request_id = request_id
+        self._prefill: InstanceState | None = None
+        self._decode: InstanceState | None = None
+        self._lock = threading.Lock()
+
+    def book_prefill(self, state: InstanceState, predicted_s: float) -> None:
+        """Queue ``predicted_s`` on ``state``; ValueError on a bad time or duplicate id."""
+        state.enqueue(self.request_id, predicted_s)
+        with self._lock:
+            self._prefill = state
+
+    def book_decode(self, state: InstanceState, context_tokens: int) -> None:
+        """Reserve a decode slot of ``context_tokens``; ValueError on a duplicate id."""
+        state.add_decode(self.request_id, context_tokens)
+        with self._lock:
+            self._decode = state
+
+    def commit(
+        self, decision: RouteDecision, prefill: InstanceState, decode: InstanceState
+    ) -> None:
+        """Book a conductor decision: its transfer + prefill time and its prompt's slot."""
+        self.release()
+        self.request_id = decision.request_id
+        self.book_prefill(prefill, decision.t_transfer + decision.t_prefill)
+        self.book_decode(decode, decision.prompt_len)
+
+    @property
+    def holds_prefill(self) -> bool:
+        return self._prefill is not None
+
+    def start_prefill(self, now: float) -> None:
+        """The booked prefill started running (its queue time now counts down)."""
+        if self._prefill is not None:
+            with contextlib.suppress(UnknownInstanceError):
+                self._prefill.start(self.request_id, now)
+
+    def grow_decode(self, tokens: int) -> None:
+        if self._decode is not None:
+            with contextlib.suppress(UnknownInstanceError):
+                self._decode.grow_decode(self.request_id, tokens)
+
+    def release_prefill(self) -> None:
+        with self._lock:
+            state, self._prefill = self._prefill, None
+        if state is not None:
+            with contextlib.suppress(UnknownInstanceError):
+                state.finish(self.request_id)
+
+    def release_decode(self) -> None:
+        with self._lock:
+            state, self._decode = self._decode, None
+        if state is not None:
+            with contextlib.suppress(UnknownInstanceError):
+                state.remove_decode(self.request_id)
+
+    def release(self) -> None:
+        self.release_prefill()
+        self.release_decode()
 
 
 @dataclass
@@ -28,6 +111,7 @@ class GenerateState:
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     submitted_at: float = 0.0
+    booking: Booking = field(default_factory=Booking)
 
     # -- tokenize / hash --------------------------------------------------------------------------
     namespace: Namespace | None = None
@@ -37,6 +121,11 @@ class GenerateState:
     decision: RouteDecision | None = None
     prefill: PrefillInstance | None = None
     decode: DecodeInstance | None = None
+
+    # The conductor's pull plan, and whether the conductor decides pulls (then nothing else
+    # is pulled from prefill instances except as the fallback of a failed planned pull).
+    pull: PullPlan | None = None
+    pulls_decided: bool = False
 
     # -- reuse-load -----------------------------------------------------------------------------
     num_cached_tokens: int = 0
@@ -72,3 +161,10 @@ class GenerateState:
     @property
     def prompt_len(self) -> int:
         return 0 if self.prompt_ids is None else len(self.prompt_ids)
+
+    def release_staging(self) -> None:
+        """Give the decode staging slots back (idempotent): once the decode engine has
+        imported them, or when the request ends without getting there."""
+        if self.staging is not None and self.decode is not None:
+            lease, self.staging = self.staging, None
+            self.decode.staging.release(lease)

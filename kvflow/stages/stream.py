@@ -1,16 +1,17 @@
 """stream: move the request's KV pages to its decode instance while the prefill still runs.
 
-Consumes ``state.block_queue`` (filled by the background prefill stage) and writes each page
-from the prefill engine's pool (a registered transfer segment) into a leased staging slot of
-the decode instance, through the transfer engine: a batch per prefill step, so transfers of
-early chunks overlap the computation of later ones. When the prefill is done and every page
+Writes into ``state.stream_target``, which the route stage (embedded: the decode instance's
+staging slots in this process) or the node's Prefill call (the decode node's reserved slots)
+set before. Consumes ``state.block_queue`` (filled by the background prefill stage) and
+writes each page from the prefill engine's pool (a registered transfer segment) into its
+target slot through the transfer engine: a batch per prefill step, so transfers of early
+chunks overlap the computation of later ones. When the prefill is done and every page
 has moved, the prefill engine's pages are released.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +21,6 @@ from kvflow.stages.runtime.instances import PrefillInstance, pool_segment_name
 from kvflow.stages.state import GenerateState
 from kvflow.transfer import (
     OpCode,
-    SegmentHandle,
     TransferEngine,
     TransferError,
     TransferRequest,
@@ -29,16 +29,6 @@ from kvflow.transfer import (
 
 class StreamFailed(RuntimeError):
     """A page could not be moved to the decode instance."""
-
-
-@dataclass(frozen=True)
-class StreamTarget:
-    """Where a request's KV pages go: a transfer segment (the decode side's staging area, in
-    this process or on a decode node) and the byte offset of each page's slot in it."""
-
-    segment: SegmentHandle
-    offsets: list[int]
-    page_nbytes: int
 
 
 class StreamStage(Stage):
@@ -60,13 +50,8 @@ class StreamStage(Stage):
         state: GenerateState = ctx.state
         assert state.prefill is not None
         num_pages = -(-state.prompt_len // self._block_size)
-        if state.stream_target is None:  # embedded: lease the decode instance's staging slots
-            assert state.decode is not None
-            staging = state.decode.staging
-            assert staging.segment is not None, "decode staging is a transfer segment"
-            state.staging = staging.lease(num_pages)
-            offsets = [staging.offset(s) for s in state.staging.slots]
-            state.stream_target = StreamTarget(staging.segment, offsets, staging.page_nbytes)
+        if state.stream_target is None:
+            raise StreamFailed(f"req={ctx.request_id}: no stream target (route or Prefill sets it)")
         if len(state.stream_target.offsets) < num_pages:
             raise StreamFailed(
                 f"req={ctx.request_id}: {num_pages} pages to stream, "
@@ -118,10 +103,7 @@ class StreamStage(Stage):
         return sum(r.length for r in requests)
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
-        state: GenerateState = ctx.state
-        if state.staging is not None and state.decode is not None:
-            state.decode.staging.release(state.staging)
-            state.staging = None
+        ctx.state.release_staging()
 
 
 def prefill_pool(inst: PrefillInstance) -> torch.Tensor:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Sequence
@@ -134,71 +132,6 @@ def _install_handlers(stop: threading.Event) -> dict[int, _Handler]:
 def _restore_handlers(previous: dict[int, _Handler]) -> None:
     for sig, old in previous.items():
         signal.signal(sig, old)  # type: ignore[arg-type]
-
-
-class LocalMetaProcesses:
-    """``n`` replica processes of one group on this host (benchmarks, development): free
-    loopback ports, journals under ``data_dir``, output appended to ``<data_dir>/meta-<i>.log``.
-
-    ``start(i)``/``kill(i)`` (SIGKILL)/``stop_all()`` (SIGTERM, then SIGKILL after 5 s).
-    Not thread-safe. Use as a context manager to stop every process on exit.
-    """
-
-    def __init__(self, data_dir: Path, n: int = 3, extra_args: Sequence[str] = ()) -> None:
-        if n < 1:
-            raise ValueError(f"n: expected >= 1 replicas, got {n}")
-        self.data_dir = data_dir
-        self.raft = [f"127.0.0.1:{_free_port()}" for _ in range(n)]
-        self.grpc = [f"127.0.0.1:{_free_port()}" for _ in range(n)]
-        self._extra = tuple(extra_args)
-        self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
-
-    def start(self, i: int) -> None:
-        proc = self._procs[i]
-        if proc is not None and proc.poll() is None:
-            raise RuntimeError(f"replica {i} is already running")
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        peers = ",".join(r for r in self.raft if r != self.raft[i])
-        command = [sys.executable, "-m", "kvflow.tools.meta", "--meta-id", str(i)]
-        command += ["--address", self.raft[i], "--peers", peers, "--data-dir", str(self.data_dir)]
-        command += ["--grpc-port", self.grpc[i].rpartition(":")[2], *self._extra]
-        with open(self.data_dir / f"meta-{i}.log", "ab") as log:
-            self._procs[i] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-    def start_all(self) -> None:
-        for i in range(len(self.raft)):
-            self.start(i)
-
-    def kill(self, i: int) -> None:
-        """SIGKILL replica ``i`` (if running) and reap it."""
-        proc = self._procs[i]
-        if proc is not None:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-            proc.wait()
-
-    def stop_all(self) -> None:
-        for proc in self._procs:
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for i, proc in enumerate(self._procs):
-            if proc is not None:
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.kill(i)
-
-    def __enter__(self) -> LocalMetaProcesses:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_all()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,26 +1,28 @@
-"""`kvflow serve`: the embedded cluster behind the gRPC inference API (the README's main job)."""
+"""`kvflow serve`: one process of kvflow. ``--role embedded`` (the default, the README's main
+job) runs every instance in this process behind the gRPC inference API; ``meta``, ``node`` and
+``router`` are the processes of a multi-process cluster (DESIGN's Processes table). Each role's
+composition root is a module of ``kvflow.stages.serve``; this module parses flags, builds the
+role's config, serves its metrics and waits for SIGINT/SIGTERM.
+
+Heavy imports (torch, the servers) happen when a role runs, so ``kvflow --help`` stays fast.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from kvflow.pipeline import serve_metrics
 from kvflow.router import policy_names
-from kvflow.stages.api.inference import create_server
-from kvflow.stages.serve.config import ServeConfig
-from kvflow.stages.serve.embedded import EmbeddedCluster
+from kvflow.tools.args import add_engine_store_flags, address_list, engine_store_values
 from kvflow.tools.meta import add_meta_arguments, run_meta
-
-logger = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="run the embedded cluster and its gRPC API")
+    p = subparsers.add_parser("serve", help="run kvflow (embedded, or one role of a cluster)")
     p.add_argument(
         "--role",
         default="embedded",
@@ -29,25 +31,17 @@ def register(subparsers: Any) -> None:
         "replica; node: one prefill or decode node; router: the conductor and inference API",
     )
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: demo model)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address every listener binds")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port; 0 = off")
-    p.add_argument("--data-dir", type=Path, default=Path("data"))
+    add_engine_store_flags(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument("--policy", default="cache-aware", choices=policy_names())
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--num-pages", type=int, default=512, help="KV pages per engine")
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--dram-mb", type=int, default=1024, help="DRAM tier per shard, MiB")
-    p.add_argument("--ssd-mb", type=int, default=8192, help="SSD tier per shard, MiB")
-    p.add_argument("--storage-engine", default="rocksdb", choices=["rocksdb", "lmdb"])
     p.add_argument("--ttft-slo-ms", type=float, help="reject requests predicted to miss it")
     p.add_argument("--tbt-slo-ms", type=float, help="reject requests predicted to miss it")
     p.add_argument("--balancing-threshold", type=float, default=2.0)
     p.add_argument("--max-tokens-limit", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
     cluster = p.add_argument_group("--role node / router")
     cluster.add_argument("--meta", default="", help="metadata replicas' gRPC HOST:PORT, comma list")
     cluster.add_argument("--node-id", default="", help="this node's name (--role node)")
@@ -64,73 +58,175 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def engine_store_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine and shard settings that the embedded server and a node take alike."""
+def _slo(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
+
+
+def _routing(args: argparse.Namespace) -> dict[str, Any]:
+    """The routing flags shared by the embedded server and a router."""
     return {
-        "data_dir": args.data_dir,
-        "dtype": args.dtype,
-        "block_size": args.block_size,
-        "num_pages": args.num_pages,
-        "prefill_chunk": args.prefill_chunk,
-        "dram_capacity_bytes": args.dram_mb << 20,
-        "ssd_capacity_bytes": args.ssd_mb << 20,
-        "storage_engine": args.storage_engine,
-        "seed": args.seed,
+        "policy": args.policy,
+        "ttft_slo_s": _slo(args.ttft_slo_ms),
+        "tbt_slo_s": _slo(args.tbt_slo_ms),
+        "balancing_threshold": args.balancing_threshold,
+        "max_tokens_limit": args.max_tokens_limit,
+        "default_max_tokens": min(64, args.max_tokens_limit),
     }
 
 
-def config_from_args(args: argparse.Namespace) -> ServeConfig:
+def config_from_args(args: argparse.Namespace) -> Any:
+    from kvflow.stages.serve.config import ServeConfig
+
     return ServeConfig(
         model_dir=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
-        policy=args.policy,
-        **engine_store_args(args),
-        ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1000.0,
-        tbt_slo_s=None if args.tbt_slo_ms is None else args.tbt_slo_ms / 1000.0,
-        balancing_threshold=args.balancing_threshold,
-        max_tokens_limit=args.max_tokens_limit,
-        default_max_tokens=min(64, args.max_tokens_limit),
+        **engine_store_values(args),
+        **_routing(args),
     )
 
 
-async def serve(config: ServeConfig, host: str, port: int, metrics_port: int) -> None:
+async def _until_signal(stop: Callable[[], Awaitable[None]]) -> None:
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    try:
+        await done.wait()
+    finally:
+        print("kvflow: shutting down", flush=True)
+        await stop()
+
+
+def _metrics(registry: Any, host: str, port: int) -> Any:
+    from kvflow.pipeline import serve_metrics
+
+    return serve_metrics(registry, host, port) if port else None
+
+
+async def serve_embedded(config: Any, host: str, port: int, metrics_port: int) -> None:
+    from kvflow.stages.api.inference import create_server
+    from kvflow.stages.serve.embedded import EmbeddedCluster
+
     cluster = EmbeddedCluster(config)
     await cluster.start()
     server, bound = create_server(cluster, host, port)
     await server.start()
-    metrics = serve_metrics(cluster.metrics, host, metrics_port) if metrics_port else None
+    metrics = _metrics(cluster.metrics, host, metrics_port)
     print(
         f"kvflow serving {cluster.model_dir} on {host}:{bound} "
         f"({config.num_prefill} prefill, {config.num_decode} decode, policy {config.policy})"
         + (f"; metrics on {metrics.url}" if metrics else ""),
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        print("kvflow: shutting down", flush=True)
+
+    async def stop() -> None:
         await server.stop(grace=2.0)
         if metrics is not None:
             metrics.close()
         await cluster.stop()
 
+    await _until_signal(stop)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from kvflow.stages.serve.config import NodeConfig
+    from kvflow.stages.serve.node import NodeServer
+
+    try:
+        config = NodeConfig(
+            node_id=args.node_id or f"{args.kind}-{args.port}",
+            kind=args.kind,
+            model_dir=args.model,
+            meta=address_list(args.meta, "--meta"),
+            host=args.host,
+            port=args.port,
+            transfer_port=args.transfer_port,
+            **engine_store_values(args),
+        )
+    except ValueError as exc:
+        print(f"kvflow serve --role node: {exc}")
+        return 2
+
+    async def main() -> None:
+        node = NodeServer(config)
+        await node.start()
+        metrics = _metrics(node.metrics, args.host, args.metrics_port)
+        print(
+            f"kvflow node {config.node_id} ({config.kind}) on {node.address}, "
+            f"transfer {node.transfer_address}"
+            + (f"; metrics on {metrics.url}" if metrics else ""),
+            flush=True,
+        )
+
+        async def stop() -> None:
+            if metrics is not None:
+                metrics.close()
+            await node.stop()
+
+        await _until_signal(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from kvflow.stages.api.inference import create_server
+    from kvflow.stages.serve.build import ensure_model
+    from kvflow.stages.serve.config import EngineStoreConfig, RouterSettings
+    from kvflow.stages.serve.router import RouterServer
+
+    try:
+        model = ensure_model(
+            EngineStoreConfig(model_dir=args.model, data_dir=args.data_dir, seed=args.seed)
+        )
+        settings = RouterSettings(
+            model_dir=model,
+            meta=address_list(args.meta, "--meta"),
+            instance_wait_s=args.instance_wait_s,
+            seed=args.seed,
+            **_routing(args),
+        )
+    except ValueError as exc:
+        print(f"kvflow serve --role router: {exc}")
+        return 2
+
+    async def main() -> None:
+        router = RouterServer(settings)
+        await router.start()
+        server, port = create_server(router, args.host, args.port)
+        await server.start()
+        metrics = _metrics(router.metrics, args.host, args.metrics_port)
+        print(
+            f"kvflow router on {args.host}:{port} ({len(router.prefill)} prefill, "
+            f"{len(router.decode)} decode nodes)"
+            + (f"; metrics on {metrics.url}" if metrics else ""),
+            flush=True,
+        )
+
+        async def stop() -> None:
+            await server.stop(1.0)
+            if metrics is not None:
+                metrics.close()
+            await router.stop()
+
+        await _until_signal(stop)
+
+    asyncio.run(main())
+    return 0
+
 
 def run(args: argparse.Namespace) -> int:
     if args.role == "meta":
         return run_meta(args)
-    if args.role in ("node", "router"):
-        from kvflow.tools.cluster_roles import run_node, run_router
-
-        return run_node(args) if args.role == "node" else run_router(args)
+    if args.role == "node":
+        return run_node(args)
+    if args.role == "router":
+        return run_router(args)
     try:
         config = config_from_args(args)
     except ValueError as exc:
         print(f"kvflow serve: {exc}")
         return 2
-    asyncio.run(serve(config, args.host, args.port, args.metrics_port))
+    asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port))
     return 0

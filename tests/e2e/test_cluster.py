@@ -23,7 +23,7 @@ from kvflow.stages.api import node_pb2, node_pb2_grpc, pb2, pb2_grpc
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.tools.cli import main
-from kvflow.tools.cluster import LocalCluster
+from kvflow.tools.supervise import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -48,9 +48,8 @@ def test_repeat_goes_to_the_holder_and_pulls_when_it_is_overloaded(make_server):
 
 def _keys(cluster, prompt):
     from kvflow.kvdb import block_keys
-    from kvflow.stages.serve.embedded import namespace_for
 
-    return block_keys(namespace_for(cluster, "default"), prompt)[: (len(prompt) - 1) // BLOCK]
+    return block_keys(cluster.namespace("default"), prompt)[: (len(prompt) - 1) // BLOCK]
 
 
 def test_round_robin_policy_alternates(make_server):
@@ -98,9 +97,7 @@ def test_change_replica_copies_the_block_to_another_shard(make_server):
     holder = usage.prefill_instance
     other = next(p for p in cluster.prefill if p != holder)
     keys = _keys(cluster, prompt)
-    from kvflow.stages.serve.embedded import namespace_for
-
-    client = cluster.prefill[holder].client(namespace_for(cluster, "default"))
+    client = cluster.prefill[holder].client(cluster.namespace("default"))
     client.change_replica(keys[0], 2)
     view = cluster.metadata.view()
     deadline = time.monotonic() + 10

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.tools import bench_metadata
+from kvflow.tools.bench import metadata as bench_metadata
 
 
 def test_bench_runs_and_writes_json(tmp_path: Path, capsys: object) -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvflow.tools import bench_failover
+from kvflow.tools.bench import failover as bench_failover
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.tools.cluster import FIRST_BACKOFF_S, LocalCluster, Proc
+from kvflow.tools.supervise import FIRST_BACKOFF_S, LocalCluster, Proc
 
 pytestmark = pytest.mark.slow
 

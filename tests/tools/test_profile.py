@@ -38,7 +38,7 @@ def test_profile_of_a_missing_model_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_e2e_quick_runs(tmp_path, capsys):
-    from kvflow.tools import bench_e2e
+    from kvflow.tools.bench import e2e as bench_e2e
 
     out = tmp_path / "e2e.json"
     assert bench_e2e.main(["--quick", "--policies", "cache-aware,random", "--json", str(out)]) == 0

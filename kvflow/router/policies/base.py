@@ -24,6 +24,11 @@ class Policy(abc.ABC):
     """
 
     name: ClassVar[str]
+    # True when the policy weighs where a request's cached blocks are, and so decides whether
+    # they are pulled (``PolicyChoice.pull``): a prefill instance then pulls exactly the
+    # decision's ``PullPlan`` and nothing more. False (cache-blind baselines): the instance may
+    # read any continuation of its local prefix that another instance holds.
+    decides_pulls: ClassVar[bool] = False
 
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng

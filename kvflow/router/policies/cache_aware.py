@@ -13,6 +13,7 @@ class CacheAwarePolicy(Policy):
     """Lowest predicted TTFT over the balanced options (pulls the best match when it pays)."""
 
     name = "cache-aware"
+    decides_pulls = True
 
     def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
         index = argmin([c.balanced.ttft for c in candidates])
@@ -23,6 +24,7 @@ class LocalCacheAwarePolicy(Policy):
     """Lowest predicted TTFT reusing only each instance's own prefix (no remote pulls)."""
 
     name = "local-cache-aware"
+    decides_pulls = True
 
     def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
         return PolicyChoice(argmin([c.local.ttft for c in candidates]))

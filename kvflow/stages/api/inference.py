@@ -1,5 +1,5 @@
-"""The gRPC inference API (Generate, Tokenize, Health, Stats, ExportTrace) over an
-EmbeddedCluster, and the mapping of request errors to status codes."""
+"""The gRPC inference API (Generate, Tokenize, Health, Stats, ExportTrace), typed against the
+``Frontend`` protocol that the embedded server and a cluster router both implement."""
 
 from __future__ import annotations
 
@@ -9,26 +9,22 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvflow.kvdb import ADMIN_SERVICE_NAME, add_admin_service
 from kvflow.pipeline import (
-    DeadlineExceeded,
     Overloaded,
     PipelineClosed,
-    RequestCancelled,
     RequestContext,
-    StageError,
-    to_chrome_trace,
 )
 from kvflow.stages.api import SERVICE_NAME, pb2, pb2_grpc
+from kvflow.stages.api.convert import sampling_from, status_for
 from kvflow.stages.detokenize import IncrementalDetokenizer
 from kvflow.stages.engine import SamplingParams
-from kvflow.stages.errors import InvalidArgument, NoCapacity, Rejected
-from kvflow.stages.serve.embedded import EmbeddedCluster
+from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)
@@ -36,41 +32,32 @@ logger = logging.getLogger(__name__)
 _MAX_REQUEST_ID = 128
 
 
-def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and details for the error a request ended with."""
-    if isinstance(error, InvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, Rejected | NoCapacity | Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
-    if isinstance(error, RequestCancelled):
-        return grpc.StatusCode.CANCELLED, str(error)
-    if isinstance(error, PipelineClosed):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
-    if isinstance(error, StageError):
-        return grpc.StatusCode.INTERNAL, f"stage {error.stage}: {error.cause!r}"
-    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+class Frontend(Protocol):
+    """What the inference API serves: a pipeline of the seven stages (or the router's part of
+    it), the tokenizer, the model's identity, and introspection. ``config`` has
+    ``default_max_tokens`` and ``max_tokens_limit``; ``prefill``/``decode`` map instance ids."""
 
+    config: Any
+    pipeline: Any
+    tokenizer: Any
+    serving_metrics: Any
+    conductor: Any
+    model_dir: Any
+    model_fingerprint: str
+    block_size: int
+    max_model_len: int
+    prefill: Any
+    decode: Any
 
-def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
-    """SamplingParams from a Sampling / SamplingParams message (the inference and node APIs
-    share the fields); a bad value is InvalidArgument naming it."""
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(msg.temperature),
-            top_k=int(msg.top_k),
-            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
-            seed=int(msg.seed) if msg.HasField("seed") else None,
-            ignore_eos=bool(msg.ignore_eos),
-        )
-    except ValueError as exc:
-        raise InvalidArgument(f"sampling: {exc}") from exc
+    def stats(self) -> dict[str, Any]: ...
+
+    async def export_trace(self, last: int | None) -> dict[str, Any]: ...
+
+    def admin_source(self) -> Any: ...
 
 
 class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-defined]
-    def __init__(self, cluster: EmbeddedCluster) -> None:
+    def __init__(self, cluster: Frontend) -> None:
         self._cluster = cluster
         self._config = cluster.config
 
@@ -209,8 +196,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         )
 
     async def ExportTrace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        traces = self._cluster.tracer.traces(last=request.last_n or None)
-        doc = to_chrome_trace(traces)
+        doc = await self._cluster.export_trace(request.last_n or None)
         return pb2.ExportTraceResponse(chrome_trace_json=json.dumps(doc).encode())
 
 
@@ -220,7 +206,7 @@ def _is_cancel(exc: BaseException) -> bool:
     return isinstance(exc, asyncio.CancelledError | GeneratorExit)
 
 
-def create_server(cluster: EmbeddedCluster, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def create_server(cluster: Frontend, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the inference service, the kvdb admin service (``kvflow kvdb``)
     and reflection; returns (server, port).
     Call ``await server.start()``."""

@@ -1,31 +1,52 @@
-"""The Node gRPC service (api/node.proto) of a NodeServer: Info, Prefill on a prefill node;
-Reserve, Release and Decode on a decode node. Each call becomes a request on the node's
-pipeline; errors map to gRPC status codes as in the inference API."""
+"""The Node gRPC service (api/node.proto): Info and ExportTrace on every node; Prefill on a
+prefill node; Reserve, Release and Decode on a decode node. Each call becomes a request on the
+node's pipeline; errors map to gRPC status codes as in the inference API (``convert``).
+
+The servicer is typed against ``NodeCore``: what it needs of a node, nothing of how the node
+is built (serve/node.py is one implementation)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import math
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
 from kvflow.kvdb import Namespace, block_keys
-from kvflow.pipeline import RequestContext
-from kvflow.router import UnknownInstanceError
+from kvflow.pipeline import Pipeline, RequestContext, Tracer, traces_to_dict
+from kvflow.router import InstanceState
 from kvflow.stages.api import node_pb2, node_pb2_grpc
-from kvflow.stages.api.inference import sampling_from, status_for
+from kvflow.stages.api.convert import pull_from_msg, sampling_from, status_for, trace_parent
 from kvflow.stages.errors import InvalidArgument
-from kvflow.stages.state import GenerateState
-from kvflow.stages.stream import StreamTarget
+from kvflow.stages.hash import namespace_for
+from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook
+from kvflow.stages.state import GenerateState, StreamTarget
 
-if TYPE_CHECKING:
-    from kvflow.stages.serve.node import NodeServer
 
-STAGING_SEGMENT = "staging"
+class NodeCore(Protocol):
+    """What the Node service drives. ``kind`` is "prefill" or "decode"; ``leases`` is None
+    on a prefill node; ``instance`` is the node's PrefillInstance or DecodeInstance."""
+
+    node_id: str
+    kind: str
+    pipeline: Pipeline
+    tracer: Tracer
+    state: InstanceState
+    instance: Any
+    transfer: Any
+    transfer_address: str
+    model_fingerprint: str
+    layout: Any
+    page_nbytes: int
+    leases: LeaseBook | None
+
+    def info(self) -> dict[str, Any]:
+        """The InfoReply fields: identity, model, layout, addresses and load."""
+        ...
 
 
 async def _relay(
@@ -46,51 +67,42 @@ async def _relay(
         await context.abort(code, details)
 
 
+def _context(request_id: str, state: GenerateState, context: grpc.aio.ServicerContext) -> Any:
+    ctx = RequestContext(request_id, state=state)
+    parent = trace_parent(context)
+    if parent:
+        ctx.set_attrs(trace_parent=parent)
+    return ctx
+
+
 class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
-    def __init__(self, node: NodeServer) -> None:
+    def __init__(self, node: NodeCore) -> None:
         self._node = node
 
     async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return node_pb2.InfoReply(**self._node.info())
+
+    async def ExportTrace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         n = self._node
-        e = n.engine
-        return node_pb2.InfoReply(
-            node_id=n.config.node_id,
-            kind=n.config.kind,
-            model_fingerprint=e.model_fingerprint,
-            block_size=e.block_size,
-            page_nbytes=e.page_nbytes,
-            transfer_address=n.transfer_address,
-            max_model_len=e.max_model_len,
-            vocab_size=e.spec.vocab_size,
-            active_requests=n.worker.num_active,
-            free_pages=e.num_free_pages,
-            free_staging=n.staging.num_free if n.config.kind == "decode" else 0,
-            num_layers=n.layout.num_layers,
-            num_kv_heads=n.layout.num_kv_heads,
-            head_dim=n.layout.head_dim,
-            dtype=n.layout.dtype,
-            control_address=n.address,
-            queued_prefill_s=n.state.queued_seconds(time.monotonic()),
-            decode_batch_size=n.state.decode_batch_size,
-            decode_context_tokens=n.state.decode_context_tokens,
+        found = [t for rid in request.request_ids if (t := n.tracer.find(rid)) is not None]
+        return node_pb2.NodeTraceReply(
+            traces_json=json.dumps(traces_to_dict(found)).encode(),
+            wall_offset_s=time.time() - time.monotonic(),
+            node_id=n.node_id,
         )
 
     def _namespace(self, tenant: str) -> Namespace:
-        try:
-            return Namespace(
-                tenant or "default", self._node.engine.model_fingerprint, self._node.layout
-            )
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
+        return namespace_for(tenant, self._node.model_fingerprint, self._node.layout)
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         n = self._node
-        if n.config.kind != "prefill":
+        if n.kind != "prefill":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill node")
-        queued = False
+        state: GenerateState | None = None
         try:
             ids = list(request.token_ids)
             ns = self._namespace(request.tenant)
+            pull = pull_from_msg(request)
             segment = await asyncio.to_thread(
                 n.transfer.open_segment, request.target_transfer_address, request.target_segment
             )
@@ -101,23 +113,22 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
                 prompt_ids=ids,
                 submitted_at=time.monotonic(),
             )
+            state.booking.request_id = request.request_id
             state.namespace = ns
             state.block_keys = block_keys(ns, ids)
-            state.prefill = n.instance  # type: ignore[assignment]
+            state.prefill = n.instance
+            state.pull, state.pulls_decided = pull, bool(request.pulls_decided)
             state.stream_target = StreamTarget(
-                segment, [int(o) for o in request.target_offsets], n.engine.page_nbytes
+                segment, [int(o) for o in request.target_offsets], n.page_nbytes
             )
             predicted = request.predicted_prefill_s
-            n.state.enqueue(
-                request.request_id, max(0.0, predicted) if math.isfinite(predicted) else 0.0
+            state.booking.book_prefill(
+                n.state, max(0.0, predicted) if math.isfinite(predicted) else 0.0
             )
-            queued = True
-            ctx = RequestContext(request.request_id, state=state)
-            handle = n.pipeline.try_submit(ctx)
+            handle = n.pipeline.try_submit(_context(request.request_id, state, context))
         except Exception as exc:
-            if queued:  # not admitted: off the books again
-                with contextlib.suppress(UnknownInstanceError):
-                    n.state.finish(request.request_id)
+            if state is not None:  # not admitted: off the books again
+                state.booking.release()
             code, details = status_for(exc)
             await context.abort(code, details)
             return
@@ -129,8 +140,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             async for event in _relay(handle, context, first_token, "prefill"):
                 yield event
         finally:  # the prefill stage releases it, but not when an earlier stage failed
-            with contextlib.suppress(UnknownInstanceError):
-                n.state.finish(request.request_id)
+            state.booking.release()
         yield node_pb2.PrefillEvent(
             done=True,
             finish_reason=state.finish_reason or "",
@@ -140,12 +150,16 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             streamed_bytes=state.streamed_bytes,
         )
 
+    def _leases(self) -> LeaseBook | None:
+        return self._node.leases if self._node.kind == "decode" else None
+
     async def Reserve(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = self._node
-        if n.config.kind != "decode":
+        n, leases = self._node, self._leases()
+        if leases is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
+            return None
         try:
-            lease_id, lease = n.lease(request.request_id, int(request.num_pages))
+            lease_id, lease = leases.lease(request.request_id, int(request.num_pages))
         except Exception as exc:
             code, details = status_for(exc)
             await context.abort(code, details)
@@ -154,47 +168,51 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             lease_id=lease_id,
             transfer_address=n.transfer_address,
             segment=STAGING_SEGMENT,
-            offsets=[n.staging.offset(s) for s in lease.slots],
+            offsets=[leases.staging.offset(s) for s in lease.slots],
         )
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = self._node
-        lease = n.take_lease(request.lease_id) if n.config.kind == "decode" else None
-        if lease is not None:
-            n.staging.release(lease)
-        return node_pb2.ReleaseReply(released=lease is not None)
+        leases = self._leases()
+        released = leases is not None and leases.release(request.lease_id)
+        return node_pb2.ReleaseReply(released=released)
 
     async def Decode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = self._node
-        if n.config.kind != "decode":
+        n, leases = self._node, self._leases()
+        if leases is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
-        lease = n.take_lease(request.lease_id)
+            return
+        lease = leases.take(request.lease_id)
         if lease is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"no staging lease {request.lease_id!r}"
             )
+            return
         ids = list(request.token_ids)
+        state: GenerateState | None = None
         try:
             ns = self._namespace(request.tenant)
             if len(ids) < 2 or request.num_prefix_tokens != len(ids) - 1:
                 raise InvalidArgument("token_ids must be the prompt followed by the first token")
+            max_tokens = max(1, int(request.max_tokens))
             state = GenerateState(
                 tenant=ns.tenant,
-                max_tokens=max(1, int(request.max_tokens)),
-                sampling=sampling_from(request.sampling, max(1, int(request.max_tokens))),
+                max_tokens=max_tokens,
+                sampling=sampling_from(request.sampling, max_tokens),
                 prompt_ids=ids[:-1],
                 submitted_at=time.monotonic(),
             )
+            state.booking.request_id = request.request_id
             state.namespace = ns
-            state.decode = n.instance  # type: ignore[assignment]
+            state.decode = n.instance
             state.staging = lease
             state.first_token = ids[-1]
             state.first_token_at = time.monotonic()
-            n.state.add_decode(request.request_id, len(ids))
-            ctx = RequestContext(request.request_id, state=state)
-            handle = n.pipeline.try_submit(ctx)
+            state.booking.book_decode(n.state, len(ids))
+            handle = n.pipeline.try_submit(_context(request.request_id, state, context))
         except Exception as exc:
-            n.staging.release(lease)
+            if state is not None:
+                state.booking.release()
+            leases.staging.release(lease)
             code, details = status_for(exc)
             await context.abort(code, details)
             return
@@ -204,6 +222,5 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             ):
                 yield event
         finally:
-            with contextlib.suppress(KeyError):
-                n.state.remove_decode(request.request_id)
+            state.booking.release()
         yield node_pb2.DecodeEvent(finished=True, finish_reason=state.finish_reason or "")

@@ -38,6 +38,7 @@ class RemotePeer:
     transfer_peer: str
     view: Any  # RemoteMetadataView: holders(keys)
     transfer: TransferEngine
+    kind: str = ""  # "prefill" | "decode", as registered
     _reader: RemoteClient | None = None
 
     def match_prefix(self, keys: list[bytes]) -> int:
@@ -88,11 +89,14 @@ class RemotePeers(Mapping[str, RemotePeer]):
                 if info.node == self._self_id or addresses is None:
                     continue
                 old = self._peers.get(info.node)
-                if old is not None and (old.control, old.transfer_peer) == addresses:
+                if old is not None and (old.control, old.transfer_peer, old.kind) == (
+                    *addresses,
+                    info.kind,
+                ):
                     peers[info.node] = old
                 else:
                     peers[info.node] = RemotePeer(
-                        info.node, addresses[0], addresses[1], view, self._transfer
+                        info.node, addresses[0], addresses[1], view, self._transfer, info.kind
                     )
             self._peers, self._loaded = peers, time.monotonic()
             return peers

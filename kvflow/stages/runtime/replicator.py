@@ -1,74 +1,108 @@
-"""Replicator: acts on replica targets (kvdb ``change_replica``) inside one process.
+"""Replicator: acts on replica targets (kvdb ``change_replica``), the same loop in the embedded
+server and on every prefill node.
 
-Each pass reads the blocks below their target from the metadata, picks a source holder and
-target shards with ``replication.choose_source`` / ``choose_targets`` (least-loaded healthy
-shards first) and copies the block's bytes shard to shard. The copies report themselves to the
-metadata through the shards' own event sync, so the next pass sees the new counts.
+Each pass reads the blocks below their target from the metadata. For each, the placement is
+computed from the metadata alone (``replication.choose_targets`` over the healthy nodes of the
+target kind, least loaded first), so every process that runs a replicator agrees on it; the
+process copies the block into each chosen target that is one of *its* shards, from a holder in
+this process if there is one (``choose_source``), else from another node through ``remote``.
+The copies report themselves to the metadata through the shards' own event sync, so the next
+pass sees the new counts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping
 
 from kvflow.kvdb import Shard
-from kvflow.replication import (
-    MetadataView,
-    NodeId,
-    NodeLoad,
-    choose_source,
-    choose_targets,
-)
+from kvflow.replication import MetadataView, NodeId, NodeLoad, choose_source, choose_targets
 
 logger = logging.getLogger(__name__)
 
+# reads one block of another node into a fresh buffer: (source node, key) -> value or None
+RemoteRead = Callable[[NodeId, bytes], object | None]
+
 
 class Replicator:
-    """Brings blocks up to their replica target by copying them between local shards.
+    """``shards``: this process's shards by node id (copy destinations, and local sources).
+    ``remote``/``remote_nodes``: how to read a block another node holds, and which nodes can
+    be read (None: copies come from local shards only). A candidate target is a node of
+    ``target_kind`` whose last heartbeat is younger than ``dead_after_s``.
 
-    ``shards`` maps node id -> shard (copies come from any of them); new replicas go to the
-    ``targets`` (default: every shard; the embedded cluster uses its prefill shards).
-    ``run_once`` is blocking I/O: call it from a worker thread. Not re-entrant.
-    """
+    ``run_once`` is blocking I/O: call it from a worker thread. Not re-entrant."""
 
     def __init__(
         self,
+        view: Callable[[], MetadataView],
         shards: Mapping[str, Shard],
-        metadata: MetadataView,
-        targets: Sequence[str] | None = None,
+        remote: RemoteRead | None = None,
+        remote_nodes: Callable[[], list[str]] | None = None,
+        target_kind: str = "prefill",
+        dead_after_s: float = 5.0,
         batch: int = 256,
     ) -> None:
+        self._view = view
         self._shards = shards
-        self._targets = [NodeId(t) for t in (targets if targets is not None else shards)]
-        self._metadata = metadata
+        self._remote = remote
+        self._remote_nodes = remote_nodes or (lambda: [])
+        self._target_kind = target_kind
+        self._dead_after_s = dead_after_s
         self._batch = batch
         self.copied = 0
 
-    def run_once(self) -> int:
-        """One pass; returns how many copies it made."""
-        view = self._metadata
+    def candidates(self, view: MetadataView, now: float) -> list[NodeLoad]:
+        """The nodes new replicas may go to, with their load and health."""
+        return [
+            NodeLoad(
+                info.node,
+                view.blocks_on(info.node),
+                healthy=now - info.last_heartbeat < self._dead_after_s,
+            )
+            for info in view.nodes()
+            if info.kind == self._target_kind
+        ]
+
+    def run_once(self, now: float | None = None) -> int:
+        """One pass; returns how many copies this process made."""
+        view = self._view()
         wanted = view.under_replicated(self._batch)
         if not wanted:
             return 0
+        loads = self.candidates(view, time.time() if now is None else now)
         local = [NodeId(s) for s in self._shards]
-        loads = [NodeLoad(n, view.blocks_on(n)) for n in self._targets]
         copied = 0
         for key, _count, target in wanted:
             holders = view.replicas(key)
-            source = choose_source(holders, local)
-            if source is None:
-                continue  # held only outside this process
-            for dest in choose_targets(holders, target, loads):
-                if self._copy(key, self._shards[source], self._shards[dest]):
-                    copied += 1
+            mine = [d for d in choose_targets(holders, target, loads) if d in self._shards]
+            if not mine:
+                continue
+            value = self._read(key, holders, local)
+            if value is None:
+                continue
+            for dest in mine:
+                copied += self._shards[dest].put(key, value) is not None
         self.copied += copied
         if copied:
             logger.info("replicator: %d block copies toward their replica targets", copied)
         return copied
 
-    @staticmethod
-    def _copy(key: bytes, source: Shard, dest: Shard) -> bool:
-        value = source.get(key)
-        if value is None:  # evicted since the metadata was read
-            return False
-        return dest.put(key, value) is not None
+    def _read(self, key: bytes, holders: Mapping[NodeId, object], local: list[NodeId]) -> object:
+        source = choose_source(holders, local)  # type: ignore[arg-type]
+        if source is not None:
+            return self._shards[source].get(key)  # None: evicted since the metadata was read
+        if self._remote is None:
+            return None
+        remote = choose_source(holders, [NodeId(n) for n in self._remote_nodes()])  # type: ignore[arg-type]
+        return None if remote is None else self._remote(remote, key)
+
+    async def run(self, interval_s: float = 1.0) -> None:
+        """A pass every ``interval_s`` until cancelled; a failed pass is logged."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.to_thread(self.run_once)
+            except Exception:
+                logger.warning("replicator pass failed", exc_info=True)

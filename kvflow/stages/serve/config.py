@@ -1,4 +1,5 @@
-"""ServeConfig: everything the embedded cluster is built from (one frozen record)."""
+"""The config family of the server roles: one frozen record per role, sharing the engine and
+store fields (``EngineStoreConfig``), each field validated in ``__post_init__``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+STORAGE_ENGINES = ("rocksdb", "lmdb", "memory")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -18,37 +20,26 @@ def _positive_or_none(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    """The embedded cluster: N prefill and M decode instances in one process.
+@dataclass(frozen=True, kw_only=True)
+class EngineStoreConfig:
+    """What every process that holds an engine and a kvdb shard is built from.
 
     Fields:
         model_dir: a Hugging Face model directory (config.json, model.safetensors,
             tokenizer.json). None: the small demo model under ``data_dir/models/small``.
         data_dir: root of everything persistent (shards, metadata journal, demo model).
-        num_prefill / num_decode: instances of each kind; each has its own engine.
-        policy: routing policy name (see ``kvflow.router.policy_names()``).
         dtype: engine dtype; block_size: tokens per KV page and cached block.
         num_pages: KV pages per engine; prefill_chunk: tokens per prefill step.
         max_batch: decode batch cap per engine.
-        staging_pages: page slots of each decode instance's staging area.
+        staging_pages: page slots of each staging area (decode: streamed KV lands there;
+            prefill: reuse-load reads cached blocks there).
         dram_capacity_bytes / ssd_capacity_bytes: per-shard tier capacities.
-        storage_engine: "rocksdb" (default) or "lmdb" for the SSD tier.
-        ttft_slo_s / tbt_slo_s: reject requests predicted to miss them (None: no SLO).
-        balancing_threshold: the conductor's kvcache_balancing_threshold (ratio >= 1).
-        default_max_tokens / max_tokens_limit: for requests that give none / the most allowed.
-        queue_size: bounded queue in front of each stage; a full first queue rejects with
-            RESOURCE_EXHAUSTED.
-        trace_capacity: requests whose spans are kept for ``kvflow trace export``.
-        request_timeout_s: deadline of one request.
-        seed: seeds the engines and the router.
+        storage_engine: "rocksdb" (default), "lmdb" or "memory" for the SSD tier.
+        seed: seeds the engines (and the router).
     """
 
     model_dir: Path | None = None
     data_dir: Path = Path("data")
-    num_prefill: int = 1
-    num_decode: int = 1
-    policy: str = "cache-aware"
     dtype: str = "float32"
     block_size: int = 64
     num_pages: int = 512
@@ -58,6 +49,49 @@ class ServeConfig:
     dram_capacity_bytes: int = 1 << 30
     ssd_capacity_bytes: int = 8 << 30
     storage_engine: str = "rocksdb"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "block_size",
+            "num_pages",
+            "prefill_chunk",
+            "max_batch",
+            "staging_pages",
+            "dram_capacity_bytes",
+            "ssd_capacity_bytes",
+        ):
+            _positive_int(name, getattr(self, name))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.storage_engine not in STORAGE_ENGINES:
+            raise ValueError(
+                f"storage_engine must be one of {STORAGE_ENGINES}, got {self.storage_engine!r}"
+            )
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.model_dir is not None:
+            object.__setattr__(self, "model_dir", Path(self.model_dir))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig(EngineStoreConfig):
+    """The embedded server: N prefill and M decode instances in one process.
+
+    Fields (besides EngineStoreConfig's):
+        num_prefill / num_decode: instances of each kind; each has its own engine.
+        policy: routing policy name (see ``kvflow.router.policy_names()``).
+        ttft_slo_s / tbt_slo_s: reject requests predicted to miss them (None: no SLO).
+        balancing_threshold: the conductor's kvcache_balancing_threshold (ratio >= 1).
+        default_max_tokens / max_tokens_limit: for requests that give none / the most allowed.
+        queue_size: bounded queue in front of each stage; a full first queue rejects with
+            RESOURCE_EXHAUSTED.
+        trace_capacity: requests whose spans are kept for ``kvflow trace export``.
+        request_timeout_s: deadline of one request.
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    policy: str = "cache-aware"
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
     balancing_threshold: float = 2.0
@@ -66,31 +100,18 @@ class ServeConfig:
     queue_size: int = 256
     trace_capacity: int = 1024
     request_timeout_s: float = 600.0
-    seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in (
             "num_prefill",
             "num_decode",
-            "block_size",
-            "num_pages",
-            "prefill_chunk",
-            "max_batch",
-            "staging_pages",
-            "dram_capacity_bytes",
-            "ssd_capacity_bytes",
             "default_max_tokens",
             "max_tokens_limit",
             "queue_size",
             "trace_capacity",
         ):
             _positive_int(name, getattr(self, name))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.storage_engine not in ("rocksdb", "lmdb", "memory"):
-            raise ValueError(
-                f"storage_engine must be rocksdb, lmdb or memory, got {self.storage_engine!r}"
-            )
         _positive_or_none("ttft_slo_s", self.ttft_slo_s)
         _positive_or_none("tbt_slo_s", self.tbt_slo_s)
         _positive_or_none("request_timeout_s", self.request_timeout_s)
@@ -98,6 +119,69 @@ class ServeConfig:
             raise ValueError(f"balancing_threshold must be >= 1, got {self.balancing_threshold!r}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must be <= max_tokens_limit")
-        object.__setattr__(self, "data_dir", Path(self.data_dir))
-        if self.model_dir is not None:
-            object.__setattr__(self, "model_dir", Path(self.model_dir))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig(EngineStoreConfig):
+    """One node of a multi-process cluster.
+
+    Fields (besides EngineStoreConfig's):
+        node_id: a plain name (no '|' or '/'); kind: "prefill" or "decode".
+        meta: the metadata replicas' gRPC addresses.
+        host: the address every listener of the node binds; port / transfer_port: 0 picks
+            free ports.
+        lease_timeout_s: a decode staging lease not taken by a Decode call is freed after it.
+        trace_capacity: requests whose spans the node keeps for the router's trace export.
+    """
+
+    node_id: str
+    kind: str
+    meta: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    transfer_port: int = 0
+    lease_timeout_s: float = 60.0
+    trace_capacity: int = 1024
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind not in ("prefill", "decode"):
+            raise ValueError(f"kind must be prefill or decode, got {self.kind!r}")
+        if not self.node_id or "|" in self.node_id or "/" in self.node_id:
+            raise ValueError(f"node_id must be a plain name, got {self.node_id!r}")
+        if not self.meta:
+            raise ValueError("meta: give the metadata replicas' gRPC addresses")
+        _positive_or_none("lease_timeout_s", self.lease_timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings:
+    """The router process. ``meta``: the metadata replicas' gRPC addresses; the routing
+    fields mean what they mean in ServeConfig."""
+
+    model_dir: Path
+    meta: tuple[str, ...]
+    policy: str = "cache-aware"
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
+    balancing_threshold: float = 2.0
+    default_max_tokens: int = 64
+    max_tokens_limit: int = 4096
+    node_dead_after_s: float = 5.0
+    # A request that finds no healthy prefill or decode node (the only one is restarting)
+    # waits this long for one before it is rejected.
+    instance_wait_s: float = 30.0
+    trace_capacity: int = 1024
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.meta:
+            raise ValueError("meta: give the metadata replicas' gRPC addresses")
+        _positive_or_none("ttft_slo_s", self.ttft_slo_s)
+        _positive_or_none("tbt_slo_s", self.tbt_slo_s)
+        if not self.balancing_threshold >= 1.0:
+            raise ValueError(f"balancing_threshold must be >= 1, got {self.balancing_threshold!r}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must be <= max_tokens_limit")
+        if self.instance_wait_s < 0:
+            raise ValueError(f"instance_wait_s must be >= 0, got {self.instance_wait_s!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from kvflow.kvdb import Shard
 from kvflow.pipeline import Metrics
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -34,3 +35,13 @@ class ServingMetrics:
             for tier in ("dram", "ssd"):
                 gauge = self._tier_hits.labels(shard=shard, tier=tier)
                 gauge.set_function(lambda rates=rates, tier=tier: rates().get(tier, 0.0))
+
+
+def shard_hit_rates(shard: Shard) -> Callable[[], dict[str, float]]:
+    """A reader of ``shard``'s per-tier hit rates (for ``track_hit_rates``)."""
+
+    def rates() -> dict[str, float]:
+        s = shard.stats()
+        return {"dram": s.dram.hit_rate, "ssd": s.ssd.hit_rate}
+
+    return rates

@@ -1,81 +1,60 @@
-"""RouterServer: the conductor and the gRPC inference frontend of a multi-process cluster
+"""RouterServer: the conductor and the inference frontend of a multi-process cluster
 (`kvflow serve --role router`). Several may run at once: each reads the nodes and who holds
-which block from the metadata group.
+which block from the metadata group, and books only the requests it routes (nodes report the
+rest of their load in ``Info``).
 
 Its pipeline: tokenize, hash, route (the conductor, with every prefill node's prefix read from
-the metadata), then prefill and decode as calls to the chosen nodes. A node that fails a call
-is marked unhealthy and the request is routed again (its prefix is recomputed or pulled
-elsewhere); tokens already sent to the client are not sent twice.
+the metadata), then remote-generate (stages/remote_generate.py): reuse-load, prefill and
+stream on the chosen prefill node, decode on the chosen decode node, through the node API.
+Its trace export merges the nodes' spans of each request into one trace.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from kvflow.kvdb import KVLayout, StaticAdminSource
-from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, RequestContext, Stage, Tracer
-from kvflow.replication import NodeId, RemoteMetadata
-from kvflow.router import (
-    Conductor,
-    InstanceState,
-    Profile,
-    ProfileMismatchError,
-    Rejection,
-    RouterConfig,
-    RouteRequest,
-    TransferEstimator,
-    UnknownInstanceError,
-    load_profile,
+from kvflow.kvdb import StaticAdminSource
+from kvflow.pipeline import (
+    Metrics,
+    Pipeline,
+    PipelineConfig,
+    ProcessTraces,
+    Tracer,
+    to_chrome_trace_by_process,
+    traces_from_dict,
 )
+from kvflow.replication import RemoteMetadata
+from kvflow.router import Conductor, InstanceState, RouterConfig
 from kvflow.stages.api import node_pb2, node_pb2_grpc
+from kvflow.stages.api.convert import layout_from_info
+from kvflow.stages.api.node_client import NodeClient
 from kvflow.stages.engine import Tokenizer
-from kvflow.stages.errors import NoCapacity, Rejected
 from kvflow.stages.hash import HashStage
-from kvflow.stages.route import RouteStage, route_or_wait
+from kvflow.stages.remote_generate import RemoteGenerateStage
+from kvflow.stages.route import RouteStage
 from kvflow.stages.runtime.peers import parse_node_address
+from kvflow.stages.runtime.prefix_index import MetadataPrefixIndex
+from kvflow.stages.serve.build import build_conductor
+from kvflow.stages.serve.config import RouterSettings
 from kvflow.stages.serve.metrics import ServingMetrics
-from kvflow.stages.state import GenerateState
 from kvflow.stages.tokenize import TokenizeStage
 
 logger = logging.getLogger(__name__)
 
 REFRESH_S = 1.0
-ATTEMPTS = 5  # a request may meet several dead nodes before they are all marked
 TCP_BYTES_PER_S = 1.5e9
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    """The router process. ``meta``: the metadata replicas' gRPC addresses."""
-
-    model_dir: Path
-    meta: tuple[str, ...]
-    policy: str = "cache-aware"
-    ttft_slo_s: float | None = None
-    tbt_slo_s: float | None = None
-    balancing_threshold: float = 2.0
-    default_max_tokens: int = 64
-    max_tokens_limit: int = 4096
-    node_dead_after_s: float = 5.0
-    # A request that finds no healthy prefill or decode node (the only one is restarting)
-    # waits this long for one before it is rejected.
-    instance_wait_s: float = 30.0
-    trace_capacity: int = 1024
-    seed: int = 0
 
 
 @dataclass
 class RemoteNode:
-    """A node as the router sees it."""
+    """A node as the router sees it (stages.remote_generate.NodeRef)."""
 
     instance_id: str
     kind: str
@@ -99,35 +78,9 @@ class RemoteNode:
         self.stub = node_pb2_grpc.NodeStub(self.channel)
 
 
-class MetadataPrefixIndex:
-    """router.PrefixIndex from the metadata: leading keys an instance holds (any tier)."""
-
-    def __init__(self, metadata: RemoteMetadata) -> None:
-        self._metadata = metadata
-
-    def match(self, instance_id: str, keys: Sequence[bytes]) -> int:
-        if not keys:
-            return 0
-        n = 0
-        for holders in self._metadata.view().holders(list(keys)):
-            if NodeId(instance_id) not in holders:
-                break
-            n += 1
-        return n
-
-
-def _sampling_msg(state: GenerateState) -> Any:
-    s = state.sampling
-    msg = node_pb2.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-    msg.ignore_eos = s.ignore_eos
-    if s.seed is not None:
-        msg.seed = s.seed
-    return msg
-
-
 class RouterServer:
-    """Build with ``RouterServer(settings)``; ``await start()``; ``await stop()``. Duck-types
-    the parts of EmbeddedCluster that the inference service reads."""
+    """Build with ``RouterServer(settings)``; ``await start()``; ``await stop()``. Serves the
+    inference API's Frontend protocol (api/inference.py) like the embedded server."""
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
@@ -164,25 +117,46 @@ class RouterServer:
         self.model_fingerprint = info.model_fingerprint
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
-        self.layout = KVLayout(
-            info.num_layers, info.num_kv_heads, info.head_dim, info.block_size, info.dtype
+        self.layout = layout_from_info(info)
+        s = self.settings
+        self.conductor: Conductor = build_conductor(
+            RouterConfig(
+                policy=s.policy,
+                ttft_slo_s=s.ttft_slo_s,
+                tbt_slo_s=s.tbt_slo_s,
+                balancing_threshold=s.balancing_threshold,
+                block_size=info.block_size,
+                block_nbytes=info.page_nbytes,
+                seed=s.seed,
+            ),
+            self.model_dir,
+            info.model_fingerprint,
+            MetadataPrefixIndex(self.metadata),
+            TCP_BYTES_PER_S,
         )
-        self.conductor = self._conductor(info)
         self.pipeline = Pipeline(
             [
                 TokenizeStage(self.tokenizer, info.vocab_size, info.max_model_len),
                 HashStage(info.model_fingerprint, self.layout),
                 RouteStage(
                     self.conductor,
-                    self.prefill,  # type: ignore[arg-type]
-                    self.decode,  # type: ignore[arg-type]
-                    instance_wait_s=self.settings.instance_wait_s,
+                    self.prefill,
+                    self.decode,
+                    instance_wait_s=s.instance_wait_s,
                     on_wait=self.count_wait,
                 ),
-                RemoteGenerateStage(self),
+                RemoteGenerateStage(
+                    NodeClient(),
+                    lambda: self.conductor,
+                    lambda: (self.prefill, self.decode),
+                    lambda: self.block_size,
+                    s.instance_wait_s,
+                    on_failed=self.mark_failed,
+                    on_wait=self.count_wait,
+                ),
             ],
             PipelineConfig(
-                queue_size=256, default_concurrency=256, trace_capacity=self.settings.trace_capacity
+                queue_size=256, default_concurrency=256, trace_capacity=s.trace_capacity
             ),
             tracer=self.tracer,
             metrics=self.metrics,
@@ -202,28 +176,6 @@ class RouterServer:
                 raise TimeoutError("no prefill node answered Info")
             await asyncio.sleep(0.2)
             await self._refresh()
-
-    def _conductor(self, info: Any) -> Conductor:
-        s = self.settings
-        try:
-            profile = load_profile(self.model_dir, model_id=info.model_fingerprint)
-        except ProfileMismatchError:
-            profile = Profile.default()
-        return Conductor(
-            RouterConfig(
-                policy=s.policy,
-                ttft_slo_s=s.ttft_slo_s,
-                tbt_slo_s=s.tbt_slo_s,
-                balancing_threshold=s.balancing_threshold,
-                block_size=info.block_size,
-                block_nbytes=info.page_nbytes,
-                seed=s.seed,
-            ),
-            MetadataPrefixIndex(self.metadata),
-            profile.prefill,
-            profile.decode,
-            TransferEstimator(TCP_BYTES_PER_S),
-        )
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -319,6 +271,31 @@ class RouterServer:
         self.metadata.close()
 
     # -- what the inference service reads -------------------------------------------------------
+    async def export_trace(self, last: int | None) -> dict[str, Any]:
+        """The last requests' traces, each with the spans every node recorded for it: the
+        router's own (tokenize, hash, route, generate) and the nodes' (reuse-load, prefill,
+        stream on the prefill node; decode on the decode node), one process row per node, on
+        wall-clock time. A node that does not answer is left out (logged)."""
+        own = self.tracer.traces(last=last)
+        ids = [t.request_id for t in own]
+        rows = [ProcessTraces("router", tuple(own), time.time() - time.monotonic())]
+        nodes = [*self.prefill.values(), *self.decode.values()]
+
+        async def ask(node: RemoteNode) -> ProcessTraces | None:
+            try:
+                reply = await node.stub.ExportTrace(
+                    node_pb2.NodeTraceRequest(request_ids=ids), timeout=5.0
+                )
+            except grpc.aio.AioRpcError as err:
+                logger.warning("trace export: node=%s: %s", node.instance_id, err.details())
+                return None
+            traces = traces_from_dict(json.loads(reply.traces_json))
+            return ProcessTraces(node.instance_id, tuple(traces), reply.wall_offset_s)
+
+        answers = await asyncio.gather(*(ask(n) for n in nodes)) if ids else []
+        rows += [a for a in answers if a is not None and a.traces]
+        return to_chrome_trace_by_process(rows)
+
     def stats(self) -> dict[str, Any]:
         """Per node: health, this router's queue, and the load it routes on (its own books
         plus what the node reports other routers sent: ``external_*``)."""
@@ -345,161 +322,3 @@ class RouterServer:
 
     def admin_source(self) -> StaticAdminSource:
         return StaticAdminSource({}, self.metadata.view())
-
-
-class RemoteGenerateStage(Stage):
-    """prefill and decode on the chosen nodes; on a node failure, route again and retry."""
-
-    name = "generate"
-
-    def __init__(self, router: RouterServer) -> None:
-        self._router = router
-
-    async def run(self, ctx: RequestContext[Any]) -> None:
-        state: GenerateState = ctx.state
-        for attempt in range(ATTEMPTS):
-            if attempt:
-                await self._reroute(ctx, state)
-            try:
-                await self._once(ctx, state)
-                return
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.StatusCode.CANCELLED,
-                    grpc.StatusCode.INTERNAL,
-                ):
-                    raise
-                failed = getattr(err, "kvflow_node", None)
-                if failed is not None:
-                    self._router.mark_failed(failed)
-                logger.warning(
-                    "req=%s attempt %d failed: %s", ctx.request_id, attempt + 1, err.details()
-                )
-                if attempt + 1 == ATTEMPTS:
-                    raise
-
-    async def _reroute(self, ctx: RequestContext[Any], state: GenerateState) -> None:
-        r = self._router
-        for node in (state.prefill, state.decode):
-            if node is not None:
-                for fn in (node.state.finish, node.state.remove_decode):
-                    with contextlib.suppress(UnknownInstanceError, KeyError):
-                        fn(ctx.request_id)
-        req = RouteRequest(ctx.request_id, tuple(state.block_keys), state.prompt_len)
-        result = await route_or_wait(
-            r.conductor,
-            req,
-            lambda: ([p.state for p in r.prefill.values()], [d.state for d in r.decode.values()]),
-            r.settings.instance_wait_s,
-            on_wait=r.count_wait,
-        )
-        if isinstance(result, Rejection):
-            raise Rejected(result)
-        state.decision = result
-        state.prefill = r.prefill[result.prefill_id]  # type: ignore[assignment]
-        state.decode = r.decode[result.decode_id]  # type: ignore[assignment]
-        r.conductor.commit(result, state.prefill.state, state.decode.state)
-
-    async def _once(self, ctx: RequestContext[Any], state: GenerateState) -> None:
-        prefill: RemoteNode = state.prefill  # type: ignore[assignment]
-        decode: RemoteNode = state.decode  # type: ignore[assignment]
-        pages = -(-state.prompt_len // self._router.block_size)
-        with ctx.span("reserve", node=decode.instance_id):
-            lease = await self._call(
-                decode,
-                decode.stub.Reserve(
-                    node_pb2.ReserveRequest(request_id=ctx.request_id, num_pages=pages), timeout=10
-                ),
-            )
-        produced: list[int] = []
-        try:
-            with ctx.span("prefill", node=prefill.instance_id) as span:
-                req = node_pb2.PrefillRequest(
-                    request_id=ctx.request_id,
-                    token_ids=state.prompt_ids,
-                    tenant=state.tenant,
-                    sampling=_sampling_msg(state),
-                    target_transfer_address=lease.transfer_address,
-                    target_segment=lease.segment,
-                    target_offsets=lease.offsets,
-                    predicted_prefill_s=state.decision.t_prefill if state.decision else 0.0,
-                )
-                done = None
-                async for ev in self._stream(prefill, prefill.stub.Prefill(req, timeout=600)):
-                    if ev.has_first_token:
-                        produced.append(ev.first_token)
-                        if state.first_token_at is None:
-                            state.first_token_at = time.monotonic()
-                        state.token_times = [state.first_token_at]
-                        self._emit(ctx, state, produced)
-                    if ev.done:
-                        done = ev
-                if done is None:
-                    raise NoCapacity(f"node {prefill.instance_id} ended the prefill early")
-                state.num_cached_tokens = done.cached_tokens
-                state.cached_by_tier = dict(done.cached_by_tier)
-                state.pulled_tokens = done.pulled_tokens
-                state.first_token = produced[0]
-                span.set_attrs(cached_tokens=done.cached_tokens)
-            with contextlib.suppress(UnknownInstanceError):
-                prefill.state.finish(ctx.request_id)  # its prefill queue booking is over
-            if done.finish_reason == "stop" or state.max_tokens == 1:
-                await decode.stub.Release(node_pb2.ReleaseRequest(lease_id=lease.lease_id))
-                state.output_ids, state.finish_reason = produced, done.finish_reason or "length"
-                state.token_times = [state.first_token_at or time.monotonic()]
-                return
-            with ctx.span("decode", node=decode.instance_id):
-                req = node_pb2.DecodeRequest(
-                    request_id=ctx.request_id,
-                    lease_id=lease.lease_id,
-                    token_ids=[*state.prompt_ids, produced[0]],
-                    num_prefix_tokens=state.prompt_len,
-                    max_tokens=state.max_tokens,
-                    sampling=_sampling_msg(state),
-                    tenant=state.tenant,
-                )
-                async for ev in self._stream(decode, decode.stub.Decode(req, timeout=600)):
-                    if ev.token_ids:
-                        produced.extend(ev.token_ids)
-                        state.token_times.extend(time.monotonic() for _ in ev.token_ids)
-                        self._emit(ctx, state, produced)
-                    if ev.finished:
-                        state.finish_reason = ev.finish_reason
-            state.output_ids = produced
-            state.finished_at = time.monotonic()
-        except BaseException:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await decode.stub.Release(
-                    node_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=5
-                )
-            raise
-
-    @staticmethod
-    def _emit(ctx: RequestContext[Any], state: GenerateState, produced: list[int]) -> None:
-        """Emit the tokens past what the client already has: a retry regenerates the same
-        tokens (the node's sampling is seeded per request id) and only the new ones go out."""
-        if len(produced) > state.emitted_tokens:
-            ctx.emit(("tokens", produced[state.emitted_tokens :]))
-            state.emitted_tokens = len(produced)
-
-    @staticmethod
-    async def _call(node: RemoteNode, call: Any) -> Any:
-        try:
-            return await call
-        except grpc.aio.AioRpcError as err:
-            err.kvflow_node = node  # type: ignore[attr-defined]
-            raise
-
-    @staticmethod
-    async def _stream(node: RemoteNode, call: Any) -> Any:
-        try:
-            async for ev in call:
-                yield ev
-        except grpc.aio.AioRpcError as err:
-            err.kvflow_node = node  # type: ignore[attr-defined]
-            raise
-
-    async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
-        return None

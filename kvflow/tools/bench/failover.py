@@ -35,7 +35,7 @@ from typing import Any
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import write_demo_model
-from kvflow.tools.cluster import LocalCluster
+from kvflow.tools.supervise import LocalCluster
 
 PHASES = ("router-0", "decode-0", "prefill-0", "meta-leader", "decode-0+decode-1")
 

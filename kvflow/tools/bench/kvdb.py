@@ -293,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _remote(args: argparse.Namespace) -> int:
-    from kvflow.tools import bench_kvdb_remote
+    from kvflow.tools.bench import kvdb_remote as bench_kvdb_remote
 
     sizes = [SIZES[label] for label in args.sizes.split(",")]
     report = bench_kvdb_remote.run_remote(sizes, args.working_set_mib, args.repeat, args.seed)

@@ -40,7 +40,7 @@ from kvflow.replication import (
     ReplicationError,
     Tier,
 )
-from kvflow.tools.meta import LocalMetaProcesses
+from kvflow.tools.supervise import LocalMetaProcesses
 
 READY_TIMEOUT_S = 30.0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.tools import bench_engine
+from kvflow.tools.bench import engine as bench_engine
 
 
 def test_bench_engine_quick(

@@ -1,0 +1,101 @@
+"""One place for proto <-> records: the gRPC status of an error, sampling parameters, the
+pull plan, the KV layout a node reports, and the trace context that travels in gRPC metadata.
+Shared by the inference and node APIs (their messages use the same field names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from kvflow.kvdb import KVLayout
+from kvflow.pipeline import (
+    DeadlineExceeded,
+    Overloaded,
+    PipelineClosed,
+    RequestCancelled,
+    StageError,
+)
+from kvflow.router import PullPlan
+from kvflow.stages.api import node_pb2
+from kvflow.stages.engine import SamplingParams
+from kvflow.stages.errors import InvalidArgument, NoCapacity, Rejected
+
+# gRPC metadata key of the trace context: "<request id>/<parent span name>".
+TRACE_PARENT = "kvflow-trace-parent"
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and details for the error a request ended with."""
+    if isinstance(error, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, Rejected | NoCapacity | Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
+    if isinstance(error, RequestCancelled):
+        return grpc.StatusCode.CANCELLED, str(error)
+    if isinstance(error, PipelineClosed):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    if isinstance(error, StageError):
+        return grpc.StatusCode.INTERNAL, f"stage {error.stage}: {error.cause!r}"
+    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+
+
+def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
+    """SamplingParams from a Sampling / SamplingParams message (the inference and node APIs
+    share the fields); a bad value is InvalidArgument naming it."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(msg.temperature),
+            top_k=int(msg.top_k),
+            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            ignore_eos=bool(msg.ignore_eos),
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling: {exc}") from exc
+
+
+def sampling_to_msg(s: SamplingParams) -> Any:
+    """The node API's Sampling message of ``s`` (max_tokens travels beside it)."""
+    msg = node_pb2.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    msg.ignore_eos = s.ignore_eos
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def pull_to_fields(pull: PullPlan | None, decided: bool) -> dict[str, Any]:
+    """PrefillRequest fields carrying the conductor's pull plan."""
+    fields: dict[str, Any] = {"pulls_decided": decided}
+    if pull is not None:
+        fields.update(
+            pull_from=pull.from_instance,
+            pull_start_block=pull.start_block,
+            pull_num_blocks=pull.num_blocks,
+        )
+    return fields
+
+
+def pull_from_msg(msg: Any) -> PullPlan | None:
+    """The PrefillRequest's pull plan, or None; InvalidArgument for a malformed one."""
+    if not msg.pull_from:
+        return None
+    if msg.pull_num_blocks <= 0:
+        raise InvalidArgument("pull_num_blocks must be > 0 when pull_from is set")
+    return PullPlan(msg.pull_from, int(msg.pull_start_block), int(msg.pull_num_blocks))
+
+
+def layout_from_info(info: Any) -> KVLayout:
+    """The KV layout a node's InfoReply describes."""
+    return KVLayout(info.num_layers, info.num_kv_heads, info.head_dim, info.block_size, info.dtype)
+
+
+def trace_parent(context: grpc.aio.ServicerContext) -> str:
+    """The caller's trace context from the call's metadata ("" when none came)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == TRACE_PARENT:
+            return str(value)
+    return ""

@@ -1,0 +1,105 @@
+"""NodeClient: the router's side of the node API (stages/remote_generate.NodeCalls over gRPC).
+
+Each call carries the trace context in its metadata (``convert.TRACE_PARENT``), so the node's
+spans join the request's trace. A failure that a retry on another node can fix (UNAVAILABLE,
+DEADLINE_EXCEEDED, CANCELLED, INTERNAL) becomes ``NodeCallFailed(node)``; any other status
+propagates as it is."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from kvflow.stages.api import node_pb2
+from kvflow.stages.api.convert import TRACE_PARENT, pull_to_fields, sampling_to_msg
+from kvflow.stages.errors import NodeCallFailed
+from kvflow.stages.state import GenerateState
+
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+)
+CALL_TIMEOUT_S = 600.0
+SHORT_TIMEOUT_S = 10.0
+
+
+def _trace(request_id: str, span: str) -> tuple[tuple[str, str], ...]:
+    return ((TRACE_PARENT, f"{request_id}/{span}"),)
+
+
+def _failed(node: Any, err: grpc.aio.AioRpcError) -> BaseException:
+    if err.code() in RETRYABLE:
+        return NodeCallFailed(node, f"node {node.instance_id}: {err.code().name} {err.details()}")
+    return err
+
+
+class NodeClient:
+    """Stateless: every node's stub is on the node object (``node.stub``)."""
+
+    async def reserve(self, node: Any, request_id: str, num_pages: int) -> Any:
+        try:
+            return await node.stub.Reserve(
+                node_pb2.ReserveRequest(request_id=request_id, num_pages=num_pages),
+                timeout=SHORT_TIMEOUT_S,
+                metadata=_trace(request_id, "reserve"),
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _failed(node, err) from err
+
+    async def release(self, node: Any, lease: Any) -> None:
+        try:
+            await node.stub.Release(
+                node_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=SHORT_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _failed(node, err) from err
+
+    async def prefill(
+        self, node: Any, request_id: str, state: GenerateState, lease: Any
+    ) -> AsyncIterator[Any]:
+        decision = state.decision
+        req = node_pb2.PrefillRequest(
+            request_id=request_id,
+            token_ids=state.prompt_ids,
+            tenant=state.tenant,
+            sampling=sampling_to_msg(state.sampling),
+            target_transfer_address=lease.transfer_address,
+            target_segment=lease.segment,
+            target_offsets=lease.offsets,
+            predicted_prefill_s=decision.t_prefill if decision else 0.0,
+            **pull_to_fields(state.pull, state.pulls_decided),
+        )
+        call = node.stub.Prefill(
+            req, timeout=CALL_TIMEOUT_S, metadata=_trace(request_id, "prefill")
+        )
+        async for ev in self._events(node, call):
+            yield ev
+
+    async def decode(
+        self, node: Any, request_id: str, state: GenerateState, lease: Any, first: int
+    ) -> AsyncIterator[Any]:
+        assert state.prompt_ids is not None
+        req = node_pb2.DecodeRequest(
+            request_id=request_id,
+            lease_id=lease.lease_id,
+            token_ids=[*state.prompt_ids, first],
+            num_prefix_tokens=state.prompt_len,
+            max_tokens=state.max_tokens,
+            sampling=sampling_to_msg(state.sampling),
+            tenant=state.tenant,
+        )
+        call = node.stub.Decode(req, timeout=CALL_TIMEOUT_S, metadata=_trace(request_id, "decode"))
+        async for ev in self._events(node, call):
+            yield ev
+
+    @staticmethod
+    async def _events(node: Any, call: Any) -> AsyncIterator[Any]:
+        try:
+            async for ev in call:
+                yield ev
+        except grpc.aio.AioRpcError as err:
+            raise _failed(node, err) from err

@@ -1,0 +1,156 @@
+"""remote-generate: the router's last stage. It runs reuse-load, prefill and stream on the
+chosen prefill node and decode on the chosen decode node, through the node API; a node that
+fails a call is routed around and the request is routed again (``route.route_and_commit``,
+the same function the route stage uses). Tokens already sent to the client are never sent
+twice: a retry regenerates the same tokens (sampling is seeded per request id) and only the
+new ones go out.
+
+The wire is not this module's business: ``NodeCalls`` (api/node_client.py) turns each call
+into a proto request and each failure a retry can fix into ``NodeCallFailed``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
+
+from kvflow.pipeline import RequestContext, Stage
+from kvflow.router import Conductor, InstanceState
+from kvflow.stages.errors import NoCapacity, NodeCallFailed
+from kvflow.stages.route import route_and_commit
+from kvflow.stages.state import GenerateState
+
+logger = logging.getLogger(__name__)
+
+ATTEMPTS = 5  # a request may meet several dead nodes before they are all marked
+
+
+class NodeRef(Protocol):
+    """A node as the router books it."""
+
+    instance_id: str
+    state: InstanceState
+
+
+class NodeCalls(Protocol):
+    """The node API as the stage uses it. Each method raises NodeCallFailed(node) for a
+    failure a retry elsewhere can fix; ``prefill``/``decode`` yield the node's events."""
+
+    async def reserve(self, node: NodeRef, request_id: str, num_pages: int) -> Any: ...
+
+    async def release(self, node: NodeRef, lease: Any) -> None: ...
+
+    def prefill(
+        self, node: NodeRef, request_id: str, state: GenerateState, lease: Any
+    ) -> AsyncIterator[Any]: ...
+
+    def decode(
+        self, node: NodeRef, request_id: str, state: GenerateState, lease: Any, first: int
+    ) -> AsyncIterator[Any]: ...
+
+
+class RemoteGenerateStage(Stage):
+    """Fills ``first_token``, ``output_ids``, ``num_cached_tokens`` (as the prefill node
+    reports it), ``finish_reason``; emits tokens. Retries up to ATTEMPTS times."""
+
+    name = "generate"
+
+    def __init__(
+        self,
+        calls: NodeCalls,
+        conductor: Callable[[], Conductor],
+        instances: Callable[[], tuple[Mapping[str, Any], Mapping[str, Any]]],
+        block_size: Callable[[], int],
+        instance_wait_s: float,
+        on_failed: Callable[[Any], None],
+        on_wait: Callable[[], None] | None = None,
+    ) -> None:
+        self._calls = calls
+        self._conductor = conductor
+        self._instances = instances
+        self._block_size = block_size
+        self._instance_wait_s = instance_wait_s
+        self._on_failed = on_failed
+        self._on_wait = on_wait
+
+    async def run(self, ctx: RequestContext[Any]) -> None:
+        state: GenerateState = ctx.state
+        for attempt in range(ATTEMPTS):
+            if attempt:
+                await route_and_commit(
+                    self._conductor(),
+                    state,
+                    ctx.request_id,
+                    self._instances,
+                    self._instance_wait_s,
+                    self._on_wait,
+                )
+            try:
+                await self._once(ctx, state)
+                return
+            except NodeCallFailed as err:
+                self._on_failed(err.node)
+                logger.warning("req=%s attempt %d failed: %s", ctx.request_id, attempt + 1, err)
+                if attempt + 1 == ATTEMPTS:
+                    raise
+
+    async def _once(self, ctx: RequestContext[Any], state: GenerateState) -> None:
+        prefill, decode = state.prefill, state.decode
+        assert prefill is not None and decode is not None
+        pages = -(-state.prompt_len // self._block_size())
+        with ctx.span("reserve", node=decode.instance_id):
+            lease = await self._calls.reserve(decode, ctx.request_id, pages)
+        produced: list[int] = []
+        try:
+            with ctx.span("prefill", node=prefill.instance_id) as span:
+                done = None
+                async for ev in self._calls.prefill(prefill, ctx.request_id, state, lease):
+                    if ev.has_first_token:
+                        produced.append(ev.first_token)
+                        if state.first_token_at is None:
+                            state.first_token_at = time.monotonic()
+                        state.token_times = [state.first_token_at]
+                        self._emit(ctx, state, produced)
+                    if ev.done:
+                        done = ev
+                if done is None or not produced:
+                    raise NoCapacity(f"node {prefill.instance_id} ended the prefill early")
+                state.num_cached_tokens = done.cached_tokens
+                state.cached_by_tier = dict(done.cached_by_tier)
+                state.pulled_tokens = done.pulled_tokens
+                state.first_token = produced[0]
+                span.set_attrs(cached_tokens=done.cached_tokens)
+            state.booking.release_prefill()  # the prefill queue booking is over
+            if done.finish_reason == "stop" or state.max_tokens == 1:
+                await self._calls.release(decode, lease)
+                state.output_ids, state.finish_reason = produced, done.finish_reason or "length"
+                state.token_times = [state.first_token_at or time.monotonic()]
+                return
+            with ctx.span("decode", node=decode.instance_id):
+                async for ev in self._calls.decode(
+                    decode, ctx.request_id, state, lease, produced[0]
+                ):
+                    if ev.token_ids:
+                        produced.extend(ev.token_ids)
+                        state.token_times.extend(time.monotonic() for _ in ev.token_ids)
+                        self._emit(ctx, state, produced)
+                    if ev.finished:
+                        state.finish_reason = ev.finish_reason
+            state.output_ids = produced
+            state.finished_at = time.monotonic()
+        except BaseException:
+            with contextlib.suppress(NodeCallFailed):
+                await self._calls.release(decode, lease)
+            raise
+
+    @staticmethod
+    def _emit(ctx: RequestContext[Any], state: GenerateState, produced: list[int]) -> None:
+        """Emit the tokens past what the client already has."""
+        if len(produced) > state.emitted_tokens:
+            ctx.emit(("tokens", produced[state.emitted_tokens :]))
+            state.emitted_tokens = len(produced)
+
+    async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
+        ctx.state.booking.release()

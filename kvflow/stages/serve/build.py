@@ -1,0 +1,129 @@
+"""What every server role builds the same way, decided once: the model directory, an engine
+and its worker thread, the KV layout, a kvdb shard, the conductor (with its time models and
+the one warning when none was measured), and free ports."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+from kvflow.kvdb import KVLayout, Namespace, Store, StoreConfig, open_store
+from kvflow.replication import NodeId
+from kvflow.router import (
+    Conductor,
+    PrefixIndex,
+    Profile,
+    ProfileMismatchError,
+    RouterConfig,
+    TransferEstimator,
+    load_profile,
+)
+from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
+from kvflow.stages.hash import DEFAULT_TENANT
+from kvflow.stages.runtime.worker import EngineWorker
+from kvflow.stages.serve.closers import Closers
+from kvflow.stages.serve.config import EngineStoreConfig
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_model(config: EngineStoreConfig) -> Path:
+    """The model directory to serve: ``config.model_dir``, or the small demo model written
+    (once, seeded) under ``data_dir/models/small``."""
+    if config.model_dir is not None:
+        return config.model_dir
+    path = config.data_dir / "models" / "small"
+    if not (path / "config.json").exists():
+        logger.info("writing the small demo model to %s (first run)", path)
+        write_demo_model(path, preset="small", seed=config.seed)
+    return path
+
+
+def open_engine(
+    model_dir: Path, config: EngineStoreConfig, instance_id: str, closers: Closers
+) -> EngineWorker:
+    """An engine on ``model_dir`` behind its started worker thread (stopped by ``closers``)."""
+    engine = Engine.open(
+        model_dir,
+        EngineConfig(
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_pages=config.num_pages,
+            prefill_chunk=config.prefill_chunk,
+            max_batch=config.max_batch,
+            seed=config.seed,
+        ),
+    )
+    worker = EngineWorker(instance_id, engine)
+    worker.start()
+    closers.add(worker.stop)
+    return worker
+
+
+def kv_layout(engine: Engine) -> KVLayout:
+    """kvdb's layout of the engine's KV pages (part of every Namespace)."""
+    lay = engine.kv_layout
+    return KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
+
+
+def open_shard(
+    config: EngineStoreConfig,
+    instance_id: str,
+    engine: Engine,
+    metadata: object,
+    closers: Closers,
+) -> Store:
+    """The instance's kvdb shard under ``data_dir/shards/<instance>``, reporting to
+    ``metadata`` (a MetadataGroup or RemoteMetadata); closed by ``closers``."""
+    store = open_store(
+        StoreConfig(
+            data_dir=config.data_dir / "shards" / instance_id,
+            dram_capacity_bytes=config.dram_capacity_bytes,
+            ssd_capacity_bytes=config.ssd_capacity_bytes,
+            engine=config.storage_engine,
+            value_size=engine.page_nbytes,
+        ),
+        Namespace(DEFAULT_TENANT, engine.model_fingerprint, kv_layout(engine)),
+        node_id=NodeId(instance_id),
+        metadata=metadata,  # type: ignore[arg-type]
+    )
+    closers.add(store.close)
+    return store
+
+
+def build_conductor(
+    router_config: RouterConfig,
+    model_dir: Path,
+    model_fingerprint: str,
+    index: PrefixIndex,
+    link_bytes_per_s: float,
+) -> Conductor:
+    """The conductor over ``index`` with the time models measured for this model
+    (``kvflow profile``), or the defaults with a warning that says how to measure them."""
+    try:
+        profile = load_profile(model_dir, model_id=model_fingerprint)
+    except ProfileMismatchError as exc:
+        logger.warning("%s; using the default time models", exc)
+        profile = Profile.default()
+    if profile.is_default:
+        logger.warning(
+            "no kvflow_profile.json in %s: the conductor uses default time models; "
+            "run `kvflow profile --model %s` for fitted ones",
+            model_dir,
+            model_dir,
+        )
+    return Conductor(
+        router_config,
+        index,
+        profile.prefill,
+        profile.decode,
+        TransferEstimator(link_bytes_per_s),
+    )

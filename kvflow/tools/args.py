@@ -1,0 +1,54 @@
+"""Flag groups and parsing helpers shared by the commands: one place for each.
+
+Light on purpose (no torch, no servers): ``kvflow --help`` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from pathlib import Path
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on ``host`` a moment ago (tests, local clusters)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def address_list(value: str, flag: str) -> tuple[str, ...]:
+    """``A,B,C`` -> ("A", "B", "C"); ValueError naming ``flag`` when empty."""
+    out = tuple(a.strip() for a in value.split(",") if a.strip())
+    if not out:
+        raise ValueError(f"{flag}: give at least one HOST:PORT")
+    return out
+
+
+def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
+    """The engine and shard flags that the embedded server and a node take alike."""
+    p.add_argument("--data-dir", type=Path, default=Path("data"))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--num-pages", type=int, default=512, help="KV pages per engine")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--dram-mb", type=int, default=1024, help="DRAM tier per shard, MiB")
+    p.add_argument("--ssd-mb", type=int, default=8192, help="SSD tier per shard, MiB")
+    p.add_argument("--storage-engine", default="rocksdb", choices=["rocksdb", "lmdb"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_store_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of ``add_engine_store_flags`` as config fields (EngineStoreConfig)."""
+    return {
+        "data_dir": args.data_dir,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "num_pages": args.num_pages,
+        "prefill_chunk": args.prefill_chunk,
+        "dram_capacity_bytes": args.dram_mb << 20,
+        "ssd_capacity_bytes": args.ssd_mb << 20,
+        "storage_engine": args.storage_engine,
+        "seed": args.seed,
+    }

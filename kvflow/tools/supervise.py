@@ -1,0 +1,364 @@
+"""One process supervisor for everything tools/ starts: `kvflow cluster`, the benchmarks and
+the real-process tests.
+
+``Proc`` is one child process (a ``python -m MODULE ARGS`` command, its log file, its restart
+bookkeeping). ``LocalCluster`` starts and supervises a whole cluster (metadata replicas, prefill
+and decode nodes, routers) as ``kvflow serve --role ...`` processes on 127.0.0.1, restarting any
+that dies (with a backoff for a crash loop). ``LocalMetaProcesses`` is a metadata group alone,
+over the same ``Proc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from kvflow.replication.wire import pb2 as meta_pb2
+from kvflow.replication.wire import pb2_grpc as meta_pb2_grpc
+from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.tools.args import free_port
+
+logger = logging.getLogger(__name__)
+
+# A process that ran this long before it died is restarted at once; one that dies sooner is
+# crash-looping (a port in use, a bad flag): its restarts back off, doubling up to MAX.
+STABLE_AFTER_S = 10.0
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class Proc:
+    """One supervised child: ``python -m <module> <args>``, output appended to ``log_path``.
+    ``module`` defaults to the kvflow CLI's ``serve`` (``args`` are serve's flags)."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    module: tuple[str, ...] = ("kvflow.tools.cli", "serve")
+    popen: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = field(default=None, repr=False)
+    restarts: int = 0
+    keep_down: bool = False
+    started_at: float = 0.0
+    backoff_s: float = 0.0
+    restart_at: float | None = None  # when a dead process is due to start again
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", *self.module, *self.args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def kill(self) -> None:
+        """SIGKILL (a failure test) and reap."""
+        self.stop(signal.SIGKILL)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+
+class LocalCluster:
+    """``meta`` replicas, ``prefill`` and ``decode`` nodes and ``routers`` routers, on
+    127.0.0.1. ``address`` is the first router's, ``addresses`` every router's."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        meta: int = 3,
+        prefill: int = 2,
+        decode: int = 1,
+        model: Path | None = None,
+        port: int = 0,
+        extra: tuple[str, ...] = (),
+        router_extra: tuple[str, ...] = (),
+        routers: int = 1,
+    ) -> None:
+        if min(meta, prefill, decode, routers) < 1:
+            raise ValueError("a cluster needs at least one of each: meta, prefill, decode, router")
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        rafts = [f"127.0.0.1:{free_port()}" for _ in range(meta)]
+        grpcs = [free_port() for _ in range(meta)]
+        self.meta_addresses = [f"127.0.0.1:{p}" for p in grpcs]
+        common = ["--data-dir", str(self.data_dir), *extra]
+        if model is not None:
+            common += ["--model", str(model)]
+        self.procs: dict[str, Proc] = {}
+        for i, raft in enumerate(rafts):
+            peers = ",".join(r for r in rafts if r != raft)
+            self._add(
+                f"meta-{i}",
+                [
+                    "--role",
+                    "meta",
+                    "--meta-id",
+                    str(i),
+                    "--address",
+                    raft,
+                    "--peers",
+                    peers,
+                    "--grpc-port",
+                    str(grpcs[i]),
+                    "--raft-min-timeout-s",
+                    "0.3",
+                    "--raft-max-timeout-s",
+                    "0.8",
+                    *common,
+                ],
+            )
+        meta_list = ",".join(self.meta_addresses)
+        self.node_ports: dict[str, int] = {}
+        for kind, n in (("prefill", prefill), ("decode", decode)):
+            for i in range(n):
+                name = f"{kind}-{i}"
+                self.node_ports[name] = free_port()
+                self._add(
+                    name,
+                    [
+                        "--role",
+                        "node",
+                        "--kind",
+                        kind,
+                        "--node-id",
+                        name,
+                        "--port",
+                        str(self.node_ports[name]),
+                        "--meta",
+                        meta_list,
+                        "--metrics-port",
+                        "0",
+                        *common,
+                    ],
+                )
+        self.expected = (prefill, decode)
+        self.router_ports = [port + i if port else free_port() for i in range(routers)]
+        self.port = self.router_ports[0]
+        self.addresses = [f"127.0.0.1:{p}" for p in self.router_ports]
+        self.address = self.addresses[0]
+        for i, router_port in enumerate(self.router_ports):
+            self._add(
+                f"router-{i}",
+                [
+                    "--role",
+                    "router",
+                    "--port",
+                    str(router_port),
+                    "--meta",
+                    meta_list,
+                    "--metrics-port",
+                    "0",
+                    *common,
+                    *router_extra,
+                ],
+            )
+
+    def _add(self, name: str, args: list[str]) -> None:
+        self.procs[name] = Proc(name, args, self.data_dir / f"{name}.log")
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start everything (meta first, routers last) and wait until every router serves."""
+        order = [p for p in self.procs.values() if p.name.startswith("meta")]
+        order += [p for p in self.procs.values() if not p.name.startswith(("meta", "router"))]
+        order += [p for p in self.procs.values() if p.name.startswith("router")]
+        for proc in order:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        for address in self.addresses:
+            self.wait_serving(max(1.0, deadline - time.monotonic()), address)
+
+    def wait_serving(self, timeout_s: float, address: str | None = None) -> None:
+        """Until the router at ``address`` (the first) knows every node and all are healthy."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(address or self.address) as channel:
+            stub = pb2_grpc.InferenceStub(channel)
+            while True:
+                try:
+                    health = stub.Health(pb2.HealthRequest(), timeout=2)
+                    known = (len(health.prefill_instances), len(health.decode_instances))
+                    if health.serving and known == self.expected:
+                        stats = stub.Stats(pb2.StatsRequest(), timeout=2)
+                        if all(i.values["healthy"] == 1.0 for i in stats.instances):
+                            return  # the router serves and every node is known and healthy
+                except grpc.RpcError:
+                    pass
+                dead = [p.name for p in self.procs.values() if not p.alive() and not p.keep_down]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"cluster did not start (exited: {dead}); logs in {self.data_dir}"
+                    )
+                time.sleep(0.3)
+
+    def wait_all(self, timeout_s: float) -> None:
+        """Until every process runs again (``supervise_once`` restarts crashed ones; call it
+        meanwhile) and every router knows every node as healthy."""
+        deadline = time.monotonic() + timeout_s
+        while any(not p.alive() and not p.keep_down for p in self.procs.values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes did not come back; logs in {self.data_dir}")
+            time.sleep(0.2)
+        for address in self.addresses:
+            self.wait_serving(max(1.0, deadline - time.monotonic()), address)
+
+    def kill(self, name: str, keep_down: bool = True) -> None:
+        """SIGKILL one process (a failure test). ``keep_down=False``: a crash, which
+        ``supervise_once`` restarts."""
+        proc = self.procs[name]
+        proc.keep_down = keep_down
+        proc.stop(signal.SIGKILL)
+
+    def metadata_leader(self) -> str | None:
+        """The name of the metadata replica that says it leads, or None."""
+        for i, address in enumerate(self.meta_addresses):
+            if not self.procs[f"meta-{i}"].alive():
+                continue
+            with grpc.insecure_channel(address) as channel:
+                stub = meta_pb2_grpc.MetadataServiceStub(channel)
+                try:
+                    if stub.Status(meta_pb2.StatusRequest(), timeout=5).is_leader:
+                        return f"meta-{i}"
+                except grpc.RpcError:
+                    continue
+        return None
+
+    def restart(self, name: str) -> None:
+        """Start a process killed with ``kill`` again (same arguments, ports and data)."""
+        proc = self.procs[name]
+        proc.stop()
+        proc.keep_down = False
+        proc.restarts += 1
+        proc.start()
+
+    def supervise_once(self, now: float | None = None) -> list[str]:
+        """Restart the processes that died without being killed on purpose: at once if they
+        had run ``STABLE_AFTER_S``, else after a backoff that doubles with each quick death.
+        Returns the names restarted now."""
+        now = time.monotonic() if now is None else now
+        restarted = []
+        for proc in self.procs.values():
+            if proc.alive() or proc.keep_down or proc.popen is None:
+                continue
+            if proc.restart_at is None:  # a death not seen before
+                quick = now - proc.started_at < STABLE_AFTER_S
+                proc.backoff_s = (
+                    min(MAX_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * proc.backoff_s)) if quick else 0.0
+                )
+                proc.restart_at = now + proc.backoff_s
+                logger.warning(
+                    "%s exited with %s; restarting it%s (log: %s)",
+                    proc.name,
+                    proc.popen.poll(),
+                    f" in {proc.backoff_s:.1f} s" if proc.backoff_s else "",
+                    proc.log_path,
+                )
+            if now >= proc.restart_at:
+                proc.stop()
+                proc.restarts += 1
+                proc.start()
+                restarted.append(proc.name)
+        return restarted
+
+    def stop(self) -> None:
+        """SIGTERM routers, then nodes (they flush their holdings to the metadata), then the
+        metadata replicas; SIGKILL what does not exit in time."""
+        routers = [n for n in self.procs if n.startswith("router")]
+        metas = [n for n in self.procs if n.startswith("meta")]
+        nodes = [n for n in self.procs if n not in routers and n not in metas]
+        for name in [*routers, *nodes, *metas]:
+            self.procs[name].stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalMetaProcesses:
+    """``n`` replica processes of one metadata group on this host (benchmarks, tests): free
+    loopback ports, journals under ``data_dir``, output appended to ``<data_dir>/meta-<i>.log``.
+
+    ``start(i)``/``kill(i)`` (SIGKILL)/``stop_all()`` (SIGTERM, then SIGKILL). Not
+    thread-safe. Use as a context manager to stop every process on exit.
+    """
+
+    def __init__(self, data_dir: Path, n: int = 3, extra_args: Sequence[str] = ()) -> None:
+        if n < 1:
+            raise ValueError(f"n: expected >= 1 replicas, got {n}")
+        self.data_dir = data_dir
+        self.raft = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        self.grpc = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        self.procs = [
+            Proc(
+                f"meta-{i}",
+                [
+                    "--meta-id",
+                    str(i),
+                    "--address",
+                    raft,
+                    "--peers",
+                    ",".join(r for r in self.raft if r != raft),
+                    "--data-dir",
+                    str(data_dir),
+                    "--grpc-port",
+                    self.grpc[i].rpartition(":")[2],
+                    *extra_args,
+                ],
+                data_dir / f"meta-{i}.log",
+                module=("kvflow.tools.meta",),
+            )
+            for i, raft in enumerate(self.raft)
+        ]
+
+    def start(self, i: int) -> None:
+        if self.procs[i].alive():
+            raise RuntimeError(f"replica {i} is already running")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.procs[i].start()
+
+    def start_all(self) -> None:
+        for i in range(len(self.procs)):
+            self.start(i)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL replica ``i`` (if running) and reap it."""
+        self.procs[i].kill()
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.alive() and proc.popen is not None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            proc.stop(timeout=5.0)
+
+    def __enter__(self) -> LocalMetaProcesses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
