@@ -32,9 +32,7 @@ def test_import_kvdb_loads_no_engine_server_or_torch() -> None:
         m
         for m in modules
         if m.split(".")[0] in {"torch", "sglang", "transformers", "safetensors", "tokenizers"}
-        or m.startswith(
-            ("kvflow.stages", "kvflow.tools", "kvflow.router", "kvflow.pipeline")
-        )
+        or m.startswith(("kvflow.stages", "kvflow.tools", "kvflow.router", "kvflow.pipeline"))
         or m.startswith("kvflow.integrations")
     )
     assert heavy == []
