@@ -34,6 +34,7 @@ def storage_config(is_mla: bool, model: str = "org/model-a", **extra: Any) -> An
 
 def create_backend(pool: Any, is_mla: bool, model: str = "org/model-a", **extra: Any) -> Any:
     """What SGLang's HiCacheController.attach_storage_backend does for ``dynamic``."""
+    load_contract()  # sglang's contract without the runtime (before any sglang import)
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     backend = StorageBackendFactory.create_backend(
