@@ -233,6 +233,16 @@ class ClusterMember:
             c.misses += out.count(None)
         return out
 
+    def size_of(self, key: bytes) -> int | None:
+        """The size of ``key``'s value here or on a live peer, or None if nobody holds it."""
+        value = self.store.shard.get(key)
+        if value is not None:
+            return len(value)
+        if self.peers is None:
+            return None
+        holder = self.peers.holders([key])[0]
+        return None if holder is None else self.peers.size_of(holder, key)
+
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove ``keys`` from this member's shard (peers keep their copies); the number
         removed. Pinned blocks (being read by a peer) stay."""

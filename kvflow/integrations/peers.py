@@ -140,6 +140,18 @@ class Peers:
             return [False] * len(keys)
         return [t is not None for t in got]
 
+    def size_of(self, node: NodeId, key: bytes) -> int | None:
+        """The size of ``key``'s value on ``node`` (a lease, released at once), or None."""
+        client = self._client(node)
+        if client is None:
+            return None
+        try:
+            lease = client.lease([key])
+        except (KVDBError, TransferError, OSError, grpc.RpcError):
+            return None
+        client.release_async(lease)
+        return lease.blocks[0].length if lease.blocks else None
+
     def close(self) -> None:
         with self._lock:
             clients = [c for _, c in self._clients.values()]
