@@ -3,16 +3,22 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Exact tested versions; pyproject.toml has ranges.
+CONSTRAINTS := constraints.txt
+# Installed without their dependencies (pinned in constraints.txt): sglang's wheel requires a
+# CUDA torch; kvflow only imports its HiCache storage contract (torch + stdlib).
+NODEPS := sglang
 # The default run: everything but the GPU tests, including the `slow` ones (real-process
 # clusters and failover; about 75 s of the ~2.5 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"
 
 .PHONY: run test lint test-fast clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps -c $(CONSTRAINTS) $(NODEPS)
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -180,3 +180,16 @@ def block_keys(namespace: Namespace, token_ids: Sequence[int]) -> list[BlockKey]
         prev = _digest(prev + encoded[start : start + stride])
         keys.append(prev)
     return keys
+
+
+_NAMED_TAG = b"kvflow.named.v1"
+
+
+def named_key(namespace: Namespace, name: bytes, part: int = 0) -> BlockKey:
+    """The key of a block that another engine names itself (an SGLang page hash, a Mooncake
+    object key), inside ``namespace``: blake2b-16(root key ‖ tag ‖ part ‖ name). ``part``
+    numbers the pieces one name is stored as (0-65535). Two namespaces (tenants, models,
+    layouts) never produce the same key for the same name. Raises ValueError for a bad part."""
+    if not isinstance(part, int) or not 0 <= part <= 0xFFFF:
+        raise ValueError(f"part must be an int in [0, 65535], got {part!r}")
+    return _digest(namespace.root_key() + _NAMED_TAG + struct.pack("<H", part) + bytes(name))

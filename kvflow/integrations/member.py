@@ -1,0 +1,269 @@
+"""ClusterMember: another engine's process as a member of a kvflow cluster.
+
+With metadata addresses, the member holds a kvdb shard registered in the Raft metadata (its
+blocks are recorded there, follow replica targets and eviction like any node's), serves them
+to peers (gRPC BlockService + admin service, a transfer-engine tcp server exposing its DRAM
+pool) and reads the blocks it lacks from live peers over the transfer engine. Without them it
+is an embedded store: one shard in this process, no servers, no peers.
+
+Keys are final ``BlockKey`` bytes (the caller derives them inside its namespace). Every method
+is thread-safe. Misses are return values; a dead peer is a miss, never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvflow.integrations.config import MemberConfig
+from kvflow.integrations.peers import Peers, format_member_address
+from kvflow.kvdb import (
+    BlockPinnedError,
+    Namespace,
+    ShardRef,
+    StaticAdminSource,
+    StoreConfig,
+    StoreFullError,
+    Tier,
+    add_admin_service,
+    add_block_service,
+    open_store,
+)
+from kvflow.replication import NodeId, RemoteMetadata
+from kvflow.transfer import TransferConfig, TransferEngine
+
+logger = logging.getLogger(__name__)
+
+MEMBER_KIND = "store"  # the metadata's node kind: routers never schedule requests on it
+METADATA_READY_S = 30.0
+
+
+@dataclass
+class MemberCounters:
+    """Blocks served per source since the last reset (read with ``counters(reset)``)."""
+
+    dram_hits: int = 0
+    ssd_hits: int = 0
+    remote_hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    rejected_puts: int = 0
+
+
+class ClusterMember:
+    """One member (see the module doc). ``namespace`` binds the shard to one model and layout
+    (another model's data dir raises NamespaceMismatchError-like IncompatibleDataDirError);
+    ``value_size``: the exact size of every value, None = any size up to 64 MiB."""
+
+    def __init__(
+        self,
+        config: MemberConfig,
+        namespace: Namespace,
+        value_size: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.node = NodeId(config.node_id)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counters = MemberCounters()
+        self._stop = threading.Event()
+        self._closers: list[Callable[[], None]] = []
+        self.metadata: RemoteMetadata | None = None
+        self.peers: Peers | None = None
+        self.address = ""
+        try:
+            self._open(value_size)
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _store_config(self, value_size: int | None) -> StoreConfig:
+        c = self.config
+        data_dir = None if c.data_dir is None else c.data_dir / "shards" / c.node_id
+        return StoreConfig(
+            data_dir=data_dir,
+            dram_capacity_bytes=c.dram_bytes,
+            ssd_capacity_bytes=c.ssd_bytes,
+            engine=c.engine,
+            value_size=value_size,
+        )
+
+    def _open(self, value_size: int | None) -> None:
+        c = self.config
+        store_config = self._store_config(value_size)
+        if not c.clustered:
+            self.store = open_store(store_config, self.namespace, node_id=self.node)
+            self._closers.append(self.store.close)
+            return
+        metadata = RemoteMetadata(list(c.meta))
+        self.metadata = metadata
+        self._closers.append(metadata.close)
+        metadata.start()
+        metadata.wait_ready(METADATA_READY_S)
+        self.transfer = TransferEngine(TransferConfig())
+        self._closers.append(self.transfer.close)
+        host, tport = self.transfer.start_server(c.host, c.transfer_port)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvflow-member"),
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        port = self.server.add_insecure_port(f"{c.host}:{c.port}")
+        if port == 0:
+            raise OSError(f"port: cannot listen on {c.host}:{c.port}")
+        self.address = format_member_address(f"{c.host}:{port}", f"{host}:{tport}")
+        # Registered with its address before the store opens: re-adoption writes would
+        # otherwise register the node implicitly, without an address peers can use.
+        metadata.register_node(self.node, self.address, MEMBER_KIND)
+        self.store = open_store(store_config, self.namespace, node_id=self.node, metadata=metadata)
+        self._closers.append(self.store.close)
+        source = StaticAdminSource(
+            {c.node_id: ShardRef(self.store.shard, self.node, MEMBER_KIND)}, metadata.view()
+        )
+        add_admin_service(self.server, source)
+        blocks = add_block_service(self.server, source, self.transfer)
+        self._closers.append(blocks.close)
+        self.server.start()
+        self._closers.append(lambda: self.server.stop(1.0).wait(5.0))
+        self.peers = Peers(c.node_id, metadata, self.transfer, c.peer_dead_after_s, self._clock)
+        self._closers.append(self.peers.close)
+        beat = threading.Thread(target=self._heartbeats, name="kvflow-member-hb", daemon=True)
+        beat.start()
+        self._closers.append(lambda: beat.join(5.0))
+        self._closers.append(self._stop.set)
+        logger.info("member=%s joined the cluster at %s", self.node, self.address)
+
+    def _heartbeats(self) -> None:
+        assert self.metadata is not None
+        while not self._stop.wait(self.config.heartbeat_s):
+            try:
+                if not self.metadata.heartbeat(self.node):
+                    # dropped (or a new metadata group): register again and re-adopt
+                    self.metadata.register_node(self.node, self.address, MEMBER_KIND)
+                    self.metadata.replace_holdings(self.node, self.store.shard.holdings())
+            except Exception:
+                logger.warning("member=%s heartbeat failed", self.node, exc_info=True)
+
+    def close(self) -> None:
+        """Stop serving, leave (the metadata drops the member after its dead time), close the
+        shard (DRAM flushed to SSD per the store config). Idempotent."""
+        self._stop.set()
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception:
+                logger.warning("member=%s close step failed", self.node, exc_info=True)
+
+    def __enter__(self) -> ClusterMember:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- blocks
+
+    def register_destination(self, buffer: Any) -> None:
+        """Remote reads into views of ``buffer`` land there directly (no staging copy)."""
+        if self.peers is not None:
+            self.peers.register_destination(buffer)
+
+    def put(self, key: bytes, value: Any, parent: bytes | None = None) -> bool:
+        """Store ``value`` (copied) in this member's shard; True if it is held (already or
+        now), False if no tier had room. Raises ValueSizeError / InvalidBufferError."""
+        try:
+            tier = self.store.shard.put(key, value, parent)
+        except StoreFullError:
+            tier = None
+        with self._lock:
+            self._counters.puts += 1
+            self._counters.rejected_puts += tier is None
+        return tier is not None
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: held here or by a live peer (per the metadata). No recency update."""
+        shard = self.store.shard
+        out = [shard.exists(k) for k in keys]
+        missing = [i for i, hit in enumerate(out) if not hit]
+        if missing and self.peers is not None:
+            for i, holder in zip(
+                missing, self.peers.holders([keys[i] for i in missing]), strict=True
+            ):
+                out[i] = holder is not None
+        return out
+
+    def read_into(self, keys: Sequence[bytes], bufs: Sequence[Any]) -> list[str | None]:
+        """Fill ``bufs[i]`` (each exactly its value's size) with ``keys[i]``'s value: from
+        this shard, else from a live peer that holds it. Per key its source ("dram", "ssd",
+        "remote") or None (a miss; that buffer then holds unspecified bytes)."""
+        if len(keys) != len(bufs):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        shard = self.store.shard
+        out: list[str | None] = []
+        for key, buf in zip(keys, bufs, strict=True):
+            tier = shard.get_into(key, buf)
+            out.append(None if tier is None else ("dram" if tier is Tier.DRAM else "ssd"))
+        missing = [i for i, src in enumerate(out) if src is None]
+        if missing and self.peers is not None:
+            by_node: dict[NodeId, list[int]] = {}
+            for i, node in zip(
+                missing, self.peers.holders([keys[i] for i in missing]), strict=True
+            ):
+                if node is not None:
+                    by_node.setdefault(node, []).append(i)
+            for node, idx in by_node.items():
+                got = self.peers.read_into(node, [keys[i] for i in idx], [bufs[i] for i in idx])
+                for i, ok in zip(idx, got, strict=True):
+                    out[i] = "remote" if ok else None
+        with self._lock:
+            c = self._counters
+            c.dram_hits += out.count("dram")
+            c.ssd_hits += out.count("ssd")
+            c.remote_hits += out.count("remote")
+            c.misses += out.count(None)
+        return out
+
+    def size_of(self, key: bytes) -> int | None:
+        """The size of ``key``'s value here or on a live peer, or None if nobody holds it."""
+        value = self.store.shard.get(key)
+        if value is not None:
+            return len(value)
+        if self.peers is None:
+            return None
+        holder = self.peers.holders([key])[0]
+        return None if holder is None else self.peers.size_of(holder, key)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Remove ``keys`` from this member's shard (peers keep their copies); the number
+        removed. Pinned blocks (being read by a peer) stay."""
+        removed = 0
+        for key in keys:
+            try:
+                removed += self.store.shard.remove(key)
+            except BlockPinnedError:
+                logger.info("member=%s key=%s is pinned; not removed", self.node, key.hex())
+        return removed
+
+    def remove_all(self) -> int:
+        """Remove every block this member's shard holds (every tenant of its model)."""
+        return self.remove([key for key, _ in self.store.shard.holdings()])
+
+    def counters(self, reset: bool = False) -> MemberCounters:
+        with self._lock:
+            snapshot = MemberCounters(**vars(self._counters))
+            if reset:
+                self._counters = MemberCounters()
+        return snapshot
+
+
+__all__ = ["MEMBER_KIND", "ClusterMember", "MemberCounters"]

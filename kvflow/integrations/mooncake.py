@@ -1,0 +1,314 @@
+"""A Mooncake Store-compatible Python API over kvdb: switch the import, keep the calls.
+
+``from kvflow.integrations.mooncake import MooncakeDistributedStore, ReplicateConfig`` in
+place of ``from mooncake.store import ...``. Methods, arguments and return conventions follow
+Mooncake's Python API page (0 / byte counts on success, negative codes on error, 1/0/-1 for
+existence, empty bytes for a missing get). ``metadata_server`` names kvflow's metadata
+replicas ("host:port,host:port,...") or "embedded" for a store in this process only; the
+differences are listed in README.md in this folder.
+
+Thread-safe (the member is). Buffers passed by address must be registered first
+(``register_buffer``); an unregistered address is refused with INVALID_PARAMS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvflow.integrations.config import MemberConfig
+from kvflow.integrations.member import ClusterMember
+from kvflow.kvdb import KVDBError, KVLayout, Namespace
+from kvflow.kvdb.keys import named_key
+
+logger = logging.getLogger(__name__)
+
+# Mooncake's ErrorCode values for the cases this API reports.
+INTERNAL_ERROR = -1
+BUFFER_OVERFLOW = -10
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+
+_LAYOUT = KVLayout(1, 1, 1, 1, "uint8")  # values are opaque bytes of any size
+
+
+@dataclass
+class ReplicateConfig:
+    """Mooncake's replication config; kvflow reads ``replica_num`` (the block's replica
+    target in the metadata). ``preferred_segments`` is accepted and ignored."""
+
+    replica_num: int = 1
+    with_soft_pin: bool = False
+    preferred_segment: str = ""
+
+
+class MooncakeDistributedStore:
+    """See the module doc. Construct, then ``setup(...)``; ``close()`` at the end."""
+
+    def __init__(self) -> None:
+        self._member: ClusterMember | None = None
+        self._ns: Namespace | None = None
+        self._names: dict[str, bytes] = {}  # keys put through this object (for regex/all)
+        self._buffers: dict[int, int] = {}  # registered address -> size
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- setup
+
+    def setup(
+        self,
+        local_hostname: str | Mapping[str, Any],
+        metadata_server: str = "embedded",
+        global_segment_size: int = 16777216,
+        local_buffer_size: int = 1073741824,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        master_server_addr: str = "",
+    ) -> int:
+        """Join (or, with "embedded", open) a store. A mapping as the first argument is a
+        config dict with the same names (``master_server_address`` also accepted) plus any
+        ``kvflow_*`` MemberConfig keys. Returns 0, or INVALID_PARAMS / INTERNAL_ERROR."""
+        if isinstance(local_hostname, Mapping):
+            cfg = dict(local_hostname)
+        else:
+            cfg = {
+                "local_hostname": local_hostname,
+                "metadata_server": metadata_server,
+                "global_segment_size": global_segment_size,
+                "protocol": protocol,
+            }
+        if self._member is not None or cfg.get("protocol", "tcp") != "tcp":
+            logger.error("setup: already set up, or a protocol other than tcp")
+            return INVALID_PARAMS
+        meta = str(cfg.get("metadata_server", "embedded"))
+        host = str(cfg.get("local_hostname", "127.0.0.1")).rpartition(":")
+        defaults: dict[str, Any] = {
+            "node_id": f"mooncake-{uuid.uuid4().hex[:12]}",
+            "host": host[0] or host[2] or "127.0.0.1",
+            "dram_bytes": int(cfg.get("global_segment_size", 16777216)),
+            "engine": "memory",
+            "meta": () if meta in ("", "embedded") else meta,
+        }
+        try:
+            config = MemberConfig.from_mapping(cfg, **defaults)
+            self._ns = Namespace(config.tenant, "mooncake-store", _LAYOUT)
+            self._member = ClusterMember(config, self._ns)
+        except (ValueError, TypeError) as exc:
+            logger.error("setup: %s", exc)
+            return INVALID_PARAMS
+        except Exception:
+            logger.exception("setup failed")
+            return INTERNAL_ERROR
+        return 0
+
+    def close(self) -> int:
+        if self._member is not None:
+            self._member.close()
+            self._member = None
+        return 0
+
+    def _ready(self) -> tuple[ClusterMember, Namespace]:
+        if self._member is None or self._ns is None:
+            raise RuntimeError("setup() first")
+        return self._member, self._ns
+
+    def _key(self, key: Any) -> bytes | None:
+        if not isinstance(key, str) or not key:
+            return None
+        return named_key(self._ready()[1], key.encode("utf-8"))
+
+    # ----------------------------------------------------------------- buffers
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Allow ``[buffer_ptr, buffer_ptr + size)`` in the zero-copy calls (and as a direct
+        destination of remote reads). 0, or INVALID_PARAMS."""
+        member, _ = self._ready()
+        if (
+            not isinstance(buffer_ptr, int)
+            or buffer_ptr <= 0
+            or not isinstance(size, int)
+            or size <= 0
+        ):
+            return INVALID_PARAMS
+        with self._lock:
+            self._buffers[buffer_ptr] = size
+        member.register_destination(self._view(buffer_ptr, size))
+        return 0
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        with self._lock:
+            return 0 if self._buffers.pop(buffer_ptr, None) is not None else INVALID_PARAMS
+
+    def _view(self, ptr: int, size: int) -> np.ndarray:
+        return np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(ptr))
+
+    def _registered_view(self, ptr: Any, size: Any) -> np.ndarray | None:
+        if not isinstance(ptr, int) or not isinstance(size, int) or size <= 0:
+            return None
+        with self._lock:
+            ok = any(b <= ptr and ptr + size <= b + n for b, n in self._buffers.items())
+        return self._view(ptr, size) if ok else None
+
+    # ----------------------------------------------------------------- writes
+
+    def put(self, key: str, value: bytes, config: ReplicateConfig | None = None) -> int:
+        """Store ``value`` (copied). 0; OBJECT_ALREADY_EXISTS if ``key`` is held here
+        (objects are immutable); INVALID_PARAMS for a bad key or an empty value;
+        INTERNAL_ERROR when no tier has room."""
+        member, _ = self._ready()
+        bkey = self._key(key)
+        try:
+            data = memoryview(value)
+        except TypeError:
+            return INVALID_PARAMS
+        if bkey is None or data.nbytes == 0:
+            return INVALID_PARAMS
+        if member.store.shard.exists(bkey):
+            return OBJECT_ALREADY_EXISTS
+        try:
+            ok = member.put(bkey, data)
+        except KVDBError as exc:
+            logger.warning("put key=%s: %s", key, exc)
+            return INVALID_PARAMS
+        if not ok:
+            return INTERNAL_ERROR
+        with self._lock:
+            self._names[key] = bkey
+        if config is not None and config.replica_num > 1 and member.metadata is not None:
+            member.metadata.set_replica_target(bkey, config.replica_num)
+        return 0
+
+    def put_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
+    ) -> int:
+        view = self._registered_view(buffer_ptr, size)
+        return INVALID_PARAMS if view is None else self.put(key, view, config)
+
+    def put_batch(
+        self, keys: Sequence[str], values: Sequence[bytes], config: ReplicateConfig | None = None
+    ) -> int:
+        """0 if every put succeeded, else the first error code."""
+        if len(keys) != len(values):
+            return INVALID_PARAMS
+        codes = [self.put(k, v, config) for k, v in zip(keys, values, strict=True)]
+        return next((c for c in codes if c != 0), 0)
+
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffer_ptrs: Sequence[int],
+        sizes: Sequence[int],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID_PARAMS] * len(keys)
+        return [
+            self.put_from(k, p, s, config) for k, p, s in zip(keys, buffer_ptrs, sizes, strict=True)
+        ]
+
+    # ----------------------------------------------------------------- reads
+
+    def get_size(self, key: str) -> int:
+        """The object's size, OBJECT_NOT_FOUND, or INVALID_PARAMS."""
+        member, _ = self._ready()
+        bkey = self._key(key)
+        if bkey is None:
+            return INVALID_PARAMS
+        size = member.size_of(bkey)
+        return OBJECT_NOT_FOUND if size is None else size
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Bytes read into the registered buffer, or OBJECT_NOT_FOUND, BUFFER_OVERFLOW
+        (buffer smaller than the object), INVALID_PARAMS (bad key or unregistered buffer)."""
+        member, _ = self._ready()
+        bkey = self._key(key)
+        view = self._registered_view(buffer_ptr, size)
+        if bkey is None or view is None:
+            return INVALID_PARAMS
+        nbytes = member.size_of(bkey)
+        if nbytes is None:
+            return OBJECT_NOT_FOUND
+        if nbytes > size:
+            return BUFFER_OVERFLOW
+        got = member.read_into([bkey], [view[:nbytes]])[0]
+        return nbytes if got is not None else OBJECT_NOT_FOUND
+
+    def batch_get_into(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID_PARAMS] * len(keys)
+        return [self.get_into(k, p, s) for k, p, s in zip(keys, buffer_ptrs, sizes, strict=True)]
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes, or b"" if it is missing (or the key is bad)."""
+        member, _ = self._ready()
+        bkey = self._key(key)
+        if bkey is None:
+            return b""
+        nbytes = member.size_of(bkey)
+        if nbytes is None:
+            return b""
+        out = bytearray(nbytes)
+        return bytes(out) if member.read_into([bkey], [out])[0] is not None else b""
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def is_exist(self, key: str) -> int:
+        """1 held (here or by a live member), 0 not, -1 bad key."""
+        member, _ = self._ready()
+        bkey = self._key(key)
+        return -1 if bkey is None else int(member.present([bkey])[0])
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        return [self.is_exist(k) for k in keys]
+
+    # ----------------------------------------------------------------- removal
+
+    def remove(self, key: str) -> int:
+        """0 removed from this process's shard, OBJECT_NOT_FOUND, INVALID_PARAMS."""
+        member, _ = self._ready()
+        bkey = self._key(key)
+        if bkey is None:
+            return INVALID_PARAMS
+        with self._lock:
+            self._names.pop(key, None)
+        return 0 if member.remove([bkey]) == 1 else OBJECT_NOT_FOUND
+
+    def remove_by_regex(self, regex: str) -> int:
+        """How many keys put through this object that match ``regex`` (``re.search``) were
+        removed; INVALID_PARAMS for a bad pattern."""
+        try:
+            pattern = re.compile(regex)
+        except (re.error, TypeError):
+            return INVALID_PARAMS
+        with self._lock:
+            names = [n for n in self._names if pattern.search(n)]
+        return sum(self.remove(n) == 0 for n in names)
+
+    def remove_all(self) -> int:
+        """Remove every object this process's shard holds; how many."""
+        member, _ = self._ready()
+        with self._lock:
+            self._names.clear()
+        return member.remove_all()
+
+
+__all__ = [
+    "BUFFER_OVERFLOW",
+    "INTERNAL_ERROR",
+    "INVALID_PARAMS",
+    "OBJECT_ALREADY_EXISTS",
+    "OBJECT_NOT_FOUND",
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+]

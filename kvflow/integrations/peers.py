@@ -1,0 +1,163 @@
+"""Peers: the other live members of a kvflow cluster and readers of their blocks.
+
+A member registers in the metadata as ``<gRPC host:port>|<transfer host:port>`` (the format
+kvflow's own nodes use), so SGLang processes, Mooncake-API processes and kvflow prefill nodes
+read each other's blocks alike. Reads go through kvdb's ``RemoteClient`` (Lease over gRPC, a
+transfer-engine READ straight into a registered destination, xxh3 check, Release).
+
+Thread-safe. A peer that cannot be reached, a failed transfer or a failed checksum is a miss:
+``read_into`` never raises for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from kvflow.kvdb import KVDBError, RemoteClient
+from kvflow.replication import NodeId, ReplicationError
+from kvflow.transfer import TransferEngine, TransferError
+
+logger = logging.getLogger(__name__)
+
+NODES_TTL_S = 0.5
+
+
+def format_member_address(control: str, transfer: str) -> str:
+    return f"{control}|{transfer}"
+
+
+def parse_member_address(address: str) -> tuple[str, str] | None:
+    """(control, transfer) of a registered address, or None for another format."""
+    control, sep, transfer = address.partition("|")
+    return (control, transfer) if sep and control and transfer else None
+
+
+class Peers:
+    """Live peers of ``self_id`` per ``metadata`` (a RemoteMetadata), refreshed at most every
+    ``NODES_TTL_S``; one RemoteClient per peer, every registered destination registered with
+    it. ``clock`` is wall time, the clock heartbeats are recorded with."""
+
+    def __init__(
+        self,
+        self_id: str,
+        metadata: Any,
+        transfer: TransferEngine,
+        dead_after_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._self = NodeId(self_id)
+        self._metadata = metadata
+        self._transfer = transfer
+        self._dead_after_s = dead_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._live: dict[NodeId, tuple[str, str]] = {}
+        self._loaded = -NODES_TTL_S
+        self._clients: dict[NodeId, tuple[tuple[str, str], RemoteClient]] = {}
+        self._destinations: list[Any] = []
+
+    def register_destination(self, buffer: Any) -> None:
+        """Read straight into views of ``buffer`` (kept alive by the caller until close)."""
+        with self._lock:
+            self._destinations.append(buffer)
+            clients = [c for _, c in self._clients.values()]
+        for client in clients:
+            client.register_destination(buffer)
+
+    def live(self) -> dict[NodeId, tuple[str, str]]:
+        """{peer: (control, transfer)} of peers with a recent heartbeat (cached)."""
+        with self._lock:
+            if time.monotonic() - self._loaded < NODES_TTL_S:
+                return self._live
+        try:
+            infos = self._metadata.view().nodes()
+        except (ReplicationError, grpc.RpcError) as exc:
+            logger.warning("member=%s cannot list peers: %s", self._self, exc)
+            infos = []
+        now = self._clock()
+        live: dict[NodeId, tuple[str, str]] = {}
+        for info in infos:
+            addresses = parse_member_address(info.address)
+            if info.node == self._self or addresses is None:
+                continue
+            if now - info.last_heartbeat <= self._dead_after_s:
+                live[info.node] = addresses
+        with self._lock:
+            self._live, self._loaded = live, time.monotonic()
+        return live
+
+    def holders(self, keys: Sequence[bytes]) -> list[NodeId | None]:
+        """For each key a live peer that holds it (per the metadata, which may lag by the
+        view's cache TTL), or None."""
+        if not keys:
+            return []
+        live = self.live()
+        if not live:
+            return [None] * len(keys)
+        try:
+            rows = self._metadata.view().holders(keys)
+        except (ReplicationError, grpc.RpcError) as exc:
+            logger.warning("member=%s holders lookup failed: %s", self._self, exc)
+            return [None] * len(keys)
+        return [next((n for n in row if n in live), None) for row in rows]
+
+    def _client(self, node: NodeId) -> RemoteClient | None:
+        addresses = self.live().get(node)
+        if addresses is None:
+            return None
+        with self._lock:
+            old = self._clients.get(node)
+            if old is not None and old[0] == addresses:
+                return old[1]
+            stale = old[1] if old is not None else None
+            client = RemoteClient(addresses[0], self._transfer, addresses[1], shard=node)
+            for buffer in self._destinations:
+                client.register_destination(buffer)
+            self._clients[node] = (addresses, client)
+        if stale is not None:
+            stale.close()
+        return client
+
+    def read_into(self, node: NodeId, keys: Sequence[bytes], bufs: Sequence[Any]) -> list[bool]:
+        """Read ``keys`` from ``node`` into ``bufs``; per key whether its bytes arrived and
+        verified. Misses for anything that fails (the peer died, the lease or transfer
+        failed, a checksum did not match); buffers of misses hold unspecified bytes."""
+        client = self._client(node)
+        if client is None or not keys:
+            return [False] * len(keys)
+        try:
+            got = client.batch_get_into(keys, bufs)
+        except (KVDBError, TransferError, OSError, grpc.RpcError) as exc:
+            logger.warning("member=%s read from peer=%s failed: %s", self._self, node, exc)
+            with self._lock:
+                self._loaded = -NODES_TTL_S  # re-read liveness before the next read
+            return [False] * len(keys)
+        return [t is not None for t in got]
+
+    def size_of(self, node: NodeId, key: bytes) -> int | None:
+        """The size of ``key``'s value on ``node`` (a lease, released at once), or None."""
+        client = self._client(node)
+        if client is None:
+            return None
+        try:
+            lease = client.lease([key])
+        except (KVDBError, TransferError, OSError, grpc.RpcError):
+            return None
+        client.release_async(lease)
+        return lease.blocks[0].length if lease.blocks else None
+
+    def close(self) -> None:
+        with self._lock:
+            clients = [c for _, c in self._clients.values()]
+            self._clients = {}
+        for client in clients:
+            client.close()
+
+
+__all__ = ["Peers", "format_member_address", "parse_member_address"]

@@ -1,0 +1,124 @@
+"""The Mooncake Store-compatible API: every method, its return codes and bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvflow.integrations.mooncake import (
+    BUFFER_OVERFLOW,
+    INVALID_PARAMS,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    MooncakeDistributedStore,
+    ReplicateConfig,
+)
+from tests.integrations.test_sglang_cluster import meta  # noqa: F401 - fixture
+
+
+@pytest.fixture
+def store() -> Iterator[MooncakeDistributedStore]:
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "embedded", 8 << 20, 1 << 20, "tcp", "", "") == 0
+    yield s
+    assert s.close() == 0
+
+
+def test_setup_positional_and_dict_and_bad_input() -> None:
+    s = MooncakeDistributedStore()
+    assert s.setup({"local_hostname": "127.0.0.1", "metadata_server": "embedded"}) == 0
+    assert s.setup("127.0.0.1", "embedded") == INVALID_PARAMS  # already set up
+    s.close()
+    assert (
+        MooncakeDistributedStore().setup("127.0.0.1", "embedded", protocol="rdma") == INVALID_PARAMS
+    )
+    bad = MooncakeDistributedStore()
+    assert (
+        bad.setup({"metadata_server": "embedded", "kvflow_tenant": "no spaces"}) == INVALID_PARAMS
+    )
+    assert bad.setup({"metadata_server": "embedded", "kvflow_bogus": 1}) == INVALID_PARAMS
+
+
+def test_put_get_exist_size_remove(store: MooncakeDistributedStore) -> None:
+    assert store.put("hello", b"Hello, Mooncake Store!") == 0
+    assert store.put("hello", b"other") == OBJECT_ALREADY_EXISTS
+    assert store.get("hello") == b"Hello, Mooncake Store!"
+    assert store.get("missing") == b""
+    assert store.is_exist("hello") == 1 and store.is_exist("missing") == 0
+    assert store.is_exist("") == -1
+    assert store.get_size("hello") == 22 and store.get_size("missing") == OBJECT_NOT_FOUND
+    assert store.put("", b"x") == INVALID_PARAMS
+    assert store.put("empty", b"") == INVALID_PARAMS
+    assert store.put("notbytes", 12345) == INVALID_PARAMS  # type: ignore[arg-type]
+    assert store.remove("hello") == 0
+    assert store.remove("hello") == OBJECT_NOT_FOUND
+    assert store.get("hello") == b""
+
+
+def test_batches_regex_and_remove_all(store: MooncakeDistributedStore) -> None:
+    keys = ["user_session_1", "user_session_2", "model_a"]
+    values = [b"v1", b"value-2", b"a" * 1000]
+    assert store.put_batch(keys, values) == 0
+    assert store.put_batch(["x"], []) == INVALID_PARAMS
+    assert store.put_batch(["model_a"], [b"dup"]) == OBJECT_ALREADY_EXISTS
+    assert store.get_batch([*keys, "nope"]) == [*values, b""]
+    assert store.batch_is_exist([*keys, "nope"]) == [1, 1, 1, 0]
+    assert store.remove_by_regex("^user_session_.*") == 2
+    assert store.remove_by_regex("(") == INVALID_PARAMS
+    assert store.batch_is_exist(keys) == [0, 0, 1]
+    assert store.put("b", b"bb", ReplicateConfig(replica_num=2)) == 0
+    assert store.remove_all() == 2
+    assert store.batch_is_exist(["model_a", "b"]) == [0, 0]
+
+
+def test_zero_copy_needs_registered_buffers_and_reports_sizes(
+    store: MooncakeDistributedStore,
+) -> None:
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(8192, dtype=np.uint8)
+    sp, dp = src.ctypes.data, dst.ctypes.data
+    assert store.put_from("k", sp, src.nbytes) == INVALID_PARAMS  # not registered yet
+    assert store.register_buffer(sp, src.nbytes) == 0
+    assert store.register_buffer(0, 10) == INVALID_PARAMS
+    assert store.put_from("k", sp, src.nbytes) == 0
+    assert store.get_into("k", dp, dst.nbytes) == INVALID_PARAMS  # destination unregistered
+    assert store.register_buffer(dp, dst.nbytes) == 0
+    assert store.get_into("k", dp, dst.nbytes) == 4096  # a larger buffer is fine
+    assert np.array_equal(dst[:4096], src)
+    assert store.get_into("k", dp, 100) == BUFFER_OVERFLOW
+    assert store.get_into("missing", dp, 100) == OBJECT_NOT_FOUND
+    half = src.nbytes // 2
+    assert store.batch_put_from(["a", "b"], [sp, sp + half], [half, half]) == [0, 0]
+    assert store.batch_put_from(["a"], [sp, sp], [1]) == [INVALID_PARAMS]
+    dst[:] = 0
+    got = store.batch_get_into(["b", "a", "zz"], [dp, dp + half, dp + 2 * half], [half, half, half])
+    assert got == [half, half, OBJECT_NOT_FOUND]
+    assert np.array_equal(dst[:half], src[half:]) and np.array_equal(
+        dst[half : 2 * half], src[:half]
+    )
+    assert store.unregister_buffer(dp) == 0 and store.unregister_buffer(dp) == INVALID_PARAMS
+    assert store.get_into("k", dp, dst.nbytes) == INVALID_PARAMS
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_two_members_read_each_others_objects(meta: str) -> None:  # noqa: F811
+    a, b = MooncakeDistributedStore(), MooncakeDistributedStore()
+    assert a.setup("127.0.0.1", meta, 8 << 20) == 0
+    assert b.setup("127.0.0.1", meta, 8 << 20) == 0
+    try:
+        payload = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8)
+        assert a.put("shared", payload.tobytes()) == 0
+        a._member.store.flush_metadata()
+        assert b.is_exist("shared") == 1 and b.get_size("shared") == payload.nbytes
+        assert b.get("shared") == payload.tobytes()
+        dst = np.zeros(payload.nbytes, dtype=np.uint8)
+        assert b.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+        assert b.get_into("shared", dst.ctypes.data, dst.nbytes) == payload.nbytes
+        assert np.array_equal(dst, payload)
+        assert b._member.counters().remote_hits == 2
+    finally:
+        a.close()
+        b.close()
