@@ -22,8 +22,9 @@ from kvflow.router.estimators import (
     ProfileSample,
     TransferEstimator,
 )
-from kvflow.router.index import LocalPrefixIndex, PrefixIndex
+from kvflow.router.index import BatchPrefixIndex, LocalPrefixIndex, PrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceSnapshot, InstanceState
+from kvflow.router.metadata_index import MetadataPrefixIndex
 from kvflow.router.policies import make_policy, policy_names
 from kvflow.router.profile import Profile, load_profile
 from kvflow.router.sim_config import SimulationConfig
@@ -44,6 +45,7 @@ from kvflow.router.types import (
 
 __all__ = [
     "PROFILE_FILENAME",
+    "BatchPrefixIndex",
     "Conductor",
     "DecodeCandidate",
     "DecodeSample",
@@ -54,6 +56,7 @@ __all__ = [
     "InstanceSnapshot",
     "InstanceState",
     "LocalPrefixIndex",
+    "MetadataPrefixIndex",
     "PolicyChoice",
     "PrefillCandidate",
     "PrefillTimeModel",

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,11 @@ import grpc
 
 from kvflow.kvdb import KVLayout, StaticAdminSource
 from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, RequestContext, Stage, Tracer
-from kvflow.replication import NodeId, RemoteMetadata
+from kvflow.replication import RemoteMetadata
 from kvflow.router import (
     Conductor,
     InstanceState,
+    MetadataPrefixIndex,
     Profile,
     ProfileMismatchError,
     Rejection,
@@ -97,23 +97,6 @@ class RemoteNode:
         self.control = control or self.control
         self.channel = grpc.aio.insecure_channel(self.control)
         self.stub = node_pb2_grpc.NodeStub(self.channel)
-
-
-class MetadataPrefixIndex:
-    """router.PrefixIndex from the metadata: leading keys an instance holds (any tier)."""
-
-    def __init__(self, metadata: RemoteMetadata) -> None:
-        self._metadata = metadata
-
-    def match(self, instance_id: str, keys: Sequence[bytes]) -> int:
-        if not keys:
-            return 0
-        n = 0
-        for holders in self._metadata.view().holders(list(keys)):
-            if NodeId(instance_id) not in holders:
-                break
-            n += 1
-        return n
 
 
 def _sampling_msg(state: GenerateState) -> Any:
@@ -219,7 +202,7 @@ class RouterServer:
                 block_nbytes=info.page_nbytes,
                 seed=s.seed,
             ),
-            MetadataPrefixIndex(self.metadata),
+            MetadataPrefixIndex(self.metadata.view()),
             profile.prefill,
             profile.decode,
             TransferEstimator(TCP_BYTES_PER_S),
