@@ -28,7 +28,7 @@ from kvflow.router.metadata_index import MetadataPrefixIndex
 from kvflow.router.policies import make_policy, policy_names
 from kvflow.router.profile import Profile, load_profile
 from kvflow.router.sim_config import SimulationConfig
-from kvflow.router.sim_report import RequestOutcome, SimulationReport
+from kvflow.router.sim_report import InstanceLoad, RequestOutcome, SimulationReport
 from kvflow.router.simulator import simulate
 from kvflow.router.trace import TraceRecord, hash_id_key, read_trace
 from kvflow.router.types import (
@@ -53,6 +53,7 @@ __all__ = [
     "Estimate",
     "FitError",
     "InstanceKind",
+    "InstanceLoad",
     "InstanceSnapshot",
     "InstanceState",
     "LocalPrefixIndex",

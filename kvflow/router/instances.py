@@ -69,6 +69,7 @@ class InstanceState:
         self._waiting = 0  # how many of those
         self._running: dict[str, _Queued] = {}
         self._decode_tokens = 0
+        self._snap: InstanceSnapshot | None = None  # valid while nothing runs (no ``now``)
         self._external = (0.0, 0, 0)  # queued seconds, decode batch, decode context tokens
         self._lock = threading.Lock()
 
@@ -80,6 +81,7 @@ class InstanceState:
 
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             self._healthy = healthy
 
     # --- prefill queue ------------------------------------------------------------------------
@@ -88,6 +90,7 @@ class InstanceState:
         if not (math.isfinite(predicted_s) and predicted_s >= 0):
             raise ValueError(f"predicted_s must be finite and >= 0, got {predicted_s}")
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             if request_id in self._queue:
                 raise ValueError(f"request_id {request_id!r} already queued on {self.instance_id}")
             self._queue[request_id] = _Queued(predicted_s)
@@ -97,6 +100,7 @@ class InstanceState:
     def start(self, request_id: str, now: float) -> None:
         """Mark a queued request as running since ``now``; UnknownInstanceError if not queued."""
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             entry = self._queue.get(request_id)
             if entry is None:
                 raise UnknownInstanceError(
@@ -110,6 +114,7 @@ class InstanceState:
     def finish(self, request_id: str) -> None:
         """Remove a request from the queue; UnknownInstanceError if it is not there."""
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             entry = self._queue.pop(request_id, None)
             if entry is None:
                 raise UnknownInstanceError(
@@ -155,6 +160,7 @@ class InstanceState:
         if context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             if request_id in self._decode:
                 raise ValueError(
                     f"request_id {request_id!r} already decoding on {self.instance_id}"
@@ -165,6 +171,7 @@ class InstanceState:
     def grow_decode(self, request_id: str, tokens: int = 1) -> None:
         """Account ``tokens`` more context for a decoding request (one per generated token)."""
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             if request_id not in self._decode:
                 raise UnknownInstanceError(
                     f"request {request_id!r} not decoding on {self.instance_id}"
@@ -174,6 +181,7 @@ class InstanceState:
 
     def remove_decode(self, request_id: str) -> None:
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             tokens = self._decode.pop(request_id, None)
             if tokens is None:
                 raise UnknownInstanceError(
@@ -207,6 +215,7 @@ class InstanceState:
         if decode_batch_size < 0 or decode_context_tokens < 0:
             raise ValueError("decode_batch_size and decode_context_tokens must be >= 0")
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             self._external = (
                 max(0.0, queued_seconds - self._queued_seconds_locked(now)),
                 max(0, decode_batch_size - len(self._decode)),
@@ -222,8 +231,10 @@ class InstanceState:
     def snapshot(self, now: float | None = None) -> InstanceSnapshot:
         """A consistent read of every field at once (external load included)."""
         with self._lock:
+            if self._snap is not None and not self._running:
+                return self._snap  # nothing changed since, and nothing depends on ``now``
             ext_s, ext_batch, ext_ctx = self._external
-            return InstanceSnapshot(
+            snap = InstanceSnapshot(
                 instance_id=self.instance_id,
                 kind=self.kind,
                 healthy=self._healthy,
@@ -232,6 +243,8 @@ class InstanceState:
                 decode_batch_size=len(self._decode) + ext_batch,
                 decode_context_tokens=self._decode_tokens + ext_ctx,
             )
+            self._snap = snap
+            return snap
 
     def __repr__(self) -> str:
         s = self.snapshot()
