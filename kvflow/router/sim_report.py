@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -102,9 +102,13 @@ class SimulationReport:
     cost_source: str
     per_instance_requests: dict[str, int] = field(default_factory=dict)
     instances: tuple[InstanceLoad, ...] = ()
+    outcomes: tuple[RequestOutcome, ...] = field(default=(), repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every aggregate (the per-request ``outcomes`` are left out: see the CSV export)."""
+        doc = asdict(replace(self, outcomes=()))
+        del doc["outcomes"]
+        return doc
 
 
 def _pct(values: np.ndarray, q: float) -> float:
@@ -173,4 +177,5 @@ def summarise(
         cost_source=config.cost_source,
         per_instance_requests=dict(sorted(per_instance.items())),
         instances=tuple(loads),
+        outcomes=tuple(outcomes),
     )
