@@ -14,7 +14,9 @@ The model (one run is deterministic given the config, its seed and the records):
   is out (TTFT = prefill end - arrival) and it goes to its decode instance
   (:class:`DecodeInstance`): it joins the continuous batch when its KV fits in memory, and its
   TBT follows the batch over time. The router sees a decode instance's actual batch
-  (``add_decode`` at join, ``remove_decode`` at the end), not reservations.
+  (``add_decode`` at join, ``remove_decode`` at the end), not reservations. A request whose
+  ``prompt + output`` tokens exceed a decode instance's whole memory is rejected on arrival
+  (reason ``decode_memory``).
 - KV streaming to decode overlaps prefill and is not charged.
 
 Accounting is incremental (queue and batch sums, a virtual token clock per decode batch, a
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL, DECODE = 0, 1
 PROGRESS_EVERY = 500
+DECODE_MEMORY = "decode_memory"
+"""Rejection reason of a request whose KV exceeds a decode instance's whole memory."""
 
 
 class _Cluster:
@@ -166,6 +170,11 @@ class _Cluster:
         keys = record.block_keys
         req = RouteRequest(request_id, keys, record.input_length)
         base = RequestOutcome(request_id, now, record.input_length, record.output_length)
+        capacity = self.config.decode_capacity_tokens
+        if capacity is not None and record.input_length + max(1, record.output_length) > capacity:
+            # no decode instance could ever hold its KV: rejected up front (HTTP 429)
+            self.outcomes[request_id] = replace(base, rejected=DECODE_MEMORY)
+            return
         result = self.conductor.route(req, self.prefill, self.decode, now=now)
         if isinstance(result, Rejection):
             self.outcomes[request_id] = replace(base, rejected=result.reason.value)
