@@ -67,3 +67,17 @@ def test_chunks_add_up_to_the_model_plus_fixed_costs_and_wait_for_pulls():
     alone = PREFILL.predict(4000, 1000) + 2 * 0.5  # two extra steps pay c0 again
     assert done["a"] == pytest.approx(alone)  # b is not ready while a runs
     assert done["b"] == pytest.approx(7.0 + PREFILL.predict(500, 0))
+
+
+def test_cost_model_from_kvflow_profile_output(tmp_path):
+    from kvflow.router import Profile
+    from kvflow.router.sim_presets import make_preset, preset_from_profile
+
+    Profile(PrefillTimeModel((1, 2, 3, 4), "m"), DecodeTimeModel((5, 6, 7), "m")).save(tmp_path)
+    preset = preset_from_profile(tmp_path / "kvflow_profile.json", 1000, 50_000)
+    assert preset.prefill.coefficients == (1, 2, 3, 4) and preset.decode_capacity_tokens == 50_000
+    assert "kvflow profile" in preset.source
+    with pytest.raises(ValueError, match="kvflow profile"):
+        preset_from_profile(tmp_path / "nothing", 1000, 50_000)
+    with pytest.raises(ValueError, match="unknown cost preset"):
+        make_preset("gpt-9")
