@@ -22,12 +22,13 @@ from kvflow.router.estimators import (
     ProfileSample,
     TransferEstimator,
 )
-from kvflow.router.index import LocalPrefixIndex, PrefixIndex
+from kvflow.router.index import BatchPrefixIndex, LocalPrefixIndex, PrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceSnapshot, InstanceState
+from kvflow.router.metadata_index import MetadataPrefixIndex
 from kvflow.router.policies import make_policy, policy_names
 from kvflow.router.profile import Profile, load_profile
 from kvflow.router.sim_config import SimulationConfig
-from kvflow.router.sim_report import RequestOutcome, SimulationReport
+from kvflow.router.sim_report import InstanceLoad, RequestOutcome, SimulationReport
 from kvflow.router.simulator import simulate
 from kvflow.router.trace import TraceRecord, hash_id_key, read_trace
 from kvflow.router.types import (
@@ -44,6 +45,7 @@ from kvflow.router.types import (
 
 __all__ = [
     "PROFILE_FILENAME",
+    "BatchPrefixIndex",
     "Conductor",
     "DecodeCandidate",
     "DecodeSample",
@@ -51,9 +53,11 @@ __all__ = [
     "Estimate",
     "FitError",
     "InstanceKind",
+    "InstanceLoad",
     "InstanceSnapshot",
     "InstanceState",
     "LocalPrefixIndex",
+    "MetadataPrefixIndex",
     "PolicyChoice",
     "PrefillCandidate",
     "PrefillTimeModel",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import zlib
 from collections.abc import Sequence
 
 from kvflow.router.config import RouterConfig
@@ -31,6 +32,7 @@ from kvflow.router.errors import UnknownInstanceError
 from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, TransferEstimator
 from kvflow.router.index import PrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceSnapshot, InstanceState
+from kvflow.router.policies.base import argmin
 from kvflow.router.policies.registry import make_policy
 from kvflow.router.types import (
     DecodeCandidate,
@@ -77,6 +79,7 @@ class Conductor:
         self._transfer = transfer_estimator
         self._policy = make_policy(config.policy, random.Random(config.seed))
         self._policy_lock = threading.Lock()
+        self._match_all = getattr(prefix_index, "match_all", None)
 
     @property
     def policy_name(self) -> str:
@@ -106,11 +109,12 @@ class Conductor:
         decode_candidates = self._decode_candidates(req, decode_snaps)
         if not candidates or not decode_candidates:
             return self._no_instance(req, candidates, decode_candidates)
+        tie_break = zlib.crc32(req.request_id.encode())  # fair ties, still a pure decision
         with self._policy_lock:
-            choice = self._policy.choose(candidates)
+            choice = self._policy.choose(candidates, tie_break)
+        best_decode = decode_candidates[argmin([d.tbt_s for d in decode_candidates], tie_break)]
         chosen = candidates[choice.index]
         option = chosen.balanced if choice.pull else chosen.local
-        best_decode = min(decode_candidates, key=lambda d: d.tbt_s)  # first on ties
         rejection = self._check_slo(req, chosen.instance_id, option, best_decode)
         if rejection is not None:
             logger.info("req=%s %s", req.request_id, rejection.message())
@@ -150,35 +154,48 @@ class Conductor:
     def _reused_tokens(self, req: RouteRequest, blocks: int) -> int:
         return min(blocks * self.config.block_size, req.prompt_len)
 
+    def _local_lens(self, keys: Sequence[bytes], snaps: Sequence[InstanceSnapshot]) -> list[int]:
+        if not keys:
+            return [0] * len(snaps)
+        ids = [s.instance_id for s in snaps]
+        if self._match_all is not None:
+            return list(self._match_all(ids, keys))
+        return [self._index.match(i, keys) for i in ids]
+
     def _prefill_candidates(
         self, req: RouteRequest, snaps: Sequence[InstanceSnapshot]
     ) -> list[PrefillCandidate]:
-        keys = req.block_keys
-        local_lens = [self._index.match(s.instance_id, keys) if keys else 0 for s in snaps]
+        local_lens = self._local_lens(req.block_keys, snaps)
         best_len = max(local_lens, default=0)
+        threshold = self.config.balancing_threshold
+        t_prefill: dict[int, float] = {}  # reused blocks -> predicted prefill seconds
+        t_pull: dict[int, float] = {}  # local blocks -> transfer seconds of the balanced pull
         out = []
         for snap, local_len in zip(snaps, local_lens, strict=True):
-            t_local = self._prefill_model.predict(
-                req.prompt_len, self._reused_tokens(req, local_len)
-            )
+            t_local = t_prefill.get(local_len)
+            if t_local is None:
+                t_local = t_prefill[local_len] = self._predict_prefill(req, local_len)
             local = Estimate(local_len, 0, 0.0, snap.queued_seconds, t_local)
             balanced = local
-            if best_len > self.config.balancing_threshold * local_len:
-                pulled = self._pull_estimate(req, snap, local_len, best_len)
-                if pulled.t_transfer + pulled.t_prefill < t_local:
-                    balanced = pulled
+            if best_len > threshold * local_len:
+                t_best = t_prefill.get(best_len)
+                if t_best is None:
+                    t_best = t_prefill[best_len] = self._predict_prefill(req, best_len)
+                t_transfer = t_pull.get(local_len)
+                if t_transfer is None:
+                    nbytes = (best_len - local_len) * self.config.block_nbytes
+                    t_transfer = t_pull[local_len] = self._transfer.estimate(nbytes)
+                if t_transfer + t_best < t_local:
+                    balanced = Estimate(
+                        best_len, best_len - local_len, t_transfer, snap.queued_seconds, t_best
+                    )
             out.append(
                 PrefillCandidate(snap.instance_id, local_len, snap.queued_requests, local, balanced)
             )
         return out
 
-    def _pull_estimate(
-        self, req: RouteRequest, snap: InstanceSnapshot, local_len: int, best_len: int
-    ) -> Estimate:
-        pull = best_len - local_len
-        t_transfer = self._transfer.estimate(pull * self.config.block_nbytes)
-        t_prefill = self._prefill_model.predict(req.prompt_len, self._reused_tokens(req, best_len))
-        return Estimate(best_len, pull, t_transfer, snap.queued_seconds, t_prefill)
+    def _predict_prefill(self, req: RouteRequest, blocks: int) -> float:
+        return self._prefill_model.predict(req.prompt_len, self._reused_tokens(req, blocks))
 
     def _decode_candidates(
         self, req: RouteRequest, snaps: Sequence[InstanceSnapshot]

@@ -206,8 +206,11 @@ class PrefillTimeModel:
 
     def predict(self, prompt_len: int, reused_len: int) -> float:
         """Predicted seconds, never negative. Raises ValueError on inconsistent lengths."""
-        x = self.features(prompt_len, reused_len)
-        return max(0.0, sum(c * f for c, f in zip(self.coefficients, x, strict=True)))
+        if prompt_len < 0 or not 0 <= reused_len <= prompt_len:
+            self.features(prompt_len, reused_len)  # raises the ValueError
+        c0, c1, c2, c3 = self.coefficients
+        new = prompt_len - reused_len
+        return max(0.0, c0 + c1 * new + c2 * (new * (prompt_len + reused_len)) + c3 * reused_len)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_document("prefill", self.model_id, self.coefficients, PREFILL_FEATURES)
@@ -272,8 +275,10 @@ class DecodeTimeModel:
 
     def predict(self, batch_size: int, context_tokens: int) -> float:
         """Predicted seconds per token, never negative. Raises ValueError on negative input."""
-        x = self.features(batch_size, context_tokens)
-        return max(0.0, sum(c * f for c, f in zip(self.coefficients, x, strict=True)))
+        if batch_size < 0 or context_tokens < 0:
+            self.features(batch_size, context_tokens)  # raises the ValueError
+        c0, c1, c2 = self.coefficients
+        return max(0.0, c0 + c1 * batch_size + c2 * context_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_document("decode", self.model_id, self.coefficients, DECODE_FEATURES)

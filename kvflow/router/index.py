@@ -2,8 +2,13 @@
 
 Block keys are opaque ``bytes`` here (kvdb's ``BlockKey`` values, or trace hash ids encoded by
 :mod:`.trace`). The embedded server implements the protocol over each instance's kvdb shard
-(``match_prefix``), a cluster over the replicated metadata view; :class:`LocalPrefixIndex` is the
-in-memory reference implementation used by the simulator and the tests.
+(``match_prefix``), a cluster over the replicated metadata view (:mod:`.metadata_index`);
+:class:`LocalPrefixIndex` is the in-memory reference implementation used by the simulator and the
+tests.
+
+An index that can answer for every instance at once implements :class:`BatchPrefixIndex`
+(``match_all``): the conductor then reads each key's holders once per request instead of once
+per instance (the difference between ~1 ms and ~20 ms per decision at 64 instances).
 """
 
 from __future__ import annotations
@@ -24,13 +29,58 @@ class PrefixIndex(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchPrefixIndex(PrefixIndex, Protocol):
+    """A :class:`PrefixIndex` that matches every instance in one pass over the keys."""
+
+    def match_all(self, instance_ids: Sequence[str], keys: Sequence[bytes]) -> list[int]:
+        """``[match(i, keys) for i in instance_ids]``, computed with one holder lookup per key
+        (and none past the first key no listed instance holds). Same contract as ``match``."""
+        ...
+
+
+def walk_holders(
+    instance_ids: Sequence[str], holder_sets: Iterable[Iterable[str] | None]
+) -> list[int]:
+    """Leading-match lengths of ``instance_ids`` given each key's holders, in key order.
+
+    Stops reading ``holder_sets`` as soon as no listed instance is still matching, so a lazy
+    iterable is read only as far as needed. ``None`` means nobody holds the key.
+    """
+    lengths = [0] * len(instance_ids)
+    position: dict[str, int] = {}
+    for at, instance_id in enumerate(instance_ids):
+        position.setdefault(instance_id, at)
+    duplicates = len(position) != len(instance_ids)
+    alive = set(position)
+    depth = 0
+    for holders in holder_sets:
+        if not alive:
+            break
+        if holders is None:
+            break
+        held = holders if isinstance(holders, set | frozenset | dict) else set(holders)
+        gone = alive.difference(held)  # C-level: one probe of ``held`` per live instance
+        if gone:
+            for instance_id in gone:
+                lengths[position[instance_id]] = depth
+            alive -= gone
+        depth += 1
+    for instance_id in alive:
+        lengths[position[instance_id]] = depth
+    if duplicates:  # rare: copy the first occurrence's answer to the repeats
+        first = {i: lengths[p] for p, i in reversed(list(enumerate(instance_ids)))}
+        lengths = [first[i] for i in instance_ids]
+    return lengths
+
+
 class LocalPrefixIndex:
     """Instance id -> an LRU set of block keys, with an optional capacity in blocks per instance.
 
     ``insert`` is the only mutation that refreshes recency. Keys of one request are inserted
     last-to-first, so a prefix's parent is always more recent than its child and LRU drops a child
     before its parent (a child without its parent is unreachable; see DESIGN's eviction rule).
-    Thread-safe (one lock).
+    A reverse map (key -> holders) serves :meth:`match_all`. Thread-safe (one lock).
     """
 
     def __init__(self, capacity_blocks: int | None = None) -> None:
@@ -38,6 +88,7 @@ class LocalPrefixIndex:
             raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
         self._capacity = capacity_blocks
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        self._holders: dict[bytes, set[str]] = {}
         self._evicted = 0
         self._lock = threading.Lock()
 
@@ -57,6 +108,17 @@ class LocalPrefixIndex:
                 count += 1
             return count
 
+    def match_all(self, instance_ids: Sequence[str], keys: Sequence[bytes]) -> list[int]:
+        """See :class:`BatchPrefixIndex`: one reverse-map lookup per key."""
+        with self._lock:
+            holders = self._holders
+            return walk_holders(instance_ids, (holders.get(k) for k in keys))
+
+    def holders_of(self, key: bytes) -> frozenset[str]:
+        """The instances holding ``key`` (empty when none)."""
+        with self._lock:
+            return frozenset(self._holders.get(key, ()))
+
     def insert(self, instance_id: str, keys: Sequence[bytes]) -> int:
         """Record that ``instance_id`` holds ``keys`` (a prefix chain) and refresh their recency.
 
@@ -68,15 +130,31 @@ class LocalPrefixIndex:
             chain = chain[: self._capacity]
         with self._lock:
             held = self._blocks.setdefault(instance_id, OrderedDict())
+            holders = self._holders
             for key in reversed(chain):
-                held[key] = None
-                held.move_to_end(key)
+                if key in held:
+                    held.move_to_end(key)
+                else:
+                    held[key] = None
+                    owners = holders.get(key)
+                    if owners is None:
+                        holders[key] = {instance_id}
+                    else:
+                        owners.add(instance_id)
             evicted = 0
             while self._capacity is not None and len(held) > self._capacity:
-                held.popitem(last=False)
+                key, _ = held.popitem(last=False)
+                self._drop_holder(key, instance_id)
                 evicted += 1
             self._evicted += evicted
             return evicted
+
+    def _drop_holder(self, key: bytes, instance_id: str) -> None:
+        owners = self._holders.get(key)
+        if owners is not None:
+            owners.discard(instance_id)
+            if not owners:
+                del self._holders[key]
 
     def remove(self, instance_id: str, keys: Iterable[bytes]) -> None:
         """Forget ``keys`` on ``instance_id`` (absent keys are ignored)."""
@@ -85,11 +163,18 @@ class LocalPrefixIndex:
             if held is None:
                 return
             for key in keys:
-                held.pop(key, None)
+                if key in held:
+                    del held[key]
+                    self._drop_holder(key, instance_id)
 
     def size(self, instance_id: str) -> int:
         with self._lock:
             return len(self._blocks.get(instance_id, ()))
+
+    def num_blocks(self) -> int:
+        """Distinct keys held by at least one instance."""
+        with self._lock:
+            return len(self._holders)
 
     @property
     def evicted_blocks(self) -> int:

@@ -11,6 +11,7 @@ import enum
 import math
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvflow.router.errors import UnknownInstanceError
 
@@ -20,9 +21,10 @@ class InstanceKind(enum.Enum):
     DECODE = "decode"
 
 
-@dataclass(frozen=True)
-class InstanceSnapshot:
-    """A consistent read of one instance at ``now`` (what a policy sees)."""
+class InstanceSnapshot(NamedTuple):
+    """A consistent read of one instance at ``now`` (what a policy sees). A named tuple, not a
+    frozen dataclass: the conductor takes one per instance per decision, and a tuple is built
+    several times faster (it matters at 256 instances)."""
 
     instance_id: str
     kind: InstanceKind
@@ -62,6 +64,12 @@ class InstanceState:
         self._healthy = healthy
         self._queue: dict[str, _Queued] = {}
         self._decode: dict[str, int] = {}
+        # incremental sums, so a snapshot costs O(running requests), not O(queue + batch)
+        self._waiting_s = 0.0  # predicted seconds of queued requests not started yet
+        self._waiting = 0  # how many of those
+        self._running: dict[str, _Queued] = {}
+        self._decode_tokens = 0
+        self._snap: InstanceSnapshot | None = None  # valid while nothing runs (no ``now``)
         self._external = (0.0, 0, 0)  # queued seconds, decode batch, decode context tokens
         self._lock = threading.Lock()
 
@@ -73,6 +81,7 @@ class InstanceState:
 
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             self._healthy = healthy
 
     # --- prefill queue ------------------------------------------------------------------------
@@ -81,27 +90,45 @@ class InstanceState:
         if not (math.isfinite(predicted_s) and predicted_s >= 0):
             raise ValueError(f"predicted_s must be finite and >= 0, got {predicted_s}")
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             if request_id in self._queue:
                 raise ValueError(f"request_id {request_id!r} already queued on {self.instance_id}")
             self._queue[request_id] = _Queued(predicted_s)
+            self._waiting_s += predicted_s
+            self._waiting += 1
 
     def start(self, request_id: str, now: float) -> None:
         """Mark a queued request as running since ``now``; UnknownInstanceError if not queued."""
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             entry = self._queue.get(request_id)
             if entry is None:
                 raise UnknownInstanceError(
                     f"request {request_id!r} not queued on {self.instance_id}"
                 )
+            if entry.started_at is None:
+                self._unwait(entry)
+                self._running[request_id] = entry
             entry.started_at = now
 
     def finish(self, request_id: str) -> None:
         """Remove a request from the queue; UnknownInstanceError if it is not there."""
         with self._lock:
-            if self._queue.pop(request_id, None) is None:
+            self._snap = None  # every mutation invalidates the cached snapshot
+            entry = self._queue.pop(request_id, None)
+            if entry is None:
                 raise UnknownInstanceError(
                     f"request {request_id!r} not queued on {self.instance_id}"
                 )
+            if entry.started_at is None:
+                self._unwait(entry)
+            else:
+                del self._running[request_id]
+
+    def _unwait(self, entry: _Queued) -> None:
+        self._waiting -= 1
+        # exact zero when nothing waits, whatever rounding the running sum collected
+        self._waiting_s = max(0.0, self._waiting_s - entry.predicted_s) if self._waiting else 0.0
 
     def queued_seconds(self, now: float | None = None) -> float:
         """Predicted seconds of prefill work ahead of a new request.
@@ -113,9 +140,10 @@ class InstanceState:
             return self._queued_seconds_locked(now)
 
     def _queued_seconds_locked(self, now: float | None) -> float:
-        total = 0.0
-        for entry in self._queue.values():
-            if now is not None and entry.started_at is not None:
+        total = self._waiting_s
+        for entry in self._running.values():
+            assert entry.started_at is not None
+            if now is not None:
                 total += max(0.0, entry.predicted_s - (now - entry.started_at))
             else:
                 total += entry.predicted_s
@@ -132,27 +160,34 @@ class InstanceState:
         if context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             if request_id in self._decode:
                 raise ValueError(
                     f"request_id {request_id!r} already decoding on {self.instance_id}"
                 )
             self._decode[request_id] = context_tokens
+            self._decode_tokens += context_tokens
 
     def grow_decode(self, request_id: str, tokens: int = 1) -> None:
         """Account ``tokens`` more context for a decoding request (one per generated token)."""
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             if request_id not in self._decode:
                 raise UnknownInstanceError(
                     f"request {request_id!r} not decoding on {self.instance_id}"
                 )
             self._decode[request_id] += tokens
+            self._decode_tokens += tokens
 
     def remove_decode(self, request_id: str) -> None:
         with self._lock:
-            if self._decode.pop(request_id, None) is None:
+            self._snap = None  # every mutation invalidates the cached snapshot
+            tokens = self._decode.pop(request_id, None)
+            if tokens is None:
                 raise UnknownInstanceError(
                     f"request {request_id!r} not decoding on {self.instance_id}"
                 )
+            self._decode_tokens -= tokens
 
     @property
     def decode_batch_size(self) -> int:
@@ -162,7 +197,7 @@ class InstanceState:
     @property
     def decode_context_tokens(self) -> int:
         with self._lock:
-            return sum(self._decode.values())
+            return self._decode_tokens
 
     # --- load reported by the instance ---------------------------------------------------------
     def set_reported_load(
@@ -180,10 +215,11 @@ class InstanceState:
         if decode_batch_size < 0 or decode_context_tokens < 0:
             raise ValueError("decode_batch_size and decode_context_tokens must be >= 0")
         with self._lock:
+            self._snap = None  # every mutation invalidates the cached snapshot
             self._external = (
                 max(0.0, queued_seconds - self._queued_seconds_locked(now)),
                 max(0, decode_batch_size - len(self._decode)),
-                max(0, decode_context_tokens - sum(self._decode.values())),
+                max(0, decode_context_tokens - self._decode_tokens),
             )
 
     @property
@@ -195,16 +231,20 @@ class InstanceState:
     def snapshot(self, now: float | None = None) -> InstanceSnapshot:
         """A consistent read of every field at once (external load included)."""
         with self._lock:
+            if self._snap is not None and not self._running:
+                return self._snap  # nothing changed since, and nothing depends on ``now``
             ext_s, ext_batch, ext_ctx = self._external
-            return InstanceSnapshot(
+            snap = InstanceSnapshot(
                 instance_id=self.instance_id,
                 kind=self.kind,
                 healthy=self._healthy,
                 queued_requests=len(self._queue),
                 queued_seconds=self._queued_seconds_locked(now) + ext_s,
                 decode_batch_size=len(self._decode) + ext_batch,
-                decode_context_tokens=sum(self._decode.values()) + ext_ctx,
+                decode_context_tokens=self._decode_tokens + ext_ctx,
             )
+            self._snap = snap
+            return snap
 
     def __repr__(self) -> str:
         s = self.snapshot()

@@ -3,54 +3,50 @@
 The model (one run is deterministic given the config, its seed and the records):
 
 - Requests arrive at their trace timestamps (times ``time_scale``), in order; each is routed by a
-  real :class:`Conductor` over real :class:`InstanceState` objects, then committed.
-- A prefill instance runs its requests one at a time, FIFO. A request with a pull first moves
-  its blocks over the holder's outbound link (one pull at a time per holder, so a hot holder
-  congests), then prefills for ``prefill_model.predict(prompt_len, reused_tokens)``.
-- The chosen instance's prefix cache (a :class:`LocalPrefixIndex` LRU per instance) receives the
-  request's blocks when it is routed, as the paper's conductor "updates the cache" at routing;
-  FIFO order guarantees they are computed before any later request on it runs. The holder's
-  pulled blocks are refreshed too.
-- At prefill end the request joins its decode instance; its TBT is
-  ``decode_model.predict(batch, context)`` at that moment (batch including reservations), held
-  for its ``output_length`` tokens. KV streaming to decode overlaps prefill and is not charged.
-- TTFT = prefill end - arrival.
+  real :class:`Conductor` over real :class:`InstanceState` objects and a real
+  :class:`LocalPrefixIndex` (one LRU per prefill instance, ``cache_capacity_blocks`` each).
+- A routed request is booked on its prefill instance (``InstanceState.enqueue``) and handed to
+  a :class:`PrefillInstance`, which batches and chunks prefills as the engine does. A request
+  with a pull first moves its blocks over the holder's outbound link (one pull at a time per
+  holder, so a hot holder congests); its chunks are scheduled once they arrived. Pulls are
+  causal: the index only ever holds blocks whose prefill has completed.
+- When its prefill completes, the request's blocks enter its instance's cache, its first token
+  is out (TTFT = prefill end - arrival) and it goes to its decode instance
+  (:class:`DecodeInstance`): it joins the continuous batch when its KV fits in memory, and its
+  TBT follows the batch over time. The router sees a decode instance's actual batch
+  (``add_decode`` at join, ``remove_decode`` at the end), not reservations. A request whose
+  ``prompt + output`` tokens exceed a decode instance's whole memory is rejected on arrival
+  (reason ``decode_memory``).
+- KV streaming to decode overlaps prefill and is not charged.
+
+Accounting is incremental (queue and batch sums, a virtual token clock per decode batch, a
+reverse holder index), so a decision costs O(instances), not O(instances x queue).
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-from kvflow.router.conductor import Conductor, find_state
+from kvflow.router.conductor import Conductor
 from kvflow.router.estimators import TransferEstimator
 from kvflow.router.index import LocalPrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceState
 from kvflow.router.sim_config import SimulationConfig
-from kvflow.router.sim_report import RequestOutcome, SimulationReport, summarise
+from kvflow.router.sim_decode import DecodeInstance
+from kvflow.router.sim_prefill import PrefillInstance, PrefillJob
+from kvflow.router.sim_report import InstanceLoad, RequestOutcome, SimulationReport, summarise
 from kvflow.router.trace import TraceRecord
 from kvflow.router.types import Rejection, RouteDecision, RouteRequest
 
 logger = logging.getLogger(__name__)
 
-
-class _EventKind(enum.Enum):
-    PREFILL_START = "prefill_start"
-    PREFILL_DONE = "prefill_done"
-    DECODE_DONE = "decode_done"
-
-
-@dataclass(order=True)
-class _Event:
-    time: float
-    seq: int
-    kind: _EventKind = field(compare=False)
-    request_id: str = field(compare=False)
-    instance_id: str = field(compare=False)
-    tokens: int = field(compare=False, default=0)
+PREFILL, DECODE = 0, 1
+PROGRESS_EVERY = 500
+DECODE_MEMORY = "decode_memory"
+"""Rejection reason of a request whose KV exceeds a decode instance's whole memory."""
 
 
 class _Cluster:
@@ -64,6 +60,8 @@ class _Cluster:
         self.decode = [
             InstanceState(f"decode-{i}", InstanceKind.DECODE) for i in range(config.num_decode)
         ]
+        self.prefill_at = {s.instance_id: i for i, s in enumerate(self.prefill)}
+        self.decode_at = {s.instance_id: i for i, s in enumerate(self.decode)}
         self.index = LocalPrefixIndex(config.cache_capacity_blocks)
         self.transfer = TransferEstimator(config.bandwidth_bytes_per_s, config.transfer_latency_s)
         self.conductor = Conductor(
@@ -73,70 +71,150 @@ class _Cluster:
             config.predict_decode_model or config.decode_model,
             self.transfer,
         )
-        self.busy_until = {s.instance_id: 0.0 for s in self.prefill}
-        self.link_busy_until = {s.instance_id: 0.0 for s in self.prefill}
-        self.events: list[_Event] = []
+        self.engines = [
+            PrefillInstance(
+                s.instance_id,
+                config.prefill_model,
+                config.prefill_chunk_tokens,
+                config.prefill_batch_tokens,
+                s.start,
+                self.prefill_done,
+            )
+            for s in self.prefill
+        ]
+        self.batches = [
+            DecodeInstance(s.instance_id, config.decode_model, config.decode_capacity_tokens)
+            for s in self.decode
+        ]
+        self.link_busy_until = [0.0] * config.num_prefill
+        self.events: list[tuple[float, int, int, int, int]] = []  # time, seq, kind, idx, version
+        self.versions = [[0] * config.num_prefill, [0] * config.num_decode]
         self.seq = 0
         self.outcomes: dict[str, RequestOutcome] = {}
+        self.keys: dict[str, tuple[bytes, ...]] = {}
 
-    def push(
-        self, time: float, kind: _EventKind, request_id: str, instance_id: str, tokens: int = 0
-    ) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, _Event(time, self.seq, kind, request_id, instance_id, tokens))
+    # --- events -------------------------------------------------------------------------------
+    def schedule(self, kind: int, idx: int, time: float | None) -> None:
+        """(Re)schedule instance ``idx``'s next event; an older pending one becomes stale."""
+        self.versions[kind][idx] += 1
+        if time is not None:
+            self.seq += 1
+            heapq.heappush(self.events, (time, self.seq, kind, idx, self.versions[kind][idx]))
 
     def drain(self, until: float | None) -> None:
         """Apply every event due at or before ``until`` (all of them when None)."""
-        while self.events and (until is None or self.events[0].time <= until):
-            event = heapq.heappop(self.events)
-            self.apply(event)
+        events = self.events
+        while events and (until is None or events[0][0] <= until):
+            time, _, kind, idx, version = heapq.heappop(events)
+            if version != self.versions[kind][idx]:
+                continue
+            if kind == PREFILL:
+                self.schedule(PREFILL, idx, self.engines[idx].poke(time))
+            else:
+                self.decode_tick(idx, time)
 
-    def apply(self, event: _Event) -> None:
-        if event.kind is _EventKind.PREFILL_START:
-            find_state(self.prefill, event.instance_id).start(event.request_id, event.time)
-        elif event.kind is _EventKind.PREFILL_DONE:
-            find_state(self.prefill, event.instance_id).finish(event.request_id)
-            self.join_decode(event)
-        else:  # DECODE_DONE
-            find_state(self.decode, event.instance_id).remove_decode(event.request_id)
-
-    def join_decode(self, event: _Event) -> None:
-        outcome = self.outcomes[event.request_id]
-        assert outcome.decode_id is not None
-        state = find_state(self.decode, outcome.decode_id)
-        tbt = self.config.decode_model.predict(state.decode_batch_size, state.decode_context_tokens)
-        finish = event.time + outcome.output_len * tbt
-        self.outcomes[event.request_id] = replace(outcome, tbt_s=tbt, finish_s=finish)
-        self.push(finish, _EventKind.DECODE_DONE, event.request_id, outcome.decode_id)
-
-    def run_prefill(self, decision: RouteDecision, keys: Sequence[bytes], now: float) -> float:
-        """Schedule the decided prefill (and pull); returns the prefill end time."""
-        pid = decision.prefill_id
-        start = max(now, self.busy_until[pid])
-        compute_start = start
+    # --- prefill ------------------------------------------------------------------------------
+    def submit(self, decision: RouteDecision, keys: tuple[bytes, ...], now: float) -> None:
+        idx = self.prefill_at[decision.prefill_id]
+        ready = now
         if decision.pull is not None:
-            holder = decision.pull.from_instance
+            holder = self.prefill_at[decision.pull.from_instance]
             nbytes = decision.pull.num_blocks * self.config.router.block_nbytes
             wire = self.config.transfer_latency_s + nbytes / self.config.bandwidth_bytes_per_s
-            link_start = max(start, self.link_busy_until[holder])
-            self.link_busy_until[holder] = link_start + wire
-            compute_start = link_start + wire
+            start = max(now, self.link_busy_until[holder])
+            self.link_busy_until[holder] = ready = start + wire
             self.transfer.observe(nbytes, wire)
-            self.index.insert(holder, keys[: decision.reused_blocks])
-        duration = self.config.prefill_model.predict(decision.prompt_len, decision.reused_tokens)
-        done = compute_start + duration
-        self.busy_until[pid] = done
-        self.push(start, _EventKind.PREFILL_START, decision.request_id, pid)
-        self.push(done, _EventKind.PREFILL_DONE, decision.request_id, pid)
-        self.index.insert(pid, keys)
-        return done
+            self.index.insert(decision.pull.from_instance, keys[: decision.reused_blocks])
+        self.prefill[idx].enqueue(decision.request_id, decision.t_transfer + decision.t_prefill)
+        self.keys[decision.request_id] = keys
+        job = PrefillJob(decision.request_id, decision.prompt_len, decision.reused_tokens, ready)
+        self.engines[idx].submit(job)
+        self.schedule(PREFILL, idx, self.engines[idx].poke(now))
+
+    def prefill_done(self, job: PrefillJob, at: float) -> None:
+        outcome = self.outcomes[job.request_id]
+        assert outcome.prefill_id is not None and outcome.decode_id is not None
+        self.prefill[self.prefill_at[outcome.prefill_id]].finish(job.request_id)
+        self.index.insert(outcome.prefill_id, self.keys.pop(job.request_id))
+        self.outcomes[job.request_id] = replace(
+            outcome, ttft_s=at - outcome.arrival_s, prefill_done_s=at
+        )
+        idx = self.decode_at[outcome.decode_id]
+        self.batches[idx].arrive(job.request_id, outcome.prompt_len, outcome.output_len, at)
+        self.after_decode_change(idx)
+
+    # --- decode -------------------------------------------------------------------------------
+    def decode_tick(self, idx: int, time: float) -> None:
+        state = self.decode[idx]
+        for request_id, joined_s, finished_s in self.batches[idx].advance(time):
+            state.remove_decode(request_id)
+            outcome = self.outcomes[request_id]
+            tokens = max(1, outcome.output_len)
+            self.outcomes[request_id] = replace(
+                outcome,
+                finish_s=finished_s,
+                decode_wait_s=joined_s - outcome.prefill_done_s,
+                tbt_s=(finished_s - outcome.prefill_done_s) / tokens,
+            )
+        self.after_decode_change(idx)
+
+    def after_decode_change(self, idx: int) -> None:
+        batch = self.batches[idx]
+        state = self.decode[idx]
+        for request_id, _ in batch.take_joined():
+            state.add_decode(request_id, self.outcomes[request_id].prompt_len)
+        self.schedule(DECODE, idx, batch.next_departure())
+
+    # --- arrivals -----------------------------------------------------------------------------
+    def arrive(self, request_id: str, record: TraceRecord, now: float) -> None:
+        keys = record.block_keys
+        req = RouteRequest(request_id, keys, record.input_length)
+        base = RequestOutcome(request_id, now, record.input_length, record.output_length)
+        capacity = self.config.decode_capacity_tokens
+        if capacity is not None and record.input_length + max(1, record.output_length) > capacity:
+            # no decode instance could ever hold its KV: rejected up front (HTTP 429)
+            self.outcomes[request_id] = replace(base, rejected=DECODE_MEMORY)
+            return
+        result = self.conductor.route(req, self.prefill, self.decode, now=now)
+        if isinstance(result, Rejection):
+            self.outcomes[request_id] = replace(base, rejected=result.reason.value)
+            return
+        bs = self.config.router.block_size
+        local_tokens = min(result.local_prefix_blocks * bs, record.input_length)
+        self.outcomes[request_id] = replace(
+            base,
+            prefill_id=result.prefill_id,
+            decode_id=result.decode_id,
+            reused_tokens=result.reused_tokens,
+            local_hit_tokens=min(local_tokens, result.reused_tokens),
+            pulled_blocks=result.pull.num_blocks if result.pull else 0,
+            predicted_ttft_s=result.ttft_s,
+        )
+        self.submit(result, keys, now)
+
+    def loads(self) -> list[InstanceLoad]:
+        out = []
+        for engine in self.engines:
+            out.append(InstanceLoad(engine.instance_id, "prefill", engine.served, engine.busy_s, 0))
+        for batch in self.batches:
+            out.append(
+                InstanceLoad(batch.instance_id, "decode", batch.served, batch.busy_s,
+                             batch.peak_tokens)
+            )  # fmt: skip
+        return out
 
 
-def simulate(config: SimulationConfig, records: Sequence[TraceRecord]) -> SimulationReport:
+def simulate(
+    config: SimulationConfig,
+    records: Sequence[TraceRecord],
+    progress: Callable[[int, int], None] | None = None,
+) -> SimulationReport:
     """Replay ``records`` through a simulated cluster routed by ``config.router.policy``.
 
-    Pure function of its arguments (fresh state per call; the conductor's rng is seeded from
-    ``config.router.seed``). Records are taken in timestamp order (stable for equal stamps).
+    Pure function of its arguments (fresh state per call; the conductor's ties and rng are
+    seeded). Records are taken in timestamp order (stable for equal stamps). ``progress(done,
+    total)`` is called every few hundred requests and at the end. ValueError when a request can
+    never fit a decode instance's memory.
     """
     cluster = _Cluster(config)
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
@@ -144,33 +222,24 @@ def simulate(config: SimulationConfig, records: Sequence[TraceRecord]) -> Simula
     for i, record in enumerate(ordered):
         now = (record.timestamp_ms - t0) / 1000.0 * config.time_scale
         cluster.drain(now)
-        req = RouteRequest(f"r{i}", record.block_keys, record.input_length)
-        base = RequestOutcome(req.request_id, now, record.input_length, record.output_length)
-        result = cluster.conductor.route(req, cluster.prefill, cluster.decode, now=now)
-        if isinstance(result, Rejection):
-            cluster.outcomes[req.request_id] = replace(base, rejected=result.reason.value)
-            continue
-        cluster.conductor.commit(
-            result,
-            find_state(cluster.prefill, result.prefill_id),
-            find_state(cluster.decode, result.decode_id),
-        )
-        done = cluster.run_prefill(result, req.block_keys, now)
-        cluster.outcomes[req.request_id] = replace(
-            base,
-            prefill_id=result.prefill_id,
-            decode_id=result.decode_id,
-            reused_tokens=result.reused_tokens,
-            pulled_blocks=result.pull.num_blocks if result.pull else 0,
-            predicted_ttft_s=result.ttft_s,
-            ttft_s=done - now,
-        )
+        cluster.arrive(f"r{i}", record, now)
+        if progress is not None and i % PROGRESS_EVERY == PROGRESS_EVERY - 1:
+            progress(i + 1, len(ordered))
     cluster.drain(None)
+    if progress is not None:
+        progress(len(ordered), len(ordered))
+    duration = (ordered[-1].timestamp_ms - t0) / 1000.0 * config.time_scale if ordered else 0.0
     report = summarise(
-        cluster.conductor.policy_name, list(cluster.outcomes.values()), cluster.index.evicted_blocks
+        config,
+        cluster.conductor.policy_name,
+        list(cluster.outcomes.values()),
+        cluster.index.evicted_blocks,
+        cluster.loads(),
+        duration,
     )
     logger.info(
-        "policy=%s requests=%d ttft_mean=%.3f hit=%.3f",
+        "policy=%s requests=%d ttft_mean=%.3f hit=%.3f capacity=%.3f",
         report.policy, report.num_requests, report.ttft_mean_s, report.cache_hit_ratio,
+        report.effective_capacity,
     )  # fmt: skip
     return report

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,12 @@ class RouteRequest:
                 raise ValueError(f"block_keys[{i}] must be non-empty bytes, got {key!r}")
 
 
-@dataclass(frozen=True)
-class Estimate:
+class Estimate(NamedTuple):
     """One way to run a request's prefill on one instance, and its predicted times (seconds).
 
     ``prefix_blocks`` blocks are reused, of which ``pull_blocks`` are first pulled from the
-    best holder. ``ttft = t_transfer + t_queue + t_prefill``.
+    best holder. ``ttft = t_transfer + t_queue + t_prefill``. This and the two candidate records
+    are named tuples (immutable, built once per instance per decision: cheaper than dataclasses).
     """
 
     prefix_blocks: int
@@ -53,8 +54,7 @@ class Estimate:
         return self.t_transfer + self.t_queue + self.t_prefill
 
 
-@dataclass(frozen=True)
-class PrefillCandidate:
+class PrefillCandidate(NamedTuple):
     """What the conductor predicts for one healthy prefill instance.
 
     ``local`` reuses only the instance's own prefix; ``balanced`` is Algorithm 1's option (pull
@@ -68,8 +68,7 @@ class PrefillCandidate:
     balanced: Estimate
 
 
-@dataclass(frozen=True)
-class DecodeCandidate:
+class DecodeCandidate(NamedTuple):
     """Predicted TBT of one healthy decode instance if the request joined its batch."""
 
     instance_id: str

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from kvflow.router import LocalPrefixIndex, PrefixIndex
+from kvflow.replication import MetadataTable, MetadataView, NodeId, Tier
+from kvflow.router import BatchPrefixIndex, LocalPrefixIndex, MetadataPrefixIndex, PrefixIndex
 from tests.router.conftest import keys
 
 
@@ -41,3 +44,37 @@ def test_chain_longer_than_capacity_keeps_its_head():
 def test_capacity_validated():
     with pytest.raises(ValueError, match="capacity_blocks"):
         LocalPrefixIndex(0)
+
+
+def test_match_all_equals_match_per_instance():
+    rng = random.Random(3)
+    index = LocalPrefixIndex(capacity_blocks=30)
+    ids = [f"i{n}" for n in range(6)]
+    for _ in range(200):
+        index.insert(rng.choice(ids), keys(rng.randint(1, 12), rng.choice("ab")))
+        if rng.random() < 0.2:
+            index.remove(rng.choice(ids), [keys(12, "a")[rng.randrange(12)]])
+        probe = keys(rng.randint(0, 14), rng.choice("ab"))
+        asked = [*ids, "unknown", ids[0]]  # an unknown instance and a repeat
+        assert index.match_all(asked, probe) == [index.match(i, probe) for i in asked]
+    assert isinstance(index, BatchPrefixIndex)
+
+
+def test_metadata_index_reads_holders_once_per_request():
+    table = MetadataTable()
+    table.record_batch(NodeId("p0"), [(k, Tier.DRAM) for k in keys(4)], (), 0.0)
+    table.record_batch(NodeId("p1"), [(k, Tier.SSD) for k in keys(2)], (), 0.0)
+    view = MetadataView.of_table(table)
+    calls: list[int] = []
+
+    class Counting:
+        def holders(self, ks):  # type: ignore[no-untyped-def]
+            calls.append(len(ks))
+            return view.holders(ks)
+
+    index = MetadataPrefixIndex(Counting())  # type: ignore[arg-type]
+    assert index.match_all(["p0", "p1", "p2"], keys(5)) == [4, 2, 0]
+    assert calls == [5]
+    assert index.match("p1", keys(5)) == 2
+    assert index.match_all(["p0"], ()) == [0]
+    assert calls == [5, 5]

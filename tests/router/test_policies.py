@@ -13,6 +13,7 @@ prefill-0 holds the whole prefix and has 0.15 s queued (1 request); prefill-1 ha
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -98,3 +99,23 @@ def test_random_is_seeded(scenario):
         "prefill-0", "prefill-0", "prefill-2", "prefill-0",
     ]  # fmt: skip
     assert got == [p for p, _ in choices(scenario, "random", 8)]
+
+
+def test_exact_ties_spread_over_the_tied_instances():
+    """An idle cluster: every instance predicts the same TTFT; requests must not pile on one."""
+    index = LocalPrefixIndex()
+    conductor = make_conductor(index)
+    prefill = instances(InstanceKind.PREFILL, 8)
+    decode = instances(InstanceKind.DECODE, 4)
+    chosen = Counter()
+    chosen_decode = Counter()
+    for n in range(800):
+        d = conductor.route(RouteRequest(f"req-{n}", keys(3, f"x{n}-"), 30), prefill, decode)
+        assert isinstance(d, RouteDecision)
+        chosen[d.prefill_id] += 1
+        chosen_decode[d.decode_id] += 1
+    assert len(chosen) == 8 and max(chosen.values()) < 2 * min(chosen.values())
+    assert len(chosen_decode) == 4 and max(chosen_decode.values()) < 2 * min(chosen_decode.values())
+    again = conductor.route(RouteRequest("req-5", keys(3, "x5-"), 30), prefill, decode)
+    first = make_conductor(index).route(RouteRequest("req-5", keys(3, "x5-"), 30), prefill, decode)
+    assert again == first  # still a pure function of the request and the state

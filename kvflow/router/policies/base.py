@@ -34,14 +34,31 @@ class Policy(abc.ABC):
         self._rng = rng
 
     @abc.abstractmethod
-    def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
-        """The choice; never called with an empty sequence."""
+    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
+        """The choice; never called with an empty sequence. ``tie_break`` (a hash of the request
+        id) picks among exactly tied candidates, see :func:`argmin`."""
 
 
-def argmin(values: Sequence[float]) -> int:
-    """Index of the smallest value; the first one on ties (the paper's strict ``>`` test)."""
+def argmin(values: Sequence[float], tie_break: int = 0) -> int:
+    """Index of the smallest value. Exact ties go to the ``tie_break mod ties``-th tied index:
+    the conductor passes a hash of the request id, so ties spread evenly over the tied instances
+    (an idle cluster's load no longer piles on the first instance) while a decision stays a pure
+    function of the request and the state. ``tie_break=0`` picks the first."""
     best = 0
+    tied = 1
     for i in range(1, len(values)):
         if values[i] < values[best]:
             best = i
-    return best
+            tied = 1
+        elif values[i] == values[best]:
+            tied += 1
+    if tied == 1:
+        return best
+    low = values[best]
+    pick = tie_break % tied
+    for i in range(best, len(values)):
+        if values[i] == low:
+            if pick == 0:
+                return i
+            pick -= 1
+    raise AssertionError("unreachable: tie count out of step")

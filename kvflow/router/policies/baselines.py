@@ -6,10 +6,11 @@ choice just ignores it.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
-from kvflow.router.policies.base import Policy
+from kvflow.router.policies.base import Policy, argmin
 from kvflow.router.types import PolicyChoice, PrefillCandidate
 
 
@@ -18,7 +19,7 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
+    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
         return PolicyChoice(self._rng.randrange(len(candidates)))
 
 
@@ -34,7 +35,7 @@ class RoundRobinPolicy(Policy):
         super().__init__(rng)
         self._cursor = 0
 
-    def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
+    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
         index = self._cursor % len(candidates)
         self._cursor += 1
         return PolicyChoice(index)
@@ -42,10 +43,12 @@ class RoundRobinPolicy(Policy):
 
 class LeastLoadedPolicy(Policy):
     """Fewest queued requests (the paper's "number of assigned requests"); ties go to the
-    lower predicted queue seconds, then to the first candidate."""
+    lower predicted queue seconds, then by ``tie_break`` among what is still tied."""
 
     name = "least-loaded"
 
-    def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
-        keys = [(c.queued_requests, c.local.t_queue, i) for i, c in enumerate(candidates)]
-        return PolicyChoice(min(keys)[2])
+    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
+        fewest = min(c.queued_requests for c in candidates)
+        # queued seconds of the least-queued ones; the rest are out of the running
+        seconds = [c.local.t_queue if c.queued_requests == fewest else math.inf for c in candidates]
+        return PolicyChoice(argmin(seconds, tie_break))

@@ -10,13 +10,14 @@ from kvflow.router.types import PolicyChoice, PrefillCandidate
 
 
 class CacheAwarePolicy(Policy):
-    """Lowest predicted TTFT over the balanced options (pulls the best match when it pays)."""
+    """Lowest predicted TTFT over the balanced options (pulls the best match when it pays);
+    exact ties spread by ``tie_break``."""
 
     name = "cache-aware"
     decides_pulls = True
 
-    def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
-        index = argmin([c.balanced.ttft for c in candidates])
+    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
+        index = argmin([c.balanced.ttft for c in candidates], tie_break)
         return PolicyChoice(index, pull=candidates[index].balanced.pull_blocks > 0)
 
 
@@ -26,5 +27,5 @@ class LocalCacheAwarePolicy(Policy):
     name = "local-cache-aware"
     decides_pulls = True
 
-    def choose(self, candidates: Sequence[PrefillCandidate]) -> PolicyChoice:
-        return PolicyChoice(argmin([c.local.ttft for c in candidates]))
+    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
+        return PolicyChoice(argmin([c.local.ttft for c in candidates], tie_break))

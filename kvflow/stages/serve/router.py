@@ -31,7 +31,7 @@ from kvflow.pipeline import (
     traces_from_dict,
 )
 from kvflow.replication import RemoteMetadata
-from kvflow.router import Conductor, InstanceState, RouterConfig
+from kvflow.router import Conductor, InstanceState, MetadataPrefixIndex, RouterConfig
 from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.api.convert import layout_from_info
 from kvflow.stages.api.node_client import NodeClient
@@ -40,7 +40,6 @@ from kvflow.stages.hash import HashStage
 from kvflow.stages.remote_generate import RemoteGenerateStage
 from kvflow.stages.route import RouteStage
 from kvflow.stages.runtime.peers import parse_node_address
-from kvflow.stages.runtime.prefix_index import MetadataPrefixIndex
 from kvflow.stages.serve.build import build_conductor
 from kvflow.stages.serve.config import RouterSettings
 from kvflow.stages.serve.metrics import ServingMetrics
@@ -131,7 +130,7 @@ class RouterServer:
             ),
             self.model_dir,
             info.model_fingerprint,
-            MetadataPrefixIndex(self.metadata),
+            MetadataPrefixIndex(self.metadata.view()),
             TCP_BYTES_PER_S,
         )
         self.pipeline = Pipeline(
