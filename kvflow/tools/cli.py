@@ -1,7 +1,9 @@
 """The `kvflow` command line: one entry point, one module per subcommand.
 
-Each module listed in COMMAND_MODULES exposes ``register(subparsers)``, which adds its
-subcommand(s) with ``set_defaults(func=...)``; ``func(args) -> int`` is the exit code.
+Each module in COMMANDS exposes ``register(subparsers)``, which adds its subcommand with
+``set_defaults(func=...)``; ``func(args) -> int`` is the exit code. Only the module of the
+command being run is imported (``kvflow --help`` and the client commands never import torch):
+the others appear in the help with their one-line summary.
 """
 
 from __future__ import annotations
@@ -12,33 +14,45 @@ import logging
 import sys
 from collections.abc import Sequence
 
-COMMAND_MODULES: tuple[str, ...] = (
-    "kvflow.tools.demo_model",
-    "kvflow.tools.serve",
-    "kvflow.tools.generate",
-    "kvflow.tools.trace",
-    "kvflow.tools.profile",
-    "kvflow.tools.cluster",
-    "kvflow.tools.replay",
-    "kvflow.tools.bench.metadata",
-    "kvflow.tools.bench.transfer",
-    "kvflow.tools.kvadmin",
-)
+# command -> (module, one-line help shown by `kvflow --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo-model": ("kvflow.tools.demo_model", "write a seeded random-weight demo model"),
+    "serve": ("kvflow.tools.serve", "run kvflow (embedded, or one role of a cluster)"),
+    "generate": ("kvflow.tools.generate", "send a prompt to a kvflow server"),
+    "trace": ("kvflow.tools.trace", "export or summarise stage traces"),
+    "profile": ("kvflow.tools.profile", "fit the conductor's prefill/decode time models"),
+    "cluster": ("kvflow.tools.cluster", "start and supervise a local multi-process cluster"),
+    "replay": ("kvflow.tools.replay", "replay a request trace through the router simulator"),
+    "bench-metadata": ("kvflow.tools.bench.metadata", "metadata registration throughput"),
+    "bench-transfer": ("kvflow.tools.bench.transfer", "transfer engine throughput"),
+    "kvdb": ("kvflow.tools.kvadmin", "inspect and manage a server's kvdb (admin service)"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``command`` (or every command when None) gets its full arguments."""
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for name, (module, summary) in COMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(module).register(subparsers)
+        else:
+            subparsers.add_parser(name, help=summary)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is one), if any."""
+    return next((a for a in argv if a in COMMANDS), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command(argv)
+    parser = build_parser(command) if command is not None else build_parser("")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),

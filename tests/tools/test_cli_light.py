@@ -1,0 +1,40 @@
+"""`kvflow --help` and the client commands never import torch (they answer in well under a
+second): only the module of the command being run is imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvflow.tools.cli import COMMANDS, build_parser
+
+
+def _imports_torch(code: str) -> bool:
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys\n{code}\nprint('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
+@pytest.mark.parametrize("command", ["", "generate", "kvdb", "trace", "cluster", "replay"])
+def test_light_commands_do_not_import_torch(command: str) -> None:
+    assert not _imports_torch(
+        f"from kvflow.tools.cli import build_parser\nbuild_parser({command!r})"
+    )
+
+
+def test_help_lists_every_command_without_loading_them() -> None:
+    parser = build_parser("")
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) == set(COMMANDS)  # type: ignore[attr-defined]
+
+
+def test_serve_flags_are_light_and_the_check_sees_torch() -> None:
+    assert _imports_torch("from kvflow.tools.cli import build_parser\nbuild_parser('serve')") is False
+    assert _imports_torch("import kvflow.stages.engine")
