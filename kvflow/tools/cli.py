@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "kvflow.tools.demo_model",
+    "kvflow.tools.model_cmd",
     "kvflow.tools.serve",
     "kvflow.tools.generate",
     "kvflow.tools.trace_cmd",

@@ -13,6 +13,8 @@ from kvflow.pipeline import serve_metrics
 from kvflow.router import policy_names
 from kvflow.stages.cluster import EmbeddedCluster
 from kvflow.stages.config import ServeConfig
+from kvflow.stages.engine import EngineError
+from kvflow.stages.engine.default_model import ensure_default_model
 from kvflow.stages.service import create_server
 from kvflow.tools.meta import add_meta_arguments, run_meta
 
@@ -28,7 +30,12 @@ def register(subparsers: Any) -> None:
         help="embedded: every instance in this process (default); meta: one Raft metadata "
         "replica; node: one prefill or decode node; router: the conductor and inference API",
     )
-    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: demo model)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="Hugging Face model directory (default, embedded role: SmolLM2-135M-Instruct, "
+        "imported on first run into DATA_DIR/models)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port; 0 = off")
@@ -120,6 +127,10 @@ async def serve(config: ServeConfig, host: str, port: int, metrics_port: int) ->
         await cluster.stop()
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.role == "meta":
         return run_meta(args)
@@ -128,8 +139,10 @@ def run(args: argparse.Namespace) -> int:
 
         return run_node(args) if args.role == "node" else run_router(args)
     try:
+        if args.model is None:
+            args.model = ensure_default_model(args.data_dir, progress=_say)
         config = config_from_args(args)
-    except ValueError as exc:
+    except (ValueError, EngineError) as exc:
         print(f"kvflow serve: {exc}")
         return 2
     asyncio.run(serve(config, args.host, args.port, args.metrics_port))

@@ -29,6 +29,7 @@ from kvflow.stages.engine.errors import (
     PageLayoutError,
     UnknownRequestError,
 )
+from kvflow.stages.engine.gguf_import import gguf_hint
 from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model import CausalLM
 from kvflow.stages.engine.pages import KVLayout, PageData, PagePool
@@ -79,6 +80,8 @@ class Engine:
         mismatch; ValueError for a max_model_len above the model's."""
         config = config or EngineConfig()
         path = Path(model_dir)
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            raise gguf_hint(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {path} does not exist")
         spec, config_bytes = load_spec(path)
