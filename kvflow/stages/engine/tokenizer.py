@@ -37,6 +37,13 @@ class Tokenizer:
         """Token ids of `text`; no BOS unless add_special_tokens and the tokenizer adds one."""
         return list(self._inner.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw text prompt, with the special tokens the tokenizer adds to a
+        sequence (BOS for Llama and Mistral tokenizers; none for byte-level GPT-2 style ones),
+        as transformers' `tokenizer(text)` does. A rendered chat template already holds its
+        special tokens as text: encode it with `encode(text)` instead."""
+        return self.encode(text, add_special_tokens=True)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._inner.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
