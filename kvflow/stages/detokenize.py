@@ -39,9 +39,11 @@ class IncrementalDetokenizer:
         self._stream = tokenizer.decode_stream(skip_special_tokens=skip_special_tokens)
         self._stops = tuple(dict.fromkeys(stop))
         self._include_stop = include_stop
+        self._firsts = frozenset(stop[0] for stop in self._stops)
+        self._longest = max((len(stop) for stop in self._stops), default=0)
         self._pending = ""  # decoded but not yet sent: a possible start of a stop string
         self.stopped: str | None = None
-        self.text = ""  # everything sent so far
+        self._sent: list[str] = []  # the deltas returned so far (joined on demand)
         self.num_tokens = 0  # ids consumed, up to the one that completed a stop string
 
     def add(self, token_ids: Sequence[int]) -> str:
@@ -62,27 +64,33 @@ class IncrementalDetokenizer:
             return ""
         return self._send(len(self._pending))
 
+    @property
+    def text(self) -> str:
+        """Everything sent so far (the concatenation of the deltas)."""
+        return "".join(self._sent)
+
     def _send(self, n: int) -> str:
         delta, self._pending = self._pending[:n], self._pending[n:]
-        self.text += delta
+        if delta:
+            self._sent.append(delta)
         return delta
 
     def _cut_at_stop(self) -> bool:
         """Cut the pending text at the earliest complete stop string, if there is one."""
-        hits = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
-        if not hits:
+        pending = self._pending
+        if not any(stop in pending for stop in self._stops):
             return False
-        index, stop = min(hits)
-        self._pending = self._pending[: index + (len(stop) if self._include_stop else 0)]
+        index, stop = min((pending.find(s), s) for s in self._stops if s in pending)
+        self._pending = pending[: index + (len(stop) if self._include_stop else 0)]
         self.stopped = stop
         return True
 
     def _held_back(self) -> int:
         """Length of the longest suffix of the pending text that starts some stop string."""
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(self._pending)), best, -1):
-                if self._pending.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+        pending = self._pending
+        for i in range(max(0, len(pending) - self._longest + 1), len(pending)):
+            if pending[i] in self._firsts:
+                tail = pending[i:]
+                if any(stop.startswith(tail) for stop in self._stops):
+                    return len(pending) - i
+        return 0
