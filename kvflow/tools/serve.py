@@ -30,7 +30,12 @@ def register(subparsers: Any) -> None:
         help="embedded: every instance in this process (default); meta: one Raft metadata "
         "replica; node: one prefill or decode node; router: the conductor and inference API",
     )
-    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: demo model)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="Hugging Face model directory (default, embedded role: SmolLM2-135M-Instruct, "
+        "imported on first run into DATA_DIR/models; node and router roles: the demo model)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="the address every listener binds")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port; 0 = off")
@@ -216,6 +221,10 @@ def run_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.role == "meta":
         return run_meta(args)
@@ -223,9 +232,14 @@ def run(args: argparse.Namespace) -> int:
         return run_node(args)
     if args.role == "router":
         return run_router(args)
+    from kvflow.stages.engine import EngineError
+    from kvflow.stages.engine.default_model import ensure_default_model
+
     try:
+        if args.model is None:
+            args.model = ensure_default_model(args.data_dir, progress=_say)
         config = config_from_args(args)
-    except ValueError as exc:
+    except (ValueError, EngineError) as exc:
         print(f"kvflow serve: {exc}")
         return 2
     asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port))

@@ -171,7 +171,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         )
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return pb2.TokenizeResponse(token_ids=self._cluster.tokenizer.encode(request.text))
+        return pb2.TokenizeResponse(token_ids=self._cluster.tokenizer.encode_prompt(request.text))
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         c = self._cluster

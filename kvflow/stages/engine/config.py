@@ -13,6 +13,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
 def _positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -81,6 +84,20 @@ class SamplingParams:
             engine seed and the request id (stable across runs).
         stop_token_ids: extra tokens that end generation (finish_reason "stop").
         ignore_eos: do not stop on the model's EOS token(s).
+        repetition_penalty: > 0; 1 is off. Every token seen so far (prompt and output) has a
+            positive logit divided by it and a negative one multiplied (the CTRL / transformers
+            / vLLM rule).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it was
+            generated (OpenAI's rule; prompt tokens do not count).
+        presence_penalty: in [-2, 2]; subtracted once from every token generated at least once.
+        logprobs: None = off; n in [0, MAX_LOGPROBS]: each output token carries its log
+            probability, its rank and the n most likely alternatives (RequestOutput.logprobs).
+            Log probabilities are of the model's raw distribution: before penalties,
+            temperature, top-k and top-p (vLLM's default).
+        prompt_logprobs: like logprobs, for the prompt tokens whose KV this engine computes
+            (RequestOutput.prompt_logprobs): positions num_prefix_tokens + 1 .. prompt_len - 1.
+            A token's logprob comes from the previous position's output, so imported (cached)
+            prefix positions and position 0 have none.
     """
 
     max_tokens: int = 16
@@ -90,6 +107,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _positive("max_tokens", self.max_tokens)
@@ -106,6 +128,30 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        self._check_penalties()
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            bad = isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS
+            if n is not None and bad:
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+
+    def _check_penalties(self) -> None:
+        rep = self.repetition_penalty
+        if isinstance(rep, bool) or not isinstance(rep, int | float) or not rep > 0.0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {rep!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """True when any penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ the engine and its other requests untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence as Seq
@@ -29,13 +30,15 @@ from kvflow.stages.engine.errors import (
     PageLayoutError,
     UnknownRequestError,
 )
+from kvflow.stages.engine.gguf_import import gguf_hint
 from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model import CausalLM
+from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.engine.pages import KVLayout, PageData, PagePool
 from kvflow.stages.engine.runner import ModelRunner
-from kvflow.stages.engine.sampler import sample
+from kvflow.stages.engine.sampler import prompt_logprobs, sample, token_logprobs
 from kvflow.stages.engine.scheduler import plan_step
-from kvflow.stages.engine.sequence import FinishReason, RequestOutput, Sequence
+from kvflow.stages.engine.sequence import FinishReason, RequestOutput, Sequence, TokenLogprob
 from kvflow.stages.engine.spec import ModelSpec, load_spec
 from kvflow.stages.engine.tokenizer import Tokenizer
 
@@ -52,12 +55,14 @@ class Engine:
         tokenizer: Tokenizer,
         config: EngineConfig,
         model_fingerprint: str,
+        card: ModelCard | None = None,
     ) -> None:
         spec = model.spec
         self.config = config
         self.spec: ModelSpec = spec
         self.tokenizer = tokenizer
         self.model_fingerprint = model_fingerprint
+        self.card = card or ModelCard(name="model", eos_token_ids=spec.eos_token_ids)
         self.max_model_len = config.max_model_len or spec.max_position_embeddings
         self.device = torch.device(config.device)
         self.kv_layout = KVLayout(
@@ -73,15 +78,21 @@ class Engine:
 
     @classmethod
     def open(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
-        """Load config.json, the safetensors weights and tokenizer.json from `model_dir`.
+        """Load config.json, the safetensors weights and tokenizer.json from `model_dir`, and
+        its ModelCard (generation_config.json, chat template): the EOS ids of both configs stop
+        generation.
 
         Raises ModelLoadError naming a missing file, an unsupported architecture or a weight
         mismatch; ValueError for a max_model_len above the model's."""
         config = config or EngineConfig()
         path = Path(model_dir)
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            raise gguf_hint(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {path} does not exist")
         spec, config_bytes = load_spec(path)
+        card = ModelCard.from_dir(path)
+        spec = dataclasses.replace(spec, eos_token_ids=card.eos_token_ids)
         tokenizer = Tokenizer.from_dir(path)
         if config.max_model_len and config.max_model_len > spec.max_position_embeddings:
             raise ValueError(
@@ -90,7 +101,7 @@ class Engine:
             )
         model = load_weights(path, spec, config.torch_dtype, torch.device(config.device))
         fp = fingerprint(path, config_bytes, config.dtype)
-        return cls(model, tokenizer, config, fp)
+        return cls(model, tokenizer, config, fp, card)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -288,9 +299,14 @@ class Engine:
         self._steps += 1
         for seq, n in plan.prefill:
             start = seq.num_computed
-            logits = self._runner.prefill(seq, n)
+            want_prompt = seq.sampling.prompt_logprobs is not None
+            logits = self._runner.prefill(seq, n, all_logits=want_prompt)
             seq.num_computed += n
-            outputs.append(self._advance(seq, start, None if logits is None else logits[None]))
+            prompt_lps = prompt_logprobs(seq, start, logits) if want_prompt else ()
+            if logits is not None and want_prompt:
+                logits = logits[-1] if seq.num_computed == len(seq.token_ids) else None
+            last = None if logits is None else logits[None]
+            outputs.append(self._advance(seq, start, last, prompt_lps))
         if plan.decode:
             logits = self._runner.decode(plan.decode)
             for row, seq in enumerate(plan.decode):
@@ -300,16 +316,34 @@ class Engine:
                 outputs.append(self._advance(seq, start, logits[row : row + 1]))
         return outputs
 
-    def _advance(self, seq: Sequence, start: int, logits: torch.Tensor | None) -> RequestOutput:
+    def _advance(
+        self,
+        seq: Sequence,
+        start: int,
+        logits: torch.Tensor | None,
+        prompt_lps: tuple[TokenLogprob, ...] = (),
+    ) -> RequestOutput:
         bs = self.config.block_size
         completed = tuple(range(start // bs, seq.num_computed // bs))
         new: list[int] = []
+        lps: tuple[TokenLogprob, ...] = ()
         if logits is not None:
-            new = sample(logits, [seq.sampling], [seq.generator])
+            history = [(seq.token_ids, seq.prompt_len)]
+            new = sample(logits, [seq.sampling], [seq.generator], history)
+            if seq.sampling.logprobs is not None:
+                lps = tuple(token_logprobs(logits, new, seq.sampling.logprobs))
             if seq.append_token(new[0]) is not None:
                 self._finish(seq)
         keep = logits.clone() if logits is not None and self.config.return_logits else None
-        return self._output(seq, new, completed, keep)
+        out = self._output(seq, new, completed, keep)
+        if lps or prompt_lps:
+            out = dataclasses.replace(
+                out,
+                logprobs=lps,
+                prompt_logprobs=prompt_lps,
+                prompt_logprobs_start=start + 1 if prompt_lps else 0,
+            )
+        return out
 
     @staticmethod
     def _output(

@@ -38,3 +38,9 @@ class OutOfPagesError(InvalidRequestError):
 class PageLayoutError(EngineError):
     """An imported page does not match the engine's page layout (size, shape, dtype, count)
     or holds non-finite values."""
+
+
+class ChatTemplateError(EngineError):
+    """The model's chat template cannot render these messages (the template raised, e.g.
+    "roles must alternate", or the messages are not a list of dicts), or the model directory
+    has no chat template. The caller's input is at fault: an HTTP front answers 400."""

@@ -30,16 +30,21 @@ class ModelRunner:
         return seq.page_table
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, num_tokens: int) -> torch.Tensor | None:
+    def prefill(
+        self, seq: Sequence, num_tokens: int, all_logits: bool = False
+    ) -> torch.Tensor | None:
         """Compute KV for tokens [num_computed, num_computed + num_tokens) of `seq` (does not
         advance the counter). Returns float32 logits [vocab] of the last token if the chunk
-        reaches the end of the sequence, else None."""
+        reaches the end of the sequence, else None; with `all_logits`, float32 logits
+        [num_tokens, vocab] of every position of the chunk."""
         start = seq.num_computed
         end = start + num_tokens
         ids = torch.tensor(seq.token_ids[start:end], dtype=torch.int64, device=self.device)
         positions = torch.arange(start, end, dtype=torch.int64, device=self.device)
         kv = PagedPrefill(self.pool, self._page_ids(seq), start, num_tokens, self.window)
         hidden = self.model(ids, positions, kv)
+        if all_logits:
+            return self.model.logits(hidden)
         if end < len(seq.token_ids):
             return None
         return self.model.logits(hidden[-1:])[0]

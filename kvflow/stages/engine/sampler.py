@@ -1,4 +1,5 @@
-"""Token sampling: greedy, or temperature with top-k / top-p, seeded per request."""
+"""Token sampling: penalties, then greedy or temperature with top-k / top-p, seeded per
+request; and the log probabilities that outputs and prompts report."""
 
 from __future__ import annotations
 
@@ -7,20 +8,52 @@ from collections.abc import Sequence
 import torch
 
 from kvflow.stages.engine.config import SamplingParams
+from kvflow.stages.engine.sequence import Sequence as Seq
+from kvflow.stages.engine.sequence import TokenLogprob
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    histories: Sequence[tuple[Sequence[int], int]] | None = None,
 ) -> list[int]:
-    """One token per row of float32 logits [N, vocab]. Greedy rows take the argmax (ties to
-    the lowest id); others sample with their own generator, which advances. Pure otherwise."""
-    tokens = logits.argmax(dim=-1).tolist()
+    """One token per row of float32 logits [N, vocab]. `histories[row]` is (token ids so far,
+    prompt length), needed only for rows whose params set a penalty. Greedy rows take the
+    argmax of the penalized logits (ties to the lowest id); others sample with their own
+    generator, which advances. Does not modify `logits`."""
+    tokens: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            tokens[row] = _sample_row(logits[row], p, gen)
-    return [int(t) for t in tokens]
+        row_logits = logits[row]
+        if p.penalized:
+            if histories is None:
+                raise ValueError("penalties need the token history of each row")
+            ids, prompt_len = histories[row]
+            row_logits = apply_penalties(row_logits, ids, prompt_len, p)
+        if p.greedy:
+            tokens.append(int(row_logits.argmax()))
+        else:
+            tokens.append(_sample_row(row_logits, p, gen))
+    return tokens
+
+
+def apply_penalties(
+    logits: torch.Tensor, token_ids: Sequence[int], prompt_len: int, p: SamplingParams
+) -> torch.Tensor:
+    """A penalized float32 copy of one row [vocab] (see SamplingParams for the rules):
+    repetition over prompt and output, then frequency and presence over the output."""
+    out = logits.to(torch.float32).clone()
+    vocab = out.shape[-1]
+    if p.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.int64, device=out.device)
+        vals = out[seen]
+        out[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    generated = token_ids[prompt_len:]
+    if generated and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        ids = torch.tensor(list(generated), dtype=torch.int64, device=out.device)
+        counts = torch.bincount(ids, minlength=vocab)[:vocab].to(torch.float32)
+        out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return out
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
@@ -35,3 +68,36 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
+    """For each row of raw logits [N, vocab] and the token chosen at that row: its log
+    probability under softmax(logits), its rank (1 = most likely; ties share the better
+    rank) and the `top` most likely (id, logprob), best first."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    chosen = torch.tensor(list(token_ids), dtype=torch.int64, device=logp.device)
+    chosen_lp = logp.gather(1, chosen[:, None])[:, 0]
+    ranks = (logp > chosen_lp[:, None]).sum(dim=-1) + 1
+    top_vals = top_ids = None
+    if top > 0:
+        top_vals, top_ids = torch.topk(logp, top, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out = []
+    for i, (tok, lp, rank) in enumerate(
+        zip(token_ids, chosen_lp.tolist(), ranks.tolist(), strict=True)
+    ):
+        alts = () if top_ids is None else tuple(zip(top_ids[i], top_vals[i], strict=True))
+        out.append(TokenLogprob(int(tok), float(lp), int(rank), alts))
+    return out
+
+
+def prompt_logprobs(seq: Seq, start: int, logits: torch.Tensor | None) -> tuple[TokenLogprob, ...]:
+    """The prompt tokens a prefill chunk scored: row i of the chunk's logits (the chunk
+    began at position `start`; `seq.num_computed` is already past it) scores token
+    start + i + 1; rows past the prompt are not prompt logprobs."""
+    top = seq.sampling.prompt_logprobs
+    assert logits is not None and top is not None
+    targets = seq.token_ids[start + 1 : min(seq.num_computed + 1, seq.prompt_len)]
+    if not targets:
+        return ()
+    return tuple(token_logprobs(logits[: len(targets)], targets, top))

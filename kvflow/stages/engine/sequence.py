@@ -69,6 +69,18 @@ class Sequence:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log probability under the model's raw distribution (before penalties,
+    temperature, top-k, top-p). rank: 1 = the most likely token. top: the n most likely
+    (token id, logprob), best first (n = SamplingParams.logprobs / prompt_logprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one `step()` did for one request.
 
@@ -82,6 +94,13 @@ class RequestOutput:
             computed) during this step, in order; export them with engine.export_page.
         logits: float32 [len(new_token_ids), vocab] logits each new token was sampled from,
             only when EngineConfig.return_logits.
+        logprobs: one TokenLogprob per new token when SamplingParams.logprobs is set.
+        prompt_logprobs: when SamplingParams.prompt_logprobs is set, one TokenLogprob per
+            prompt token this step's prefill chunk scored, for positions
+            prompt_logprobs_start, prompt_logprobs_start + 1, ... of the prompt. Over a
+            request's steps they cover positions num_prefix_tokens + 1 .. prompt_len - 1:
+            a token's logprob needs the previous position's output, which an imported
+            (cached) prefix never computes here.
     """
 
     request_id: str
@@ -91,3 +110,6 @@ class RequestOutput:
     num_computed_tokens: int
     completed_blocks: tuple[int, ...]
     logits: torch.Tensor | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs_start: int = 0

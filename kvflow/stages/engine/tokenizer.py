@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from kvflow.stages.engine.errors import ModelLoadError
 
@@ -37,8 +38,34 @@ class Tokenizer:
         """Token ids of `text`; no BOS unless add_special_tokens and the tokenizer adds one."""
         return list(self._inner.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw text prompt, with the special tokens the tokenizer adds to a
+        sequence (BOS for Llama and Mistral tokenizers; none for byte-level GPT-2 style ones),
+        as transformers' `tokenizer(text)` does. A rendered chat template already holds its
+        special tokens as text: encode it with `encode(text)` instead."""
+        return self.encode(text, add_special_tokens=True)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._inner.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def decode_stream(self, skip_special_tokens: bool = True) -> TokenStream:
+        """A fresh streaming decoder for one sequence of generated ids (linear time)."""
+        return TokenStream(self._inner, skip_special_tokens)
+
     def token_to_id(self, token: str) -> int | None:
         return self._inner.token_to_id(token)
+
+
+class TokenStream:
+    """Streaming detokenization of one sequence through tokenizers' DecodeStream: each id
+    costs a decode of a few ids, never of the whole text. Text comes out in whole
+    characters only: an id that ends inside a multi-byte UTF-8 character yields "" until the
+    character completes. Not thread-safe (one per request)."""
+
+    def __init__(self, inner: HFTokenizer, skip_special_tokens: bool) -> None:
+        self._inner = inner
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        """The text that `token_id` completes ("" when none yet)."""
+        return self._stream.step(self._inner, int(token_id)) or ""
