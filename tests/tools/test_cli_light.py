@@ -36,5 +36,6 @@ def test_help_lists_every_command_without_loading_them() -> None:
 
 
 def test_serve_flags_are_light_and_the_check_sees_torch() -> None:
-    assert _imports_torch("from kvflow.tools.cli import build_parser\nbuild_parser('serve')") is False
+    serve = "from kvflow.tools.cli import build_parser\nbuild_parser('serve')"
+    assert _imports_torch(serve) is False
     assert _imports_torch("import kvflow.stages.engine")
