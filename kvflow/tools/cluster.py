@@ -35,6 +35,11 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvflow.tools.supervise import LocalCluster
 
+    if args.model is None:  # every process must serve the same model: import it once here
+        from kvflow.stages.engine.default_model import ensure_default_model
+
+        args.model = ensure_default_model(args.data_dir, progress=lambda s: print(s, flush=True))
+
     cluster = LocalCluster(
         args.data_dir,
         args.meta,
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  try: kvflow generate --server {routers} --prompt 'Hello'", flush=True)
         for name, port in cluster.node_ports.items():
             print(f"  {name}: 127.0.0.1:{port}   (kvflow kvdb --server 127.0.0.1:{port} shards)")
+        ports = " ".join(f"{name}={port}" for name, port in cluster.metrics_ports.items())
+        print(f"  Prometheus metrics (http://127.0.0.1:PORT/metrics): {ports}", flush=True)
         while not stop["now"]:
             cluster.supervise_once()
             time.sleep(0.5)

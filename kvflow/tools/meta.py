@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from kvflow.pipeline import Metrics, MetricsServer, serve_metrics
 from kvflow.replication import MetadataConfig, MetadataGroup, ReplicationError
 from kvflow.replication.journal_guard import JournalClaim, claim_journal_dir
 from kvflow.replication.service import create_meta_server
@@ -42,6 +43,8 @@ def add_meta_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=0, help="metadata service port; 0 = any")
     if "--host" not in existing:
         parser.add_argument("--host", default="127.0.0.1", help="metadata service bind host")
+    if "--metrics-port" not in existing:
+        parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     if "--data-dir" not in existing:
         parser.add_argument("--data-dir", type=Path, default=Path("data"))
     parser.add_argument(
@@ -85,6 +88,7 @@ def run_meta(args: argparse.Namespace) -> int:
     claim: JournalClaim | None = None
     group = MetadataGroup(config)
     server = None
+    metrics: MetricsServer | None = None
     stop = threading.Event()
     previous = _install_handlers(stop)
     try:
@@ -95,10 +99,12 @@ def run_meta(args: argparse.Namespace) -> int:
         group.start()
         server, port = create_meta_server(group, args.host, args.grpc_port)
         server.start()
+        metrics = _serve_metrics(group, args.host, args.metrics_port)
         print(
             f"kvflow meta {args.meta_id}: raft {config.self_address} grpc {args.host}:{port} "
             f"peers {','.join(config.partner_addresses) or '-'} "
-            f"journal {config.journal_dir or 'memory'}",
+            f"journal {config.journal_dir or 'memory'}"
+            + (f"; metrics on {metrics.url}" if metrics else ""),
             flush=True,
         )
         stop.wait()
@@ -107,12 +113,31 @@ def run_meta(args: argparse.Namespace) -> int:
         print(f"kvflow meta: {exc}", file=sys.stderr)
         return 1
     finally:
+        if metrics is not None:
+            metrics.close()
         if server is not None:
             server.stop(grace=1.0).wait()
         group.close()
         if claim is not None:
             claim.release()
         _restore_handlers(previous)
+
+
+def _serve_metrics(group: MetadataGroup, host: str, port: int) -> MetricsServer | None:
+    """The replica's Prometheus endpoint: leadership and what the table holds."""
+    if not port:
+        return None
+    metrics = Metrics()
+    metrics.gauge("meta_is_leader", "1 while this replica leads the group").set_function(
+        lambda: float(group.is_leader())
+    )
+    metrics.gauge("meta_blocks", "Blocks recorded in the metadata").set_function(
+        lambda: float(group.view().num_blocks())
+    )
+    metrics.gauge("meta_nodes", "Nodes registered in the metadata").set_function(
+        lambda: float(len(group.view().nodes()))
+    )
+    return serve_metrics(metrics, host, port)
 
 
 _Handler = signal.Handlers | int | None | object

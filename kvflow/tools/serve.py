@@ -38,7 +38,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="the address every listener binds")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port; 0 = off")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus port; 0 = off (default: embedded and router 9464, node 9465, meta 9466, "
+        "so roles that share a host do not collide)",
+    )
     add_engine_store_flags(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
@@ -225,7 +231,12 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+METRICS_PORTS = {"embedded": 9464, "router": 9464, "node": 9465, "meta": 9466}
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.metrics_port is None:
+        args.metrics_port = METRICS_PORTS[args.role]
     if args.role == "meta":
         return run_meta(args)
     if args.role == "node":

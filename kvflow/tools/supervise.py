@@ -111,6 +111,7 @@ class LocalCluster:
         if model is not None:
             common += ["--model", str(model)]
         self.procs: dict[str, Proc] = {}
+        self.metrics_ports: dict[str, int] = {}
         for i, raft in enumerate(rafts):
             peers = ",".join(r for r in rafts if r != raft)
             self._add(
@@ -152,8 +153,6 @@ class LocalCluster:
                         str(self.node_ports[name]),
                         "--meta",
                         meta_list,
-                        "--metrics-port",
-                        "0",
                         *common,
                     ],
                 )
@@ -172,14 +171,15 @@ class LocalCluster:
                     str(router_port),
                     "--meta",
                     meta_list,
-                    "--metrics-port",
-                    "0",
                     *common,
                     *router_extra,
                 ],
             )
 
     def _add(self, name: str, args: list[str]) -> None:
+        """One supervised process, with a Prometheus port of its own (``metrics_ports``)."""
+        self.metrics_ports[name] = free_port()
+        args = [*args, "--metrics-port", str(self.metrics_ports[name])]
         self.procs[name] = Proc(name, args, self.data_dir / f"{name}.log")
 
     def start(self, timeout_s: float = 120.0) -> None:

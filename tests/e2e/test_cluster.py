@@ -1,5 +1,5 @@
 """A real multi-process cluster on 127.0.0.1: 3 metadata replicas, 2 prefill nodes, 2 decode
-nodes and 2 routers (`kvflow.tools.cluster.LocalCluster`, the code behind `kvflow cluster`).
+nodes and 2 routers (`kvflow.tools.supervise.LocalCluster`, the code behind `kvflow cluster`).
 Requests go through InferenceClient with both routers listed, as a user's client would.
 
 The tests run in file order on one cluster: the failure tests come last, and each kills one
@@ -14,10 +14,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from kvflow.kvdb import KVLayout, Namespace, block_keys
 from kvflow.replication import NodeId, RemoteMetadata
 from kvflow.stages.api import node_pb2, node_pb2_grpc, pb2, pb2_grpc
 from kvflow.stages.api.client import InferenceClient
@@ -151,6 +153,120 @@ def test_a_replica_target_is_placed_on_another_node(cluster):
             time.sleep(0.1)
             view.forget([key])
         assert set(view.replicas(key)) == {holder, other}
+
+
+def _node_stub(cluster: LocalCluster, name: str) -> tuple[grpc.Channel, Any]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.node_ports[name]}")
+    return channel, node_pb2_grpc.NodeStub(channel)
+
+
+def _prefill_on(
+    cluster: LocalCluster, node: str, ids: list[int], **pull: Any
+) -> tuple[Any, list[bytes]]:
+    """A Prefill call straight to ``node`` (as a router sends it) with the given pull fields;
+    returns its done event and the prompt's block keys."""
+    decode_channel, decode = _node_stub(cluster, "decode-0")
+    channel, stub = _node_stub(cluster, node)
+    with decode_channel, channel:
+        info = stub.Info(node_pb2.InfoRequest(), timeout=10)
+        rid = f"pull-{node}-{random.Random(len(ids)).random()}"
+        pages = -(-len(ids) // BLOCK)
+        lease = decode.Reserve(node_pb2.ReserveRequest(request_id=rid, num_pages=pages), timeout=10)
+        req = node_pb2.PrefillRequest(
+            request_id=rid,
+            token_ids=ids,
+            sampling=node_pb2.Sampling(),
+            target_transfer_address=lease.transfer_address,
+            target_segment=lease.segment,
+            target_offsets=lease.offsets,
+            **pull,
+        )
+        try:
+            events = list(stub.Prefill(req, timeout=60))
+        finally:
+            decode.Release(node_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=10)
+    layout = KVLayout(
+        info.num_layers, info.num_kv_heads, info.head_dim, info.block_size, info.dtype
+    )
+    keys = block_keys(Namespace("default", info.model_fingerprint, layout), ids)
+    return events[-1], keys
+
+
+def test_a_planned_pull_travels_to_the_prefill_node_which_pulls_exactly_that(cluster):
+    """Algorithm 1 in the cluster: the conductor's plan (holder, blocks) reaches the prefill
+    node in the Prefill call; the node copies exactly those blocks from the holder (replica
+    count 2 in the metadata) and nothing more from prefill nodes, although the holder has more.
+    With the policy deciding pulls and no plan (below the balancing threshold), it pulls
+    nothing."""
+    ids = prompt(200, seed=40)  # 12 usable blocks
+    _, usage = generate(cluster, ids)
+    holder = usage.prefill_instance
+    other = "prefill-1" if holder == "prefill-0" else "prefill-0"
+    wait_for_blocks(cluster, holder, 12)
+    done, keys = _prefill_on(
+        cluster,
+        other,
+        ids,
+        pull_from=holder,
+        pull_start_block=0,
+        pull_num_blocks=5,
+        pulls_decided=True,
+    )
+    assert done.pulled_tokens == 5 * BLOCK and done.cached_tokens == 5 * BLOCK
+    with RemoteMetadata(cluster.meta_addresses) as meta:
+        deadline = time.monotonic() + 10
+        while meta.view().replica_count(keys[4]) < 2:
+            assert time.monotonic() < deadline, "the pulled blocks never reached the metadata"
+            time.sleep(0.05)
+            meta.view().forget(keys)
+        assert set(meta.view().replicas(keys[0])) == {holder, other}
+
+    ids2 = prompt(200, seed=41)
+    _, usage2 = generate(cluster, ids2)
+    wait_for_blocks(cluster, usage2.prefill_instance, 1)
+    target = "prefill-1" if usage2.prefill_instance == "prefill-0" else "prefill-0"
+    done2, _ = _prefill_on(cluster, target, ids2, pulls_decided=True)
+    assert done2.pulled_tokens == 0 and done2.cached_tokens == 0
+
+
+def test_one_trace_per_request_has_all_seven_stages_one_row_per_process(cluster, tmp_path):
+    _, usage = generate(cluster, prompt(40, seed=50), max_tokens=4)
+    out = tmp_path / "trace.json"
+    assert main(["trace", "export", "--server", cluster.addresses[0], "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {
+        e["pid"]: e["args"]["name"]
+        for e in doc["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
+    mine = [
+        e
+        for e in doc["traceEvents"]
+        if e["ph"] == "X" and e["args"]["_kvflow"]["request_id"] == usage.request_id
+    ]
+    stages = {e["name"] for e in mine if e["cat"] == "stage"}
+    seven = {"tokenize", "hash", "route", "reuse-load", "prefill", "stream", "decode"}
+    assert seven <= stages, stages
+    where = {e["name"]: rows[e["pid"]] for e in mine if e["cat"] == "stage"}
+    assert where["tokenize"] == where["route"] == "router"
+    assert where["reuse-load"] == where["prefill"] == where["stream"] == usage.prefill_instance
+    assert where["decode"] == usage.decode_instance
+    # The node's spans start after the router sent the call (one wall clock).
+    starts = {e["name"]: e["ts"] for e in mine if e["cat"] == "stage"}
+    assert starts["route"] <= starts["reuse-load"] <= starts["decode"]
+
+
+def test_every_process_serves_prometheus_metrics(cluster):
+    import urllib.request
+
+    wanted = {"meta": "kvflow_meta_is_leader", "prefill": "kvflow_store_hit_rate"}
+    wanted |= {"decode": "kvflow_pipeline", "router": "kvflow_ttft_seconds"}
+    for name, port in cluster.metrics_ports.items():
+        if not cluster.procs[name].alive():
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert wanted[name.split("-")[0]] in text, name
 
 
 def test_each_router_routes_on_the_load_the_other_sent(cluster):

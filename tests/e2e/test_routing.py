@@ -107,3 +107,29 @@ def test_change_replica_copies_the_block_to_another_shard(make_server):
     assert cluster.prefill[other].store.shard.exists(keys[0])
     assert not cluster.prefill[other].store.shard.exists(keys[1])  # only the block asked for
     assert view.replica_target(keys[0]) == 2
+
+
+def test_below_the_balancing_threshold_the_chosen_instance_pulls_nothing(make_server):
+    """Cache-aware routing decides pulls: an instance chosen with no pull plan reuses only its
+    own prefix, even when another prefill instance holds more (no greedy continuation)."""
+    server = make_server(num_prefill=2)
+    cluster = server.cluster
+    prompt = ids(200, seed=12)  # 12 usable blocks
+    _, u1, _ = server.generate(prompt)
+    holder = u1.prefill_instance
+    other = next(p for p in cluster.prefill if p != holder)
+    cluster.prefill[holder].state.enqueue("synthetic-load", 100.0)
+    try:
+        # The other instance gets the first 6 blocks (a planned pull: 6 > 2 x 0)...
+        _, u2, _ = server.generate(prompt[:100] + ids(40, seed=13))
+        assert u2.prefill_instance == other and u2.pulled_tokens == 96
+        # ...then the whole prompt: 12 blocks is not > 2 x 6, so no pull is planned.
+        _, u3, _ = server.generate(prompt)
+    finally:
+        cluster.prefill[holder].state.finish("synthetic-load")
+    assert u3.prefill_instance == other
+    assert u3.cached_tokens == 96 and u3.pulled_tokens == 0
+    keys = _keys(cluster, prompt)
+    assert cluster.prefill[other].match_prefix(keys) == len(keys)  # computed the rest itself
+    assert cluster.metadata.view().replica_count(keys[8]) == 2  # its own copy, not a pull
+    assert_no_leaks(server)

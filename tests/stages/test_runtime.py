@@ -1,0 +1,116 @@
+"""The runtime pieces the embedded server and nodes share: the booking (idempotent release),
+the lease book (expiry), the heartbeat (re-registration and re-adoption), the replicator
+(placement from the metadata, copies into this process's shards only)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kvflow.kvdb import StoreConfig, open_store
+from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
+from kvflow.router import InstanceState
+from kvflow.stages.runtime.heartbeat import Heartbeat, Member
+from kvflow.stages.runtime.replicator import Replicator
+from kvflow.stages.runtime.staging import LeaseBook, StagingArea
+from kvflow.stages.state import Booking
+from tests.conftest import pick_free_port
+
+
+def test_booking_releases_each_reservation_once() -> None:
+    p, d = InstanceState("p", "prefill"), InstanceState("d", "decode")
+    b = Booking("r")
+    b.book_prefill(p, 1.5)
+    b.book_decode(d, 100)
+    assert p.queued_requests == 1 and d.decode_batch_size == 1
+    b.release_prefill()
+    b.release_prefill()
+    assert p.queued_requests == 0 and d.decode_batch_size == 1
+    b.release()
+    b.release()
+    assert d.decode_batch_size == 0
+    p.enqueue("r", 1.0)  # someone else's booking of the same id is not touched by a re-release
+    b.release()
+    assert p.queued_requests == 1
+
+
+def test_lease_book_hands_out_takes_and_expires() -> None:
+    area = StagingArea("d", 8, (2, 4), torch.float32)
+    book = LeaseBook(area, timeout_s=10.0)
+    a, lease_a = book.lease("r1", 3)
+    b, _ = book.lease("r2", 2)
+    assert area.num_free == 3 and len(book) == 2
+    assert book.take(a) == lease_a and book.take(a) is None  # taken once
+    area.release(lease_a)
+    assert book.reap(now=time.monotonic() + 11) == 1  # r2's lease expired
+    assert area.num_free == 8 and book.release(b) is False
+
+
+def _group(tmp_path: Path) -> MetadataGroup:
+    g = MetadataGroup(MetadataConfig(self_address=f"127.0.0.1:{pick_free_port()}"))
+    g.start()
+    g.wait_ready(10.0)
+    return g
+
+
+def _store(tmp_path: Path, name: str, group: MetadataGroup):  # type: ignore[no-untyped-def]
+    return open_store(
+        StoreConfig(
+            data_dir=tmp_path / name,
+            dram_capacity_bytes=1 << 20,
+            ssd_capacity_bytes=1 << 22,
+            engine="memory",
+            value_size=64,
+        ),
+        "model-a",
+        node_id=NodeId(name),
+        metadata=group,
+    )
+
+
+def test_heartbeat_re_registers_a_forgotten_member_and_re_adopts_its_blocks(tmp_path: Path) -> None:
+    group = _group(tmp_path)
+    store = _store(tmp_path, "n1", group)
+    try:
+        store.shard.put(b"k" * 16, bytes(64))
+        hb = Heartbeat(group, [Member("n1", "addr-1", "prefill", store.shard)])
+        hb.register_all()
+        hb.beat_once()
+        group.reap_dead_nodes(time.time() + 3600)  # the group forgets n1 and its replicas
+        assert NodeId("n1") not in {i.node for i in group.view().nodes()}
+        hb.beat_once()
+        infos = {i.node: i for i in group.view().nodes()}
+        assert infos[NodeId("n1")].address == "addr-1"
+        assert NodeId("n1") in group.view().replicas(b"k" * 16)
+    finally:
+        store.close()
+        group.close()
+
+
+def test_replicator_copies_only_into_its_own_shards_toward_the_target(tmp_path: Path) -> None:
+    group = _group(tmp_path)
+    stores = {n: _store(tmp_path, n, group) for n in ("a", "b", "c")}
+    try:
+        now = time.time()
+        for n in stores:
+            group.register_node(NodeId(n), n, "prefill", now)
+        key = b"x" * 16
+        stores["a"].shard.put(key, bytes(range(64)))
+        deadline = time.monotonic() + 5
+        while group.view().replica_count(key) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        group.set_replica_target(key, 3, now)
+        # A process that has only shard b: it reads from nowhere local, no remote reader.
+        only_b = Replicator(group.view, {"b": stores["b"].shard})
+        assert only_b.run_once(now=now) == 0
+        # The process with every shard copies into both missing ones.
+        everyone = Replicator(group.view, {n: s.shard for n, s in stores.items()})
+        assert everyone.run_once(now=now) == 2
+        assert stores["c"].shard.get(key) == bytes(range(64))
+    finally:
+        for s in stores.values():
+            s.close()
+        group.close()
