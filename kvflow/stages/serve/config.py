@@ -35,7 +35,7 @@ class EngineStoreConfig:
             prefill: reuse-load reads cached blocks there).
         dram_capacity_bytes / ssd_capacity_bytes: per-shard tier capacities.
         storage_engine: "rocksdb" (default), "lmdb" or "memory" for the SSD tier.
-        seed: seeds the engines (and the router).
+        seed: seeds the engines.
     """
 
     model_dir: Path | None = None
@@ -74,51 +74,60 @@ class EngineStoreConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig(EngineStoreConfig):
-    """The embedded server: N prefill and M decode instances in one process.
+class RoutingConfig:
+    """What a process that routes (the embedded server, a router) decides requests with.
 
-    Fields (besides EngineStoreConfig's):
-        num_prefill / num_decode: instances of each kind; each has its own engine.
+    Fields:
         policy: routing policy name (see ``kvflow.router.policy_names()``).
         ttft_slo_s / tbt_slo_s: reject requests predicted to miss them (None: no SLO).
         balancing_threshold: the conductor's kvcache_balancing_threshold (ratio >= 1).
         default_max_tokens / max_tokens_limit: for requests that give none / the most allowed.
-        queue_size: bounded queue in front of each stage; a full first queue rejects with
-            RESOURCE_EXHAUSTED.
         trace_capacity: requests whose spans are kept for ``kvflow trace export``.
-        request_timeout_s: deadline of one request.
+        seed: seeds the router's random choices.
     """
 
-    num_prefill: int = 1
-    num_decode: int = 1
     policy: str = "cache-aware"
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
     balancing_threshold: float = 2.0
     default_max_tokens: int = 64
     max_tokens_limit: int = 4096
-    queue_size: int = 256
     trace_capacity: int = 1024
-    request_timeout_s: float = 600.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in (
-            "num_prefill",
-            "num_decode",
-            "default_max_tokens",
-            "max_tokens_limit",
-            "queue_size",
-            "trace_capacity",
-        ):
+        for name in ("default_max_tokens", "max_tokens_limit", "trace_capacity"):
             _positive_int(name, getattr(self, name))
         _positive_or_none("ttft_slo_s", self.ttft_slo_s)
         _positive_or_none("tbt_slo_s", self.tbt_slo_s)
-        _positive_or_none("request_timeout_s", self.request_timeout_s)
         if not self.balancing_threshold >= 1.0:
             raise ValueError(f"balancing_threshold must be >= 1, got {self.balancing_threshold!r}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must be <= max_tokens_limit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig(EngineStoreConfig, RoutingConfig):
+    """The embedded server: N prefill and M decode instances in one process.
+
+    Fields (besides EngineStoreConfig's and RoutingConfig's):
+        num_prefill / num_decode: instances of each kind; each has its own engine.
+        queue_size: bounded queue in front of each stage; a full first queue rejects with
+            RESOURCE_EXHAUSTED.
+        request_timeout_s: deadline of one request.
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    queue_size: int = 256
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        EngineStoreConfig.__post_init__(self)
+        RoutingConfig.__post_init__(self)
+        for name in ("num_prefill", "num_decode", "queue_size"):
+            _positive_int(name, getattr(self, name))
+        _positive_or_none("request_timeout_s", self.request_timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,33 +164,21 @@ class NodeConfig(EngineStoreConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterSettings:
-    """The router process. ``meta``: the metadata replicas' gRPC addresses; the routing
-    fields mean what they mean in ServeConfig."""
+class RouterSettings(RoutingConfig):
+    """The router process. ``meta``: the metadata replicas' gRPC addresses;
+    ``node_dead_after_s``: a node without a heartbeat for this long is routed around and
+    reaped; ``instance_wait_s``: a request that finds no healthy prefill or decode node (the
+    only one is restarting) waits this long for one before it is rejected."""
 
     model_dir: Path
     meta: tuple[str, ...]
-    policy: str = "cache-aware"
-    ttft_slo_s: float | None = None
-    tbt_slo_s: float | None = None
-    balancing_threshold: float = 2.0
-    default_max_tokens: int = 64
-    max_tokens_limit: int = 4096
     node_dead_after_s: float = 5.0
-    # A request that finds no healthy prefill or decode node (the only one is restarting)
-    # waits this long for one before it is rejected.
     instance_wait_s: float = 30.0
-    trace_capacity: int = 1024
-    seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.meta:
             raise ValueError("meta: give the metadata replicas' gRPC addresses")
-        _positive_or_none("ttft_slo_s", self.ttft_slo_s)
-        _positive_or_none("tbt_slo_s", self.tbt_slo_s)
-        if not self.balancing_threshold >= 1.0:
-            raise ValueError(f"balancing_threshold must be >= 1, got {self.balancing_threshold!r}")
-        if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError("default_max_tokens must be <= max_tokens_limit")
+        _positive_or_none("node_dead_after_s", self.node_dead_after_s)
         if self.instance_wait_s < 0:
             raise ValueError(f"instance_wait_s must be >= 0, got {self.instance_wait_s!r}")
