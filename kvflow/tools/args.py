@@ -6,16 +6,12 @@ Light on purpose (no torch, no servers): ``kvflow --help`` imports it.
 from __future__ import annotations
 
 import argparse
-import socket
 from pathlib import Path
 from typing import Any
 
+from kvflow.stages.serve.ports import free_port
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on ``host`` a moment ago (tests, local clusters)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+__all__ = ["add_engine_store_flags", "address_list", "engine_store_values", "free_port"]
 
 
 def address_list(value: str, flag: str) -> tuple[str, ...]:

@@ -5,10 +5,9 @@ the one warning when none was measured), and free ports."""
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 
-from kvflow.kvdb import KVLayout, Namespace, Store, StoreConfig, open_store
+from kvflow.kvdb import KVLayout, Store, StoreConfig, open_store
 from kvflow.replication import NodeId
 from kvflow.router import (
     Conductor,
@@ -20,19 +19,12 @@ from kvflow.router import (
     load_profile,
 )
 from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
-from kvflow.stages.hash import DEFAULT_TENANT
+from kvflow.stages.hash import DEFAULT_TENANT, namespace_for
 from kvflow.stages.runtime.worker import EngineWorker
 from kvflow.stages.serve.closers import Closers
 from kvflow.stages.serve.config import EngineStoreConfig
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def ensure_model(config: EngineStoreConfig) -> Path:
@@ -91,7 +83,7 @@ def open_shard(
             engine=config.storage_engine,
             value_size=engine.page_nbytes,
         ),
-        Namespace(DEFAULT_TENANT, engine.model_fingerprint, kv_layout(engine)),
+        namespace_for(DEFAULT_TENANT, engine.model_fingerprint, kv_layout(engine)),
         node_id=NodeId(instance_id),
         metadata=metadata,  # type: ignore[arg-type]
     )

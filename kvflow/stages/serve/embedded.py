@@ -31,7 +31,6 @@ from kvflow.stages.runtime.staging import StagingArea
 from kvflow.stages.serve.build import (
     build_conductor,
     ensure_model,
-    free_port,
     kv_layout,
     open_engine,
     open_shard,
@@ -39,6 +38,7 @@ from kvflow.stages.serve.build import (
 from kvflow.stages.serve.closers import Closers
 from kvflow.stages.serve.config import ServeConfig
 from kvflow.stages.serve.metrics import ServingMetrics, shard_hit_rates
+from kvflow.stages.serve.ports import free_port
 from kvflow.stages.stream import StreamStage
 from kvflow.stages.tokenize import TokenizeStage
 from kvflow.transfer import TransferConfig, TransferEngine

@@ -44,10 +44,11 @@ from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, poo
 from kvflow.stages.runtime.peers import RemotePeers, format_node_address
 from kvflow.stages.runtime.replicator import Replicator
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook, StagingArea
-from kvflow.stages.serve.build import ensure_model, free_port, kv_layout, open_engine, open_shard
+from kvflow.stages.serve.build import ensure_model, kv_layout, open_engine, open_shard
 from kvflow.stages.serve.closers import Closers
 from kvflow.stages.serve.config import NodeConfig
 from kvflow.stages.serve.metrics import ServingMetrics, shard_hit_rates
+from kvflow.stages.serve.ports import free_port
 from kvflow.stages.stream import StreamStage
 from kvflow.transfer import TransferConfig, TransferEngine
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,15 +39,14 @@ from kvflow.replication import (
     ReplicationError,
     Tier,
 )
+from kvflow.tools.args import free_port
 from kvflow.tools.supervise import LocalMetaProcesses
 
 READY_TIMEOUT_S = 30.0
 
 
 def _free_address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def _start_group(replicas: int, journal_root: Path | None) -> list[MetadataGroup]:
