@@ -9,7 +9,6 @@ transfer engine, that streamed KV lands in before the decode engine imports it.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvflow.kvdb import EmbeddedClient, Namespace, Store
@@ -47,45 +46,21 @@ class ShardOwner(Protocol):
     def client(self, namespace: Namespace) -> Any: ...
 
 
-@dataclass
-class PrefillInstance:
-    """One prefill engine and its shard. ``client(ns)`` is thread-safe and cached per tenant.
-    ``load_staging`` holds reused page buffers that reuse-load reads cached blocks into."""
+class Instance:
+    """One engine (behind its worker thread) and its kvdb shard, with the router's books of
+    it (``state``). ``client(ns)`` is thread-safe and cached per tenant. The two kinds differ
+    only in the staging area they own."""
 
-    instance_id: str
-    worker: EngineWorker
-    store: Store
-    state: InstanceState
-    load_staging: StagingArea | None = None
-    kind: str = "prefill"
-    _clients: ShardClients = field(init=False, repr=False)
+    kind = ""
 
-    def __post_init__(self) -> None:
-        self._clients = ShardClients(self.store)
-
-    def client(self, namespace: Namespace) -> EmbeddedClient:
-        return self._clients.client(namespace)
-
-    def match_prefix(self, keys: list[bytes]) -> int:
-        """Leading keys held by this instance's shard (any tier)."""
-        return self.store.shard.match_prefix(keys)
-
-
-@dataclass
-class DecodeInstance:
-    """One decode engine, the staging area streamed KV lands in, and its shard (where the KV
-    of the blocks it generated is stored for the next turn of a conversation)."""
-
-    instance_id: str
-    worker: EngineWorker
-    state: InstanceState
-    staging: StagingArea
-    store: Store
-    kind: str = "decode"
-    _clients: ShardClients = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._clients = ShardClients(self.store)
+    def __init__(
+        self, instance_id: str, worker: EngineWorker, store: Store, state: InstanceState
+    ) -> None:
+        self.instance_id = instance_id
+        self.worker = worker
+        self.store = store
+        self.state = state
+        self._clients = ShardClients(store)
 
     def client(self, namespace: Namespace) -> EmbeddedClient:
         return self._clients.client(namespace)
@@ -93,3 +68,42 @@ class DecodeInstance:
     def match_prefix(self, keys: list[bytes]) -> int:
         """Leading keys held by this instance's shard (any tier)."""
         return self.store.shard.match_prefix(keys)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.instance_id!r})"
+
+
+class PrefillInstance(Instance):
+    """A prefill engine. ``load_staging`` holds reused page buffers that reuse-load reads
+    cached blocks into (None: fresh buffers per request)."""
+
+    kind = "prefill"
+
+    def __init__(
+        self,
+        instance_id: str,
+        worker: EngineWorker,
+        store: Store,
+        state: InstanceState,
+        load_staging: StagingArea | None = None,
+    ) -> None:
+        super().__init__(instance_id, worker, store, state)
+        self.load_staging = load_staging
+
+
+class DecodeInstance(Instance):
+    """A decode engine, the staging area streamed KV lands in, and its shard (where the KV of
+    the blocks it generated is stored for the next turn of a conversation)."""
+
+    kind = "decode"
+
+    def __init__(
+        self,
+        instance_id: str,
+        worker: EngineWorker,
+        state: InstanceState,
+        staging: StagingArea,
+        store: Store,
+    ) -> None:
+        super().__init__(instance_id, worker, store, state)
+        self.staging = staging
