@@ -210,7 +210,9 @@ def create_server(cluster: Frontend, host: str, port: int) -> tuple[grpc.aio.Ser
     """A grpc.aio server with the inference service, the kvdb admin service (``kvflow kvdb``)
     and reflection; returns (server, port).
     Call ``await server.start()``."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
+    )
     pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(cluster), server)
     add_admin_service(server, cluster.admin_source())
     reflection.enable_server_reflection(
