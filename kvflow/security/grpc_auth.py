@@ -180,12 +180,9 @@ class _CallDetails(grpc.ClientCallDetails):
         self.compression = compression
 
 
-class _AioToken(
-    aio.UnaryUnaryClientInterceptor,
-    aio.UnaryStreamClientInterceptor,
-    aio.StreamUnaryClientInterceptor,
-    aio.StreamStreamClientInterceptor,
-):
+class _AioToken:
+    """Adds the cluster token to a call's metadata (the base of the four kinds below)."""
+
     def __init__(self, token: str) -> None:
         self._token = token
 
@@ -198,16 +195,28 @@ class _AioToken(
             details.wait_for_ready,
         )
 
+
+# One class per call kind: grpc.aio files each interceptor under the first kind it matches
+# (an if/elif on isinstance), so one object implementing all four would see unary calls only.
+class _AioUnaryUnary(_AioToken, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStream(_AioToken, aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnary(_AioToken, aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+
+class _AioStreamStream(_AioToken, aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(
+        self, continuation: Any, details: Any, requests: Any
+    ) -> Any:
         return await continuation(self._details(details), requests)
 
 
@@ -226,5 +235,6 @@ def cluster_aio_channel(
     address: str, secret: ClusterSecret | None, options: Sequence[tuple[str, Any]] = ()
 ) -> aio.Channel:
     """The ``grpc.aio`` twin of :func:`cluster_channel`."""
-    interceptors = [] if secret is None else [_AioToken(secret.grpc_token())]
+    kinds = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
+    interceptors = [] if secret is None else [kind(secret.grpc_token()) for kind in kinds]
     return aio.insecure_channel(address, options=list(options), interceptors=interceptors)
