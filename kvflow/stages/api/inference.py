@@ -22,9 +22,10 @@ from kvflow.pipeline import (
 )
 from kvflow.stages.api import SERVICE_NAME, pb2, pb2_grpc
 from kvflow.stages.api.convert import sampling_from, status_for
+from kvflow.stages.api.limits import TokenizerPool, check_prompt_bytes
 from kvflow.stages.detokenize import IncrementalDetokenizer
 from kvflow.stages.engine import SamplingParams
-from kvflow.stages.errors import InvalidArgument
+from kvflow.stages.errors import InvalidArgument, NoCapacity
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
     def __init__(self, cluster: Frontend) -> None:
         self._cluster = cluster
         self._config = cluster.config
+        self._tokenizer = TokenizerPool(cluster.tokenizer)
+        self._in_flight: set[str] = set()  # request ids of the Generate calls running now
 
     # -- request parsing --------------------------------------------------------------------
     def _sampling(self, request: Any) -> tuple[int, SamplingParams]:
@@ -83,6 +86,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             submitted_at=time.monotonic(),
         )
         if which == "prompt":
+            check_prompt_bytes(request.prompt)
             state.prompt_text = request.prompt
         else:
             state.prompt_ids = list(request.token_ids.ids)
@@ -104,7 +108,27 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             state = self._state(request)
-            ctx = RequestContext(self._request_id(request), state=state)
+            rid = self._request_id(request)
+        except InvalidArgument as exc:
+            await context.abort(*status_for(exc))
+            return
+        if rid in self._in_flight:  # used to fail as INTERNAL, deep in the pipeline
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
+            )
+            return
+        self._in_flight.add(rid)
+        try:
+            async for response in self._generate(request, context, rid, state):
+                yield response
+        finally:
+            self._in_flight.discard(rid)
+
+    async def _generate(
+        self, request: Any, context: grpc.aio.ServicerContext, rid: str, state: GenerateState
+    ) -> AsyncIterator[Any]:
+        try:
+            ctx = RequestContext(rid, state=state)
             handle = self._cluster.pipeline.try_submit(ctx)
         except (InvalidArgument, Overloaded, PipelineClosed) as exc:
             code, details = status_for(exc)
@@ -171,7 +195,12 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         )
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return pb2.TokenizeResponse(token_ids=self._cluster.tokenizer.encode(request.text))
+        try:
+            check_prompt_bytes(request.text)  # Tokenize had no limit at all
+            ids = await self._tokenizer.encode(request.text)
+        except (InvalidArgument, NoCapacity) as exc:
+            await context.abort(*status_for(exc))
+        return pb2.TokenizeResponse(token_ids=ids)
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         c = self._cluster
