@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.router import policy_names
-from kvflow.tools.args import add_engine_store_flags, address_list, engine_store_values
+from kvflow.tools.args import (
+    add_engine_store_flags,
+    add_security_flags,
+    address_list,
+    apply_cluster_secret,
+    authenticator_from_args,
+    engine_store_values,
+)
 from kvflow.tools.meta import add_meta_arguments, run_meta
 
 
@@ -35,6 +42,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port; 0 = off")
     add_engine_store_flags(p)
+    add_security_flags(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument("--policy", default="cache-aware", choices=policy_names())
@@ -104,13 +112,15 @@ def _metrics(registry: Any, host: str, port: int) -> Any:
     return serve_metrics(registry, host, port) if port else None
 
 
-async def serve_embedded(config: Any, host: str, port: int, metrics_port: int) -> None:
+async def serve_embedded(
+    config: Any, host: str, port: int, metrics_port: int, auth: Any = None
+) -> None:
     from kvflow.stages.api.inference import create_server
     from kvflow.stages.serve.embedded import EmbeddedCluster
 
     cluster = EmbeddedCluster(config)
     await cluster.start()
-    server, bound = create_server(cluster, host, port)
+    server, bound = create_server(cluster, host, port, auth)
     await server.start()
     metrics = _metrics(cluster.metrics, host, metrics_port)
     print(
@@ -194,7 +204,7 @@ def run_router(args: argparse.Namespace) -> int:
     async def main() -> None:
         router = RouterServer(settings)
         await router.start()
-        server, port = create_server(router, args.host, args.port)
+        server, port = create_server(router, args.host, args.port, authenticator_from_args(args))
         await server.start()
         metrics = _metrics(router.metrics, args.host, args.metrics_port)
         print(
@@ -217,6 +227,12 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        apply_cluster_secret(args)
+        auth = authenticator_from_args(args)
+    except (OSError, ValueError) as exc:
+        print(f"kvflow serve: {exc}")
+        return 2
     if args.role == "meta":
         return run_meta(args)
     if args.role == "node":
@@ -228,5 +244,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvflow serve: {exc}")
         return 2
-    asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port))
+    asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port, auth))
     return 0
