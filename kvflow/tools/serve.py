@@ -190,6 +190,7 @@ def run_router(args: argparse.Namespace) -> int:
         model = ensure_model(
             EngineStoreConfig(model_dir=args.model, data_dir=args.data_dir, seed=args.seed)
         )
+        auth = authenticator_from_args(args)
         settings = RouterSettings(
             model_dir=model,
             meta=address_list(args.meta, "--meta"),
@@ -204,7 +205,7 @@ def run_router(args: argparse.Namespace) -> int:
     async def main() -> None:
         router = RouterServer(settings)
         await router.start()
-        server, port = create_server(router, args.host, args.port, authenticator_from_args(args))
+        server, port = create_server(router, args.host, args.port, auth)
         await server.start()
         metrics = _metrics(router.metrics, args.host, args.metrics_port)
         print(
@@ -228,8 +229,7 @@ def run_router(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        apply_cluster_secret(args)
-        auth = authenticator_from_args(args)
+        apply_cluster_secret(args)  # light: a meta replica starts without torch
     except (OSError, ValueError) as exc:
         print(f"kvflow serve: {exc}")
         return 2
@@ -240,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if args.role == "router":
         return run_router(args)
     try:
+        auth = authenticator_from_args(args)
         config = config_from_args(args)
     except ValueError as exc:
         print(f"kvflow serve: {exc}")
