@@ -37,6 +37,8 @@ from kvflow.kvdb import (
     open_store,
 )
 from kvflow.replication import NodeId, RemoteMetadata
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_interceptors
 from kvflow.transfer import TransferConfig, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -116,7 +118,8 @@ class ClusterMember:
         host, tport = self.transfer.start_server(c.host, c.transfer_port)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvflow-member"),
-            options=[("grpc.max_receive_message_length", 64 << 20)],
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+            interceptors=cluster_interceptors(process_secret()),
         )
         port = self.server.add_insecure_port(f"{c.host}:{c.port}")
         if port == 0:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvflow.security import process_secret
 
 JOURNAL_FILE = "raft.journal"
 """File name of the Raft log inside ``journal_dir`` (pysyncobj adds ``.meta`` beside it)."""
@@ -56,9 +59,19 @@ class MetadataConfig:
     """Compact the Raft log into a state dump once it holds this many entries..."""
     log_compaction_min_time_s: float = 300.0
     """... or this long after the previous compaction."""
+    password: str | None = field(default_factory=lambda: _process_raft_password(), repr=False)
+    """pysyncobj's password: every Raft message is encrypted and authenticated with it
+    (Fernet), so nothing reaches ``pickle.loads`` without it. Default: derived from this
+    process's cluster secret (``KVFLOW_CLUSTER_SECRET_FILE``); ``None`` runs open, except
+    for a lone replica (no partners), which gets a random password."""
 
     def __post_init__(self) -> None:
         check_address("self_address", self.self_address)
+        if self.password is None and not self.partner_addresses:
+            # A lone replica talks to nobody: a random password closes its Raft port to all.
+            object.__setattr__(self, "password", secrets.token_hex(16))
+        if self.password is not None and (not isinstance(self.password, str) or not self.password):
+            raise ValueError("password: must be a non-empty string or None")
         if not isinstance(self.partner_addresses, tuple):
             raise ValueError("partner_addresses: must be a tuple of 'host:port' strings")
         for address in self.partner_addresses:
@@ -111,3 +124,8 @@ class MetadataConfig:
     def num_replicas(self) -> int:
         """Size of the group: this replica plus its partners."""
         return 1 + len(self.partner_addresses)
+
+
+def _process_raft_password() -> str | None:
+    secret = process_secret()
+    return None if secret is None else secret.raft_password()

@@ -28,6 +28,8 @@ import grpc
 from kvflow.replication.config import check_address
 from kvflow.replication.errors import MetadataUnavailableError, ReplicationError
 from kvflow.replication.wire import GRPC_OPTIONS, LEADER_METADATA_KEY, pb2, pb2_grpc
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_channel
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +115,7 @@ class Endpoints:
                 raise MetadataUnavailableError("metadata client is closed")
             stub = self._stubs.get(address)
             if stub is None:
-                channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                channel = cluster_channel(address, process_secret(), _CHANNEL_OPTIONS)
                 self._channels.append(channel)
                 stub = self._stubs[address] = pb2_grpc.MetadataServiceStub(channel)
             return stub

@@ -110,4 +110,7 @@ def syncobj_conf(config: MetadataConfig) -> SyncObjConf:
         maxBindRetries=config.bind_retries,
         commandsWaitLeader=True,
         dynamicMembershipChange=False,
+        # Bind the configured host only: without bindAddress pysyncobj binds 0.0.0.0.
+        bindAddress=config.self_address,
+        password=config.password,
     )

@@ -47,6 +47,8 @@ from kvflow.replication.wire import (
     pb2_grpc,
     stored_from,
 )
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +244,8 @@ def create_meta_server(
         raise ValueError(f"max_workers: must be >= 1, got {max_workers!r}")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvflow-metarpc"),
-        options=GRPC_OPTIONS,
+        options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
+        interceptors=cluster_interceptors(process_secret()),
     )
     servicer = MetadataServicer(group)
     pb2_grpc.add_MetadataServiceServicer_to_server(servicer, server)

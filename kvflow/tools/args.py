@@ -6,6 +6,7 @@ Light on purpose (no torch, no servers): ``kvflow --help`` imports it.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +49,43 @@ def engine_store_values(args: argparse.Namespace) -> dict[str, Any]:
         "storage_engine": args.storage_engine,
         "seed": args.seed,
     }
+
+
+def add_security_flags(p: argparse.ArgumentParser | Any) -> None:
+    """The cluster secret and the API keys (README, section Security)."""
+    p.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        help="the cluster's secret (a file, chmod 600); default: $KVFLOW_CLUSTER_SECRET_FILE",
+    )
+    p.add_argument("--api-key", help="require this key (Bearer) from clients: one admin key")
+    p.add_argument(
+        "--api-key-file", type=Path, help="keys of clients: lines 'KEY TENANT user|admin'"
+    )
+
+
+def apply_cluster_secret(args: argparse.Namespace) -> None:
+    """Make ``--cluster-secret-file`` this process's secret (the environment variable that
+    ``kvflow.security.process_secret`` reads); ValueError for an unusable file."""
+    path = getattr(args, "cluster_secret_file", None)
+    if path is None:
+        return
+    from kvflow.security import SECRET_FILE_ENV, load_secret_file
+
+    load_secret_file(path)
+    os.environ[SECRET_FILE_ENV] = str(path.resolve())
+
+
+def authenticator_from_args(args: argparse.Namespace) -> Any:
+    """The inference server's Authenticator from ``--api-key`` / ``--api-key-file``."""
+    from kvflow.security import process_secret
+    from kvflow.stages.api.auth import ApiKeys, Authenticator
+
+    if getattr(args, "api_key", None) and getattr(args, "api_key_file", None):
+        raise ValueError("--api-key, --api-key-file: give one of them")
+    keys = None
+    if getattr(args, "api_key", None):
+        keys = ApiKeys.single(args.api_key)
+    elif getattr(args, "api_key_file", None):
+        keys = ApiKeys.load(args.api_key_file)
+    return Authenticator(keys, process_secret())

@@ -21,6 +21,8 @@ import grpc
 from kvflow.kvdb import InvalidRequestError
 from kvflow.kvdb.admin import MAX_HOT, TIER_NAMES, parse_key
 from kvflow.kvdb.proto import pb2, pb2_grpc
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_channel
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -284,7 +286,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     command = COMMANDS[args.kvdb_command]
-    with grpc.insecure_channel(args.server) as channel:
+    with cluster_channel(args.server, process_secret()) as channel:
         stub = pb2_grpc.KVAdminStub(channel)
         try:
             value, text = command(stub, args)

@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.router import policy_names
-from kvflow.tools.args import add_engine_store_flags, address_list, engine_store_values
+from kvflow.tools.args import (
+    add_engine_store_flags,
+    add_security_flags,
+    address_list,
+    apply_cluster_secret,
+    authenticator_from_args,
+    engine_store_values,
+)
 from kvflow.tools.meta import add_meta_arguments, run_meta
 
 
@@ -46,6 +53,7 @@ def register(subparsers: Any) -> None:
         "so roles that share a host do not collide)",
     )
     add_engine_store_flags(p)
+    add_security_flags(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument("--policy", default="cache-aware", choices=policy_names())
@@ -115,13 +123,15 @@ def _metrics(registry: Any, host: str, port: int) -> Any:
     return serve_metrics(registry, host, port) if port else None
 
 
-async def serve_embedded(config: Any, host: str, port: int, metrics_port: int) -> None:
+async def serve_embedded(
+    config: Any, host: str, port: int, metrics_port: int, auth: Any = None
+) -> None:
     from kvflow.stages.api.inference import create_server
     from kvflow.stages.serve.embedded import EmbeddedCluster
 
     cluster = EmbeddedCluster(config)
     await cluster.start()
-    server, bound = create_server(cluster, host, port)
+    server, bound = create_server(cluster, host, port, auth)
     await server.start()
     metrics = _metrics(cluster.metrics, host, metrics_port)
     print(
@@ -191,6 +201,7 @@ def run_router(args: argparse.Namespace) -> int:
         model = ensure_model(
             EngineStoreConfig(model_dir=args.model, data_dir=args.data_dir, seed=args.seed)
         )
+        auth = authenticator_from_args(args)
         settings = RouterSettings(
             model_dir=model,
             meta=address_list(args.meta, "--meta"),
@@ -205,7 +216,7 @@ def run_router(args: argparse.Namespace) -> int:
     async def main() -> None:
         router = RouterServer(settings)
         await router.start()
-        server, port = create_server(router, args.host, args.port)
+        server, port = create_server(router, args.host, args.port, auth)
         await server.start()
         metrics = _metrics(router.metrics, args.host, args.metrics_port)
         print(
@@ -237,6 +248,11 @@ METRICS_PORTS = {"embedded": 9464, "router": 9464, "node": 9465, "meta": 9466}
 def run(args: argparse.Namespace) -> int:
     if args.metrics_port is None:
         args.metrics_port = METRICS_PORTS[args.role]
+    try:
+        apply_cluster_secret(args)  # light: a meta replica starts without torch
+    except (OSError, ValueError) as exc:
+        print(f"kvflow serve: {exc}")
+        return 2
     if args.role == "meta":
         return run_meta(args)
     if args.role == "node":
@@ -249,9 +265,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.model is None:
             args.model = ensure_default_model(args.data_dir, progress=_say)
+        auth = authenticator_from_args(args)
         config = config_from_args(args)
     except (ValueError, EngineError) as exc:
         print(f"kvflow serve: {exc}")
         return 2
-    asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port))
+    asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port, auth))
     return 0

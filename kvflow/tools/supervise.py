@@ -10,7 +10,9 @@ over the same ``Proc``.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -24,10 +26,42 @@ import grpc
 
 from kvflow.replication.wire import pb2 as meta_pb2
 from kvflow.replication.wire import pb2_grpc as meta_pb2_grpc
+from kvflow.security import (
+    SECRET_FILE_ENV,
+    ClusterSecret,
+    generate_secret_file,
+    load_secret_file,
+)
+from kvflow.security.grpc_auth import cluster_channel
 from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.tools.args import free_port
 
 logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: ask the kernel for SIGTERM when the parent dies
+    (also on SIGKILL of the supervisor), so no child outlives ``kvflow cluster``. Linux only
+    (elsewhere a no-op). The signal follows the death of the *thread* that started the child:
+    start children from a long-lived thread (the main one)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def cluster_secret_file(data_dir: Path) -> Path:
+    """``<data_dir>/cluster.secret``, generated (0600) when absent: the secret of a local
+    cluster, kept with its data so a restarted cluster keeps its journals' secret."""
+    path = data_dir / "cluster.secret"
+    if not path.exists():
+        generate_secret_file(path)
+    load_secret_file(path)  # refuse a short or world-readable file now, not in every child
+    return path
 
 # A process that ran this long before it died is restarted at once; one that dies sooner is
 # crash-looping (a port in use, a bad flag): its restarts back off, doubling up to MAX.
@@ -52,16 +86,23 @@ class Proc:
     started_at: float = 0.0
     backoff_s: float = 0.0
     restart_at: float | None = None  # when a dead process is due to start again
+    secret_file: Path | None = None  # the cluster secret, passed by path in the environment
 
     def start(self) -> None:
         self.started_at = time.monotonic()
         self.restart_at = None
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ)
+        env.pop(SECRET_FILE_ENV, None)
+        if self.secret_file is not None:
+            env[SECRET_FILE_ENV] = str(self.secret_file)
         self.popen = subprocess.Popen(
             [sys.executable, "-m", *self.module, *self.args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
+            preexec_fn=die_with_parent,
         )
 
     def kill(self) -> None:
@@ -86,7 +127,10 @@ class Proc:
 
 class LocalCluster:
     """``meta`` replicas, ``prefill`` and ``decode`` nodes and ``routers`` routers, on
-    127.0.0.1. ``address`` is the first router's, ``addresses`` every router's."""
+    127.0.0.1. ``address`` is the first router's, ``addresses`` every router's.
+
+    ``secure`` (default): every process gets the cluster secret ``secret_file``
+    (``cluster_secret_file``) by path; ``secret`` is it, for this process's own calls."""
 
     def __init__(
         self,
@@ -99,11 +143,16 @@ class LocalCluster:
         extra: tuple[str, ...] = (),
         router_extra: tuple[str, ...] = (),
         routers: int = 1,
+        secure: bool = True,
     ) -> None:
         if min(meta, prefill, decode, routers) < 1:
             raise ValueError("a cluster needs at least one of each: meta, prefill, decode, router")
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.secret_file = cluster_secret_file(self.data_dir) if secure else None
+        self.secret: ClusterSecret | None = (
+            None if self.secret_file is None else load_secret_file(self.secret_file)
+        )
         rafts = [f"127.0.0.1:{free_port()}" for _ in range(meta)]
         grpcs = [free_port() for _ in range(meta)]
         self.meta_addresses = [f"127.0.0.1:{p}" for p in grpcs]
@@ -177,10 +226,13 @@ class LocalCluster:
             )
 
     def _add(self, name: str, args: list[str]) -> None:
-        """One supervised process, with a Prometheus port of its own (``metrics_ports``)."""
+        """One supervised process, with a Prometheus port of its own (``metrics_ports``) and
+        the cluster secret's path."""
         self.metrics_ports[name] = free_port()
         args = [*args, "--metrics-port", str(self.metrics_ports[name])]
-        self.procs[name] = Proc(name, args, self.data_dir / f"{name}.log")
+        self.procs[name] = Proc(
+            name, args, self.data_dir / f"{name}.log", secret_file=self.secret_file
+        )
 
     def start(self, timeout_s: float = 120.0) -> None:
         """Start everything (meta first, routers last) and wait until every router serves."""
@@ -196,7 +248,7 @@ class LocalCluster:
     def wait_serving(self, timeout_s: float, address: str | None = None) -> None:
         """Until the router at ``address`` (the first) knows every node and all are healthy."""
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address or self.address) as channel:
+        with cluster_channel(address or self.address, self.secret) as channel:
             stub = pb2_grpc.InferenceStub(channel)
             while True:
                 try:
@@ -238,7 +290,7 @@ class LocalCluster:
         for i, address in enumerate(self.meta_addresses):
             if not self.procs[f"meta-{i}"].alive():
                 continue
-            with grpc.insecure_channel(address) as channel:
+            with cluster_channel(address, self.secret) as channel:
                 stub = meta_pb2_grpc.MetadataServiceStub(channel)
                 try:
                     if stub.Status(meta_pb2.StatusRequest(), timeout=5).is_leader:

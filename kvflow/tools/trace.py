@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_channel
 from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.tools.trace_report import report_file
 
@@ -30,7 +32,7 @@ def register(subparsers: Any) -> None:
 
 
 def fetch(server: str, last: int) -> bytes:
-    with grpc.insecure_channel(server) as channel:
+    with cluster_channel(server, process_secret()) as channel:
         stub = pb2_grpc.InferenceStub(channel)
         reply = stub.ExportTrace(pb2.ExportTraceRequest(last_n=last), timeout=30)
     return bytes(reply.chrome_trace_json)

@@ -6,6 +6,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from kvflow.security import process_secret
+
 _ENGINE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
 
@@ -36,6 +38,12 @@ class TransferConfig:
     max_batch_capacity: the largest capacity allocate_batch accepts.
     socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for tcp sockets; 0 leaves the OS default.
     server_backlog: listen() backlog of the server.
+    max_server_connections: connections the server serves at once (one thread each); a
+        connection beyond it is closed at once.
+    secret: the key of the connection handshake (``transfer.handshake``): with it, every
+        connection proves it holds the key before any segment byte moves, both ways. Default:
+        derived from this process's cluster secret (``KVFLOW_CLUSTER_SECRET_FILE``); ``None``
+        runs open.
     """
 
     engine_name: str = field(default_factory=_random_engine_name)
@@ -51,6 +59,8 @@ class TransferConfig:
     max_batch_capacity: int = 1 << 16
     socket_buffer_bytes: int = 0
     server_backlog: int = 128
+    max_server_connections: int = 256
+    secret: bytes | None = field(default_factory=lambda: _process_transfer_key(), repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine_name, str) or not _ENGINE_NAME_RE.match(self.engine_name):
@@ -64,6 +74,10 @@ class TransferConfig:
         _require_int("max_batch_capacity", self.max_batch_capacity, 1)
         _require_int("socket_buffer_bytes", self.socket_buffer_bytes, 0)
         _require_int("server_backlog", self.server_backlog, 1)
+        _require_int("max_server_connections", self.max_server_connections, 1)
+        key = self.secret
+        if key is not None and (not isinstance(key, bytes) or len(key) < 16):
+            raise ValueError("secret must be None or at least 16 bytes")
         for name in ("connect_timeout_s", "io_timeout_s", "request_timeout_s"):
             _require_positive_float(name, getattr(self, name))
         value = self.path_retry_s
@@ -81,3 +95,8 @@ def _require_int(name: str, value: object, minimum: int) -> None:
 def _require_positive_float(name: str, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def _process_transfer_key() -> bytes | None:
+    secret = process_secret()
+    return None if secret is None else secret.transfer_key()

@@ -62,3 +62,7 @@ class TransferTimeoutError(TransferError, TimeoutError):
 
 class EngineClosedError(TransferError, RuntimeError):
     """The engine (or one of its backends) has been closed."""
+
+
+class HandshakeError(TransferError, ConnectionError):
+    """A connection's peer did not prove the transfer key (``transfer.handshake``)."""

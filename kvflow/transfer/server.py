@@ -1,6 +1,8 @@
 """TcpServer: serves one engine's registered segments to peers over the tcp wire protocol.
 
-One accept thread plus one thread per connection; each connection's requests are answered in
+One accept thread plus one thread per connection (at most ``max_server_connections``), each
+authenticated by the handshake of ``handshake.py`` before its first request when the engine
+has a secret; each connection's requests are answered in
 order (which lets clients pipeline). READ data is sent straight from the segment's memory and
 WRITE data is received straight into it. A bad request (unknown segment, out of bounds) gets an
 error response and the connection keeps serving; only a malformed stream closes it.
@@ -15,7 +17,13 @@ import threading
 from dataclasses import dataclass
 
 from kvflow.transfer.config import TransferConfig
-from kvflow.transfer.errors import OutOfBoundsError, ProtocolError, UnknownSegmentError
+from kvflow.transfer.errors import (
+    HandshakeError,
+    OutOfBoundsError,
+    ProtocolError,
+    UnknownSegmentError,
+)
+from kvflow.transfer.handshake import server_handshake
 from kvflow.transfer.memory import SegmentTable
 from kvflow.transfer.protocol import (
     MAX_CONTROL_PAYLOAD,
@@ -45,6 +53,8 @@ class ServerStats:
     bytes_read: int = 0
     bytes_written: int = 0
     errors: int = 0
+    refused: int = 0
+    unauthenticated: int = 0
 
 
 class TcpServer:
@@ -116,6 +126,11 @@ class TcpServer:
                 if self._stopped.is_set():
                     conn.close()
                     break
+                if len(self._conns) >= self._config.max_server_connections:
+                    self.stats.refused += 1
+                    logger.warning("transfer server full: refusing a connection from %s", peer)
+                    conn.close()
+                    continue
                 self._conns.add(conn)
                 self.stats.connections += 1
                 thread = threading.Thread(
@@ -130,6 +145,13 @@ class TcpServer:
         header_view = memoryview(header)
         scratch = memoryview(bytearray(1 << 16))
         try:
+            if self._config.secret is not None:
+                try:
+                    server_handshake(conn, self._config.secret, self._config.connect_timeout_s)
+                except (HandshakeError, OSError) as exc:
+                    self.stats.unauthenticated += 1
+                    logger.warning("transfer connection from %s refused: %s", peer, exc)
+                    return
             while True:
                 recv_exact_into(conn, header_view)
                 op, _flags, _res, segment_id, request_id, offset, length = REQUEST.unpack(header)

@@ -21,6 +21,8 @@ import pytest
 
 from kvflow.kvdb import KVLayout, Namespace, block_keys
 from kvflow.replication import NodeId, RemoteMetadata
+from kvflow.security import SECRET_FILE_ENV
+from kvflow.security.grpc_auth import cluster_channel
 from kvflow.stages.api import node_pb2, node_pb2_grpc, pb2, pb2_grpc
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
@@ -44,11 +46,15 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         router_extra=("--policy", "round-robin"),
         routers=2,
     )
+    # This process reads the metadata and calls nodes as a member of the cluster: by its secret.
+    patch = pytest.MonkeyPatch()
+    patch.setenv(SECRET_FILE_ENV, str(c.secret_file))
     try:
         c.start(timeout_s=180)
         yield c
     finally:
         c.stop()
+        patch.undo()
 
 
 def generate(
@@ -365,6 +371,6 @@ def test_a_killed_metadata_leader_fails_no_request(cluster):
     # Every request has ended: no node still books prefill or decode work.
     for name, port in cluster.node_ports.items():
         if cluster.procs[name].alive():
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with cluster_channel(f"127.0.0.1:{port}", cluster.secret) as channel:
                 info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=5)
             assert (info.queued_prefill_s, info.decode_batch_size) == (0.0, 0), name

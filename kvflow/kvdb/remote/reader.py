@@ -40,6 +40,8 @@ from kvflow.kvdb.remote.destinations import Destinations
 from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.shard import check_key
 from kvflow.replication import Tier
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_channel
 from kvflow.transfer import (
     OpCode,
     SegmentHandle,
@@ -77,8 +79,8 @@ class RemoteClient:
         self.shard = shard
         self._transfer = transfer
         self._own_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(
-            control_address, options=[("grpc.max_receive_message_length", 64 << 20)]
+        self._channel = channel or cluster_channel(
+            control_address, process_secret(), [("grpc.max_receive_message_length", 64 << 20)]
         )
         self._stub = pb2_grpc.BlockServiceStub(self._channel)
         self._memory = Destinations(transfer, self.config.staging_bytes)

@@ -4,6 +4,7 @@ Shared by the inference and node APIs (their messages use the same field names).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import grpc
@@ -45,12 +46,15 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
 def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
     """SamplingParams from a Sampling / SamplingParams message (the inference and node APIs
     share the fields); a bad value is InvalidArgument naming it."""
+    top_p = float(msg.top_p)
+    if not math.isfinite(top_p) or top_p < 0.0:  # NaN used to become 1.0 silently
+        raise InvalidArgument(f"sampling: top_p must be in (0, 1] (0 = unset), got {top_p!r}")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=float(msg.temperature),
             top_k=int(msg.top_k),
-            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            top_p=top_p if top_p > 0 else 1.0,
             seed=int(msg.seed) if msg.HasField("seed") else None,
             ignore_eos=bool(msg.ignore_eos),
         )

@@ -20,11 +20,22 @@ from kvflow.pipeline import (
     PipelineClosed,
     RequestContext,
 )
+from kvflow.security import process_secret
 from kvflow.stages.api import SERVICE_NAME, pb2, pb2_grpc
+from kvflow.stages.api.auth import (
+    OPEN,
+    Authenticator,
+    AuthInterceptor,
+    Identity,
+    PermissionDenied,
+    Unauthenticated,
+    tenant_for,
+)
 from kvflow.stages.api.convert import sampling_from, status_for
+from kvflow.stages.api.limits import TokenizerPool, check_prompt_bytes
 from kvflow.stages.detokenize import IncrementalDetokenizer
 from kvflow.stages.engine import SamplingParams
-from kvflow.stages.errors import InvalidArgument
+from kvflow.stages.errors import InvalidArgument, NoCapacity
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)
@@ -57,9 +68,12 @@ class Frontend(Protocol):
 
 
 class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-defined]
-    def __init__(self, cluster: Frontend) -> None:
+    def __init__(self, cluster: Frontend, auth: Authenticator | None = None) -> None:
         self._cluster = cluster
+        self._auth = auth or Authenticator(None)
         self._config = cluster.config
+        self._tokenizer = TokenizerPool(cluster.tokenizer)
+        self._in_flight: set[str] = set()  # request ids of the Generate calls running now
 
     # -- request parsing --------------------------------------------------------------------
     def _sampling(self, request: Any) -> tuple[int, SamplingParams]:
@@ -71,18 +85,19 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             )
         return max_tokens, sampling_from(request.sampling, max_tokens)
 
-    def _state(self, request: Any) -> GenerateState:
+    def _state(self, request: Any, identity: Identity = OPEN) -> GenerateState:
         max_tokens, sampling = self._sampling(request)
         which = request.WhichOneof("input")
         if which is None:
             raise InvalidArgument("give a prompt or token_ids")
         state = GenerateState(
-            tenant=request.tenant,
+            tenant=tenant_for(identity, request.tenant),  # the key's, never the request's
             max_tokens=max_tokens,
             sampling=sampling,
             submitted_at=time.monotonic(),
         )
         if which == "prompt":
+            check_prompt_bytes(request.prompt)
             state.prompt_text = request.prompt
         else:
             state.prompt_ids = list(request.token_ids.ids)
@@ -103,8 +118,35 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
     # -- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            state = self._state(request)
-            ctx = RequestContext(self._request_id(request), state=state)
+            identity = self._auth.identify_metadata(context.invocation_metadata())
+            state = self._state(request, identity)
+            rid = self._request_id(request)
+        except InvalidArgument as exc:
+            await context.abort(*status_for(exc))
+            return
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            return
+        except PermissionDenied as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            return
+        if rid in self._in_flight:  # used to fail as INTERNAL, deep in the pipeline
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
+            )
+            return
+        self._in_flight.add(rid)
+        try:
+            async for response in self._generate(request, context, rid, state):
+                yield response
+        finally:
+            self._in_flight.discard(rid)
+
+    async def _generate(
+        self, request: Any, context: grpc.aio.ServicerContext, rid: str, state: GenerateState
+    ) -> AsyncIterator[Any]:
+        try:
+            ctx = RequestContext(rid, state=state)
             handle = self._cluster.pipeline.try_submit(ctx)
         except (InvalidArgument, Overloaded, PipelineClosed) as exc:
             code, details = status_for(exc)
@@ -171,7 +213,12 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         )
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return pb2.TokenizeResponse(token_ids=self._cluster.tokenizer.encode_prompt(request.text))
+        try:
+            check_prompt_bytes(request.text)  # Tokenize had no limit at all
+            ids = await self._tokenizer.encode(request.text)
+        except (InvalidArgument, NoCapacity) as exc:
+            await context.abort(*status_for(exc))
+        return pb2.TokenizeResponse(token_ids=ids)
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         c = self._cluster
@@ -206,12 +253,19 @@ def _is_cancel(exc: BaseException) -> bool:
     return isinstance(exc, asyncio.CancelledError | GeneratorExit)
 
 
-def create_server(cluster: Frontend, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def create_server(
+    cluster: Frontend, host: str, port: int, auth: Authenticator | None = None
+) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the inference service, the kvdb admin service (``kvflow kvdb``)
     and reflection; returns (server, port).
     Call ``await server.start()``."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(cluster), server)
+    auth = auth or Authenticator(None, process_secret())
+    auth.log_mode()
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+        interceptors=[AuthInterceptor(auth)],
+    )
+    pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(cluster, auth), server)
     add_admin_service(server, cluster.admin_source())
     reflection.enable_server_reflection(
         (SERVICE_NAME, ADMIN_SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -21,6 +21,11 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+MAX_TEMPERATURE = 100.0
+"""The largest temperature accepted (beyond it sampling is uniform noise)."""
+GREEDY_BELOW = 1e-5
+"""A temperature below this samples greedily (as vLLM's _SAMPLING_EPS)."""
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an engine runs a model.
@@ -115,8 +120,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _positive("max_tokens", self.max_tokens)
-        if not isinstance(self.temperature, int | float) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        temperature = self.temperature
+        if not isinstance(temperature, int | float) or not 0.0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
@@ -155,4 +163,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_BELOW`` are greedy: dividing logits by them
+        overflows float32 (1e-40 made NaN probabilities and failed a whole engine step)."""
+        return self.temperature < GREEDY_BELOW

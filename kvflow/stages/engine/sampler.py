@@ -21,19 +21,18 @@ def sample(
     """One token per row of float32 logits [N, vocab]. `histories[row]` is (token ids so far,
     prompt length), needed only for rows whose params set a penalty. Greedy rows take the
     argmax of the penalized logits (ties to the lowest id); others sample with their own
-    generator, which advances. Does not modify `logits`."""
+    generator, which advances; a row whose distribution is not finite falls back to its argmax,
+    so one request can never fail the rows sampled beside it. Does not modify `logits`."""
     tokens: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        row_logits = logits[row]
+        row_logits = torch.nan_to_num(logits[row].to(torch.float32), nan=float("-inf"))
         if p.penalized:
             if histories is None:
                 raise ValueError("penalties need the token history of each row")
             ids, prompt_len = histories[row]
             row_logits = apply_penalties(row_logits, ids, prompt_len, p)
-        if p.greedy:
-            tokens.append(int(row_logits.argmax()))
-        else:
-            tokens.append(_sample_row(row_logits, p, gen))
+        best = int(row_logits.argmax())
+        tokens.append(best if p.greedy else _sample_row(row_logits, p, gen, fallback=best))
     return tokens
 
 
@@ -56,8 +55,12 @@ def apply_penalties(
     return out
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scaled = logits.to(torch.float32) / p.temperature
+def _sample_row(
+    logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, fallback: int
+) -> int:
+    """One sampled token; ``fallback`` (the argmax) when the distribution is not finite, so
+    one row can never fail the rows sampled beside it."""
+    scaled = logits / p.temperature
     if 0 < p.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -67,6 +70,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         drop = (cum - sorted_logits.softmax(-1)) >= p.top_p  # keeps at least the top token
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        return fallback
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 

@@ -29,8 +29,11 @@ class BackgroundServer:
     ``fn()`` on the server's loop and returns its result.
     """
 
-    def __init__(self, config: ServeConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, config: ServeConfig, host: str = "127.0.0.1", port: int = 0, auth: Any = None
+    ) -> None:
         self.config = config
+        self._auth = auth  # an api.auth.Authenticator; None: open
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -47,7 +50,7 @@ class BackgroundServer:
         cluster = EmbeddedCluster(self.config)
         try:
             await cluster.start()
-            self.server, self.port = create_server(cluster, host, port)
+            self.server, self.port = create_server(cluster, host, port, self._auth)
             await self.server.start()
         except BaseException:
             await cluster.stop()

@@ -33,6 +33,8 @@ from kvflow.kvdb import (
 from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, Tracer
 from kvflow.replication import NodeId, RemoteMetadata
 from kvflow.router import InstanceState
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import aio_cluster_interceptors
 from kvflow.stages.api import NODE_SERVICE_NAME, node_pb2_grpc
 from kvflow.stages.api.node import NodeServicer
 from kvflow.stages.decode import DecodeStage
@@ -205,7 +207,12 @@ class NodeServer:
     async def start(self) -> None:
         c = self.config
         await self.pipeline.start()
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        # Every RPC of a node (Node, KVAdmin, BlockService) is intra-cluster: the cluster
+        # token is required; no SO_REUSEPORT, so a busy port is an error, not a shared port.
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+            interceptors=aio_cluster_interceptors(process_secret()),
+        )
         node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self), self.server)
         source = StaticAdminSource(
             {c.node_id: ShardRef(self.store.shard, NodeId(c.node_id), c.kind)},

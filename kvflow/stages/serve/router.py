@@ -32,6 +32,8 @@ from kvflow.pipeline import (
 )
 from kvflow.replication import RemoteMetadata
 from kvflow.router import Conductor, InstanceState, MetadataPrefixIndex, RouterConfig
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_aio_channel
 from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.api.convert import layout_from_info
 from kvflow.stages.api.node_client import NodeClient
@@ -73,7 +75,7 @@ class RemoteNode:
         """A fresh channel (to ``control`` if it moved): the old one may be in backoff."""
         await self.channel.close()
         self.control = control or self.control
-        self.channel = grpc.aio.insecure_channel(self.control)
+        self.channel = cluster_aio_channel(self.control, process_secret())
         self.stub = node_pb2_grpc.NodeStub(self.channel)
 
 
@@ -207,7 +209,7 @@ class RouterServer:
                     info.kind,
                     addresses[0],
                     InstanceState(info.node, info.kind),
-                    grpc.aio.insecure_channel(addresses[0]),
+                    cluster_aio_channel(addresses[0], process_secret()),
                 )
                 group[info.node] = node
             elif node.control != addresses[0]:  # it came back elsewhere: keep its books

@@ -30,6 +30,7 @@ from kvflow.transfer.errors import (
     TransferTimeoutError,
     UnknownSegmentError,
 )
+from kvflow.transfer.handshake import client_handshake
 from kvflow.transfer.protocol import (
     MAX_CONTROL_PAYLOAD,
     REQUEST,
@@ -140,6 +141,8 @@ class TcpBackend(Backend):
     def _describe_at(self, address: Address, name: str) -> SegmentDescription:
         encoded = name.encode()
         with socket.create_connection(address, timeout=self._config.connect_timeout_s) as sock:
+            if self._config.secret is not None:
+                client_handshake(sock, self._config.secret)
             sock.settimeout(self._config.io_timeout_s)
             send_parts(sock, (REQUEST.pack(Op.DESCRIBE, 0, 0, 0, 1, 0, len(encoded)), encoded))
             status, _reserved, _request_id, length = RESPONSE.unpack(
@@ -220,6 +223,12 @@ class TcpBackend(Backend):
         if self._closed.is_set():
             raise EngineClosedError("tcp backend is closed")
         sock = socket.create_connection(key.address, timeout=self._config.connect_timeout_s)
+        if self._config.secret is not None:
+            try:
+                client_handshake(sock, self._config.secret)
+            except BaseException:
+                sock.close()
+                raise
         sock.settimeout(None)
         tune_socket(sock, self._config.socket_buffer_bytes)
         with self._lock:
