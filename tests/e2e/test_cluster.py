@@ -162,7 +162,7 @@ def test_a_replica_target_is_placed_on_another_node(cluster):
 
 
 def _node_stub(cluster: LocalCluster, name: str) -> tuple[grpc.Channel, Any]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.node_ports[name]}")
+    channel = cluster_channel(f"127.0.0.1:{cluster.node_ports[name]}", cluster.secret)
     return channel, node_pb2_grpc.NodeStub(channel)
 
 
