@@ -118,11 +118,14 @@ def _metrics(registry: Any, host: str, port: int) -> Any:
 async def serve_embedded(config: Any, host: str, port: int, metrics_port: int) -> None:
     from kvflow.stages.api.inference import create_server
     from kvflow.stages.serve.embedded import EmbeddedCluster
+    from kvflow.stages.serve.warmup import attach_warmup
 
     cluster = EmbeddedCluster(config)
     await cluster.start()
     server, bound = create_server(cluster, host, port)
+    warmup = attach_warmup(server, cluster, config.data_dir / "warmup", embedded=True)
     await server.start()
+    await warmup.start()
     metrics = _metrics(cluster.metrics, host, metrics_port)
     print(
         f"kvflow serving {cluster.model_dir} on {host}:{bound} "
@@ -132,6 +135,7 @@ async def serve_embedded(config: Any, host: str, port: int, metrics_port: int) -
     )
 
     async def stop() -> None:
+        await warmup.stop()
         await server.stop(grace=2.0)
         if metrics is not None:
             metrics.close()
@@ -186,6 +190,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvflow.stages.serve.build import ensure_model
     from kvflow.stages.serve.config import EngineStoreConfig, RouterSettings
     from kvflow.stages.serve.router import RouterServer
+    from kvflow.stages.serve.warmup import attach_warmup
 
     try:
         model = ensure_model(
@@ -206,7 +211,10 @@ def run_router(args: argparse.Namespace) -> int:
         router = RouterServer(settings)
         await router.start()
         server, port = create_server(router, args.host, args.port)
+        jobs_dir = Path(args.data_dir) / f"warmup-router-{args.port or port}"
+        warmup = attach_warmup(server, router, jobs_dir, embedded=False)
         await server.start()
+        await warmup.start()
         metrics = _metrics(router.metrics, args.host, args.metrics_port)
         print(
             f"kvflow router on {args.host}:{port} ({len(router.prefill)} prefill, "
@@ -216,6 +224,7 @@ def run_router(args: argparse.Namespace) -> int:
         )
 
         async def stop() -> None:
+            await warmup.stop()
             await server.stop(1.0)
             if metrics is not None:
                 metrics.close()
