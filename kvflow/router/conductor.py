@@ -121,6 +121,10 @@ class Conductor:
             return rejection
         return self._decision(req, candidates, chosen, option, best_decode, decode_candidates)
 
+    def predict_prefill_s(self, prompt_len: int, reused_tokens: int) -> float:
+        """The prefill time model's prediction (seconds) for a prompt reusing a prefix."""
+        return self._prefill_model.predict(prompt_len, min(reused_tokens, prompt_len))
+
     def commit(
         self, decision: RouteDecision, prefill_state: InstanceState, decode_state: InstanceState
     ) -> None:

@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-metadata": ("kvflow.tools.bench.metadata", "metadata registration throughput"),
     "bench-transfer": ("kvflow.tools.bench.transfer", "transfer engine throughput"),
     "kvdb": ("kvflow.tools.kvadmin", "inspect and manage a server's kvdb (admin service)"),
+    "warmup": (
+        "kvflow.tools.warmup",
+        "offline cache warm-up jobs: submit, status, list, cancel, report",
+    ),
 }
 
 

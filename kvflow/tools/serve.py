@@ -128,11 +128,16 @@ async def serve_embedded(
 ) -> None:
     from kvflow.stages.api.inference import create_server
     from kvflow.stages.serve.embedded import EmbeddedCluster
+    from kvflow.stages.serve.warmup import attach_warmup
 
     cluster = EmbeddedCluster(config)
     await cluster.start()
     server, bound = create_server(cluster, host, port, auth)
+    warmup = attach_warmup(
+        server, cluster, config.data_dir / "warmup", embedded=True, auth=auth
+    )
     await server.start()
+    await warmup.start()
     metrics = _metrics(cluster.metrics, host, metrics_port)
     print(
         f"kvflow serving {cluster.model_dir} on {host}:{bound} "
@@ -142,6 +147,7 @@ async def serve_embedded(
     )
 
     async def stop() -> None:
+        await warmup.stop()
         await server.stop(grace=2.0)
         if metrics is not None:
             metrics.close()
@@ -196,6 +202,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvflow.stages.serve.build import ensure_model
     from kvflow.stages.serve.config import EngineStoreConfig, RouterSettings
     from kvflow.stages.serve.router import RouterServer
+    from kvflow.stages.serve.warmup import attach_warmup
 
     try:
         model = ensure_model(
@@ -217,7 +224,10 @@ def run_router(args: argparse.Namespace) -> int:
         router = RouterServer(settings)
         await router.start()
         server, port = create_server(router, args.host, args.port, auth)
+        jobs_dir = Path(args.data_dir) / f"warmup-router-{args.port or port}"
+        warmup = attach_warmup(server, router, jobs_dir, embedded=False, auth=auth)
         await server.start()
+        await warmup.start()
         metrics = _metrics(router.metrics, args.host, args.metrics_port)
         print(
             f"kvflow router on {args.host}:{port} ({len(router.prefill)} prefill, "
@@ -227,6 +237,7 @@ def run_router(args: argparse.Namespace) -> int:
         )
 
         async def stop() -> None:
+            await warmup.stop()
             await server.stop(1.0)
             if metrics is not None:
                 metrics.close()
