@@ -110,6 +110,9 @@ class GenerateState:
     sampling: SamplingParams
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
+    # False for a rendered chat template (it holds its special tokens as text): the prompt
+    # text is encoded without the BOS a raw prompt gets.
+    add_special_tokens: bool = True
     submitted_at: float = 0.0
     booking: Booking = field(default_factory=Booking)
     # Reuse at most this many prompt tokens from the cache: prompt logprobs from position p

@@ -34,7 +34,8 @@ class GenerateInput:
 
     Fields:
         prompt_text / prompt_ids: exactly one is given (text is encoded with the model's
-            tokenizer, BOS added where the tokenizer adds one).
+            tokenizer, BOS added where the tokenizer adds one unless add_special_tokens is
+            False: a rendered chat template holds its special tokens as text).
         tenant: "" is "default" (the caller's identity decides it: see http_auth).
         max_tokens: None takes the server default; else 1 .. the server's limit.
         sampling: SamplingParams fields other than max_tokens, only those the caller gave;
@@ -49,6 +50,7 @@ class GenerateInput:
 
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
+    add_special_tokens: bool = True
     tenant: str = ""
     max_tokens: int | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
@@ -130,6 +132,7 @@ def build_state(inp: GenerateInput, config: Any) -> GenerateState:
         sampling=sampling,
         prompt_text=inp.prompt_text,
         prompt_ids=None if inp.prompt_ids is None else list(inp.prompt_ids),
+        add_special_tokens=inp.add_special_tokens,
         submitted_at=time.monotonic(),
     )
     if sampling.prompt_logprobs is not None:
@@ -167,6 +170,11 @@ class Generation:
         self.handle = frontend.pipeline.try_submit(
             RequestContext(self.request_id, state=self.state)
         )
+
+    @property
+    def stopped(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._detok.stopped
 
     @property
     def prompt_logprobs(self) -> tuple[int, list[TokenLogprob]]:
