@@ -2,10 +2,10 @@
 (OpenAI /v1/completions with ``stream: true``), one run, one server: time to first token and
 time per output token, p50 and p99, at 1 and 16 concurrent clients.
 
-Both clients run in threads of this process (blocking gRPC stub over one channel; http.client reading SSE over one
-keep-alive connection per client thread);
-the server is a BackgroundServer (its own event-loop thread) with the HTTP front on. The
-cache is flushed before each pass, so both APIs see the same cold prompts.
+Both clients run in threads of this process (a blocking gRPC stub over one channel;
+http.client reading SSE over one keep-alive connection per client thread); the server is a
+BackgroundServer (its own event-loop thread) with the HTTP front on. The cache is flushed
+before each pass, so both APIs see the same cold prompts.
 
 Seeded; prints one summary line; ``--json PATH`` writes every number.
 
@@ -22,7 +22,6 @@ import logging
 import os
 import platform
 import random
-import statistics
 import tempfile
 import threading
 import time

@@ -59,7 +59,7 @@ def test_malformed_and_mistyped_bodies(server: ServerThread) -> None:
 
 def test_body_over_the_limit_is_refused_before_it_is_read(server: ServerThread) -> None:
     big = json.dumps({**GOOD, "prompt": "a" * BODY_LIMIT}).encode()
-    status, msg = error_of(server, big)
+    status, _msg = error_of(server, big)
     assert status == 413
     # Declared too large: refused from the headers alone, without sending the body.
     assert server.http is not None

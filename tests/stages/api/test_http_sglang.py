@@ -4,6 +4,7 @@ plus /generate's logprobs, batches and the info, health and flush routes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.request
 from typing import Any
@@ -130,7 +131,7 @@ def test_stop_strings_and_stream_are_cumulative(server: ServerThread) -> None:
         lines = [ln.decode() for ln in resp.read().split(b"\n\n") if ln]
     assert lines[-1] == "data: [DONE]"
     texts = [json.loads(ln[len("data: ") :])["text"] for ln in lines[:-1]]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert texts[-1] == full["text"]
 
 
