@@ -77,7 +77,10 @@ class DecodeStage(Stage):
             WorkItem(
                 request_id=engine_rid,
                 token_ids=[*state.prompt_ids, state.first_token],
-                sampling=dataclasses.replace(state.sampling, max_tokens=state.max_tokens - 1),
+                # The prompt's logprobs were the prefill's to compute.
+                sampling=dataclasses.replace(
+                    state.sampling, max_tokens=state.max_tokens - 1, prompt_logprobs=None
+                ),
                 sink=sink,
                 on_error=on_error,
                 prefix_pages=inst.staging.pages(state.staging, num_pages),
@@ -116,6 +119,7 @@ class DecodeStage(Stage):
                 state.output_ids.extend(out.new_token_ids)
                 state.token_times.extend(now for _ in out.new_token_ids)
                 state.booking.grow_decode(len(out.new_token_ids))
+                state.output_logprobs.extend(out.logprobs)
                 ctx.emit(("tokens", list(out.new_token_ids)))
             if out.finished:
                 state.finish_reason = out.finish_reason

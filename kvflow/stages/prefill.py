@@ -125,7 +125,12 @@ class PrefillStage(Stage):
                 stores.append(loop.run_in_executor(None, _store_blocks, client, *to_store))
             if payload:
                 state.block_queue.put_nowait(("pages", payload))
+            if out.prompt_logprobs:
+                if not state.prompt_logprobs:
+                    state.prompt_logprobs_start = out.prompt_logprobs_start
+                state.prompt_logprobs.extend(out.prompt_logprobs)
             if out.new_token_ids:
+                state.output_logprobs.extend(out.logprobs)
                 state.first_token = out.new_token_ids[0]
                 state.first_token_at = time.monotonic()
                 ctx.emit(("tokens", list(out.new_token_ids)))

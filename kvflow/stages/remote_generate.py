@@ -38,6 +38,10 @@ class NodeCalls(Protocol):
     """The node API as the stage uses it. Each method raises NodeCallFailed(node) for a
     failure a retry elsewhere can fix; ``prefill``/``decode`` yield the node's events."""
 
+    def logprobs(self, msgs: Any) -> list[Any]:
+        """Engine TokenLogprobs of an event's TokenLogprob messages."""
+        ...
+
     async def reserve(self, node: NodeRef, request_id: str, num_pages: int) -> Any: ...
 
     async def release(self, node: NodeRef, lease: Any) -> None: ...
@@ -103,16 +107,18 @@ class RemoteGenerateStage(Stage):
         with ctx.span("reserve", node=decode.instance_id):
             lease = await self._calls.reserve(decode, ctx.request_id, pages)
         produced: list[int] = []
+        lps: list[Any] = []  # their logprobs (with sampling.logprobs)
         try:
             with ctx.span("prefill", node=prefill.instance_id) as span:
                 done = None
                 async for ev in self._calls.prefill(prefill, ctx.request_id, state, lease):
                     if ev.has_first_token:
                         produced.append(ev.first_token)
+                        lps.extend(self._calls.logprobs(ev.first_token_logprob))
                         if state.first_token_at is None:
                             state.first_token_at = time.monotonic()
                         state.token_times = [state.first_token_at]
-                        self._emit(ctx, state, produced)
+                        self._emit(ctx, state, produced, lps)
                     if ev.done:
                         done = ev
                 if done is None or not produced:
@@ -121,6 +127,8 @@ class RemoteGenerateStage(Stage):
                 state.cached_by_tier = dict(done.cached_by_tier)
                 state.pulled_tokens = done.pulled_tokens
                 state.first_token = produced[0]
+                state.prompt_logprobs = self._calls.logprobs(done.prompt_logprobs)
+                state.prompt_logprobs_start = done.prompt_logprobs_start
                 span.set_attrs(cached_tokens=done.cached_tokens)
             state.booking.release_prefill()  # the prefill queue booking is over
             if done.finish_reason == "stop" or state.max_tokens == 1:
@@ -134,8 +142,9 @@ class RemoteGenerateStage(Stage):
                 ):
                     if ev.token_ids:
                         produced.extend(ev.token_ids)
+                        lps.extend(self._calls.logprobs(ev.logprobs))
                         state.token_times.extend(time.monotonic() for _ in ev.token_ids)
-                        self._emit(ctx, state, produced)
+                        self._emit(ctx, state, produced, lps)
                     if ev.finished:
                         state.finish_reason = ev.finish_reason
             state.output_ids = produced
@@ -146,9 +155,12 @@ class RemoteGenerateStage(Stage):
             raise
 
     @staticmethod
-    def _emit(ctx: RequestContext[Any], state: GenerateState, produced: list[int]) -> None:
-        """Emit the tokens past what the client already has."""
+    def _emit(
+        ctx: RequestContext[Any], state: GenerateState, produced: list[int], lps: list[Any]
+    ) -> None:
+        """Emit the tokens past what the client already has (their logprobs first)."""
         if len(produced) > state.emitted_tokens:
+            state.output_logprobs = lps
             ctx.emit(("tokens", produced[state.emitted_tokens :]))
             state.emitted_tokens = len(produced)
 

@@ -55,7 +55,10 @@ class ReuseLoadStage(Stage):
         state: GenerateState = ctx.state
         assert state.prefill is not None and state.namespace is not None
         # At least one prompt token is always computed: it yields the first token's logits.
-        usable = state.block_keys[: (state.prompt_len - 1) // self._block_size]
+        limit = state.prompt_len - 1
+        if state.max_reuse_tokens is not None:
+            limit = min(limit, state.max_reuse_tokens)
+        usable = state.block_keys[: max(0, limit) // self._block_size]
         client = state.prefill.client(state.namespace)
         pull = state.pull
         pulled: set[int] = set()

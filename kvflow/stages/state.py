@@ -110,8 +110,14 @@ class GenerateState:
     sampling: SamplingParams
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
+    # False for a rendered chat template (it holds its special tokens as text): the prompt
+    # text is encoded without the BOS a raw prompt gets.
+    add_special_tokens: bool = True
     submitted_at: float = 0.0
     booking: Booking = field(default_factory=Booking)
+    # Reuse at most this many prompt tokens from the cache: prompt logprobs from position p
+    # need position p - 1 computed here (None: no limit).
+    max_reuse_tokens: int | None = None
 
     # -- tokenize / hash --------------------------------------------------------------------------
     namespace: Namespace | None = None
@@ -143,6 +149,9 @@ class GenerateState:
     first_token: int | None = None
     first_token_at: float | None = None
     finish_reason: str | None = None
+    # With sampling.prompt_logprobs: TokenLogprobs of prompt positions prompt_logprobs_start...
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs_start: int = 0
     staging: StagingLease | None = None
     stream_target: StreamTarget | None = None
     streamed_blocks: int = 0
@@ -154,6 +163,9 @@ class GenerateState:
     decode_request_id: str = ""
     stored_decode_blocks: int = 0
     output_ids: list[int] = field(default_factory=list)
+    # With sampling.logprobs: one TokenLogprob per generated token, appended before the
+    # ("tokens", ids) event that carries the tokens is emitted.
+    output_logprobs: list[Any] = field(default_factory=list)
     emitted_tokens: int = 0
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None

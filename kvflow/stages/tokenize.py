@@ -34,10 +34,13 @@ class TokenizeStage(Stage):
             text = state.prompt_text or ""
             if not text:
                 raise InvalidArgument("prompt is empty")
+            self._check_chars(len(text), state.max_tokens)
+            tok = self._tokenizer
+            encode = tok.encode_prompt if state.add_special_tokens else tok.encode
             if len(text) > _INLINE_CHARS:
-                ids = await asyncio.to_thread(self._tokenizer.encode_prompt, text)
+                ids = await asyncio.to_thread(encode, text)
             else:
-                ids = self._tokenizer.encode_prompt(text)
+                ids = encode(text)
             state.prompt_ids = list(ids)
         ids = state.prompt_ids
         if not ids:
@@ -54,3 +57,12 @@ class TokenizeStage(Stage):
                 f"the model's maximum of {self._max_model_len} tokens"
             )
         ctx.set_attrs(prompt_tokens=len(ids))
+
+    def _check_chars(self, chars: int, max_tokens: int) -> None:
+        """Refuse a text that must have too many tokens, before tokenizing any of it."""
+        at_least = -(-chars // self._tokenizer.max_token_chars)
+        if at_least + max_tokens > self._max_model_len:
+            raise InvalidArgument(
+                f"prompt of {chars} characters has at least {at_least} tokens: with max_tokens "
+                f"{max_tokens} it exceeds the model's maximum of {self._max_model_len} tokens"
+            )

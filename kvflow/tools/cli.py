@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("kvflow.tools.replay", "replay a request trace through the router simulator"),
     "bench-metadata": ("kvflow.tools.bench.metadata", "metadata registration throughput"),
     "bench-transfer": ("kvflow.tools.bench.transfer", "transfer engine throughput"),
+    "bench-http": ("kvflow.tools.bench.http", "HTTP streaming vs gRPC: TTFT and TPOT"),
     "kvdb": ("kvflow.tools.kvadmin", "inspect and manage a server's kvdb (admin service)"),
     "warmup": (
         "kvflow.tools.warmup",

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(f"  try: kvflow generate --server {routers} --prompt 'Hello'", flush=True)
+        print(f"  HTTP (OpenAI, SGLang APIs): {', '.join(cluster.http_urls)}", flush=True)
         for name, port in cluster.node_ports.items():
             print(f"  {name}: 127.0.0.1:{port}   (kvflow kvdb --server 127.0.0.1:{port} shards)")
         ports = " ".join(f"{name}={port}" for name, port in cluster.metrics_ports.items())

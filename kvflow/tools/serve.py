@@ -52,6 +52,24 @@ def register(subparsers: Any) -> None:
         help="Prometheus port; 0 = off (default: embedded and router 9464, node 9465, meta 9466, "
         "so roles that share a host do not collide)",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="(embedded, router) the OpenAI-compatible and SGLang-native HTTP APIs, in the "
+        "gRPC server's process and event loop; 0 = off (default 8000, as vLLM's)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        help="(embedded, router) the model's name in the APIs (default: the model "
+        "directory's name)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="(HTTP) a larger request body is refused with 413 before it is read",
+    )
     add_engine_store_flags(p)
     add_security_flags(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
@@ -100,9 +118,35 @@ def config_from_args(args: argparse.Namespace) -> Any:
         model_dir=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
+        served_model_name=args.served_model_name,
         **engine_store_values(args),
         **_routing(args),
     )
+
+
+def http_config(args: argparse.Namespace) -> Any:
+    """The HTTP front's config, or None when --http-port is 0."""
+    from kvflow.stages.serve.config import HttpConfig
+
+    if not args.http_port:
+        return None
+    return HttpConfig(port=args.http_port, max_body_bytes=args.max_body_bytes)
+
+
+async def _start_http(frontend: Any, host: str, config: Any, auth: Any = None) -> Any:
+    """The HTTP front on ``host`` in this event loop (behind the same API keys as gRPC), or
+    None when it is off."""
+    if config is None:
+        return None
+    from kvflow.stages.api.http_app import HttpServer
+
+    server = HttpServer(frontend, host, config, auth=auth)
+    await server.start()
+    return server
+
+
+def _http_line(http: Any) -> str:
+    return f"; HTTP (OpenAI, SGLang) on {http.url}" if http is not None else ""
 
 
 async def _until_signal(stop: Callable[[], Awaitable[None]]) -> None:
@@ -124,7 +168,12 @@ def _metrics(registry: Any, host: str, port: int) -> Any:
 
 
 async def serve_embedded(
-    config: Any, host: str, port: int, metrics_port: int, auth: Any = None
+    config: Any,
+    host: str,
+    port: int,
+    metrics_port: int,
+    http: Any = None,
+    auth: Any = None,
 ) -> None:
     from kvflow.stages.api.inference import create_server
     from kvflow.stages.serve.embedded import EmbeddedCluster
@@ -138,16 +187,20 @@ async def serve_embedded(
     )
     await server.start()
     await warmup.start()
+    http_server = await _start_http(cluster, host, http, auth)
     metrics = _metrics(cluster.metrics, host, metrics_port)
     print(
-        f"kvflow serving {cluster.model_dir} on {host}:{bound} "
+        f"kvflow serving {cluster.model_name} ({cluster.model_dir}) on {host}:{bound} "
         f"({config.num_prefill} prefill, {config.num_decode} decode, policy {config.policy})"
+        + _http_line(http_server)
         + (f"; metrics on {metrics.url}" if metrics else ""),
         flush=True,
     )
 
     async def stop() -> None:
         await warmup.stop()
+        if http_server is not None:
+            await http_server.stop()
         await server.stop(grace=2.0)
         if metrics is not None:
             metrics.close()
@@ -214,8 +267,10 @@ def run_router(args: argparse.Namespace) -> int:
             meta=address_list(args.meta, "--meta"),
             instance_wait_s=args.instance_wait_s,
             seed=args.seed,
+            served_model_name=args.served_model_name,
             **_routing(args),
         )
+        http = http_config(args)
     except ValueError as exc:
         print(f"kvflow serve --role router: {exc}")
         return 2
@@ -228,16 +283,20 @@ def run_router(args: argparse.Namespace) -> int:
         warmup = attach_warmup(server, router, jobs_dir, embedded=False, auth=auth)
         await server.start()
         await warmup.start()
+        http_server = await _start_http(router, args.host, http, auth)
         metrics = _metrics(router.metrics, args.host, args.metrics_port)
         print(
             f"kvflow router on {args.host}:{port} ({len(router.prefill)} prefill, "
             f"{len(router.decode)} decode nodes)"
+            + _http_line(http_server)
             + (f"; metrics on {metrics.url}" if metrics else ""),
             flush=True,
         )
 
         async def stop() -> None:
             await warmup.stop()
+            if http_server is not None:
+                await http_server.stop()
             await server.stop(1.0)
             if metrics is not None:
                 metrics.close()
@@ -278,8 +337,9 @@ def run(args: argparse.Namespace) -> int:
             args.model = ensure_default_model(args.data_dir, progress=_say)
         auth = authenticator_from_args(args)
         config = config_from_args(args)
+        http = http_config(args)
     except (ValueError, EngineError) as exc:
         print(f"kvflow serve: {exc}")
         return 2
-    asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port, auth))
+    asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port, http, auth))
     return 0

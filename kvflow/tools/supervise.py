@@ -210,6 +210,9 @@ class LocalCluster:
         self.port = self.router_ports[0]
         self.addresses = [f"127.0.0.1:{p}" for p in self.router_ports]
         self.address = self.addresses[0]
+        # Each router's HTTP front (OpenAI, SGLang APIs) on a free port of its own.
+        self.http_ports = [free_port() for _ in range(routers)]
+        self.http_urls = [f"http://127.0.0.1:{p}" for p in self.http_ports]
         for i, router_port in enumerate(self.router_ports):
             self._add(
                 f"router-{i}",
@@ -218,6 +221,8 @@ class LocalCluster:
                     "router",
                     "--port",
                     str(router_port),
+                    "--http-port",
+                    str(self.http_ports[i]),
                     "--meta",
                     meta_list,
                     *common,

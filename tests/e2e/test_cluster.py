@@ -101,6 +101,40 @@ def blocks_held(cluster: LocalCluster, node: str) -> int:
         return meta.view().blocks_on(NodeId(node))
 
 
+def test_http_and_logprobs_through_a_router(cluster, tiny_model):
+    """The router's HTTP front, and logprobs / penalties / stop strings over the node API."""
+    import http.client
+
+    ids = prompt(40, seed=11)
+    engine = Engine.open(tiny_model, EngineConfig(block_size=BLOCK, num_pages=64))
+    engine.add_request("r", ids, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2))
+    want_ids, want_lps = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            want_ids += out.new_token_ids
+            want_lps += [lp.logprob for lp in out.logprobs]
+    port = cluster.http_ports[0]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 6, "ignore_eos": True, "logprobs": 2}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    doc = json.loads(conn.getresponse().read())
+    lps = doc["choices"][0]["logprobs"]
+    assert lps["token_logprobs"] == pytest.approx(want_lps, abs=1e-4)
+    # keyed by token text (the legacy format): two byte tokens may share the text "\ufffd"
+    assert all(1 <= len(top) <= 2 for top in lps["top_logprobs"])
+    # prompt logprobs over gRPC, from position 20 (the router's first prefill is cold anyway)
+    with InferenceClient(cluster.addresses) as client:
+        req = pb2.GenerateRequest(max_tokens=3, logprob_start=20)
+        req.sampling.prompt_logprobs = 1
+        req.sampling.repetition_penalty = 1.3
+        req.token_ids.ids.extend(ids)
+        msgs = list(client.generate(req, timeout=120))
+    last = msgs[-1]
+    assert last.prompt_logprobs_start <= 20
+    assert [p.token_id for p in last.prompt_logprobs][-20:] == ids[20:]
+    conn.close()
+
+
 def test_a_prefix_computed_on_one_node_is_served_by_the_other_over_tcp(cluster, tiny_model):
     """Both ways (round-robin: p0, p1, then a filler on p0, then p1, p0): whichever node
     registered first must still find the other as a peer."""

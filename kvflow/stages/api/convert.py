@@ -5,6 +5,7 @@ Shared by the inference and node APIs (their messages use the same field names).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -19,7 +20,7 @@ from kvflow.pipeline import (
 )
 from kvflow.router import PullPlan
 from kvflow.stages.api import node_pb2
-from kvflow.stages.engine import SamplingParams
+from kvflow.stages.engine import SamplingParams, TokenLogprob
 from kvflow.stages.errors import InvalidArgument, NoCapacity, Rejected
 
 # gRPC metadata key of the trace context: "<request id>/<parent span name>".
@@ -43,32 +44,84 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
+def sampling_fields(msg: Any) -> dict[str, Any]:
+    """SamplingParams keyword arguments (but max_tokens) of a Sampling / SamplingParams
+    message (the inference and node APIs share the fields); proto zeros mean "off"."""
+    return {
+        "temperature": float(msg.temperature),
+        "top_k": int(msg.top_k),
+        "top_p": float(msg.top_p) if msg.top_p > 0 else 1.0,
+        "seed": int(msg.seed) if msg.HasField("seed") else None,
+        "ignore_eos": bool(msg.ignore_eos),
+        "stop_token_ids": tuple(int(t) for t in msg.stop_token_ids),
+        "repetition_penalty": float(msg.repetition_penalty) if msg.repetition_penalty else 1.0,
+        "frequency_penalty": float(msg.frequency_penalty),
+        "presence_penalty": float(msg.presence_penalty),
+        "logprobs": int(msg.logprobs) if msg.HasField("logprobs") else None,
+        "prompt_logprobs": int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
+    }
+
+
 def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
-    """SamplingParams from a Sampling / SamplingParams message (the inference and node APIs
-    share the fields); a bad value is InvalidArgument naming it."""
+    """SamplingParams from a Sampling / SamplingParams message; a bad value is
+    InvalidArgument naming it."""
     top_p = float(msg.top_p)
     if not math.isfinite(top_p) or top_p < 0.0:  # NaN used to become 1.0 silently
         raise InvalidArgument(f"sampling: top_p must be in (0, 1] (0 = unset), got {top_p!r}")
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(msg.temperature),
-            top_k=int(msg.top_k),
-            top_p=top_p if top_p > 0 else 1.0,
-            seed=int(msg.seed) if msg.HasField("seed") else None,
-            ignore_eos=bool(msg.ignore_eos),
-        )
+        return SamplingParams(max_tokens=max_tokens, **sampling_fields(msg))
     except ValueError as exc:
         raise InvalidArgument(f"sampling: {exc}") from exc
 
 
 def sampling_to_msg(s: SamplingParams) -> Any:
     """The node API's Sampling message of ``s`` (max_tokens travels beside it)."""
-    msg = node_pb2.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    msg = node_pb2.Sampling(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        stop_token_ids=s.stop_token_ids,
+        repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+    )
     msg.ignore_eos = s.ignore_eos
     if s.seed is not None:
         msg.seed = s.seed
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     return msg
+
+
+def logprobs_to_msgs(cls: Any, logprobs: Iterable[TokenLogprob]) -> list[Any]:
+    """TokenLogprob messages (``cls``: the inference or node API's) of engine records."""
+    return [
+        cls(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            rank=lp.rank,
+            top_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def logprobs_from_msgs(msgs: Iterable[Any]) -> list[TokenLogprob]:
+    """Engine records of TokenLogprob messages (either API's)."""
+    return [
+        TokenLogprob(
+            int(m.token_id),
+            float(m.logprob),
+            int(m.rank),
+            tuple(
+                zip((int(t) for t in m.top_ids), (float(v) for v in m.top_logprobs), strict=True)
+            ),
+        )
+        for m in msgs
+    ]
 
 
 def pull_to_fields(pull: PullPlan | None, decided: bool) -> dict[str, Any]:

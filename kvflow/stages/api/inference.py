@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -15,37 +12,28 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvflow.kvdb import ADMIN_SERVICE_NAME, add_admin_service
-from kvflow.pipeline import (
-    Overloaded,
-    PipelineClosed,
-    RequestContext,
-)
+from kvflow.pipeline import Overloaded, PipelineClosed
 from kvflow.security import process_secret
 from kvflow.stages.api import SERVICE_NAME, pb2, pb2_grpc
 from kvflow.stages.api.auth import (
-    OPEN,
     Authenticator,
     AuthInterceptor,
-    Identity,
     PermissionDenied,
     Unauthenticated,
     tenant_for,
 )
-from kvflow.stages.api.convert import sampling_from, status_for
+from kvflow.stages.api.convert import logprobs_to_msgs, sampling_fields, status_for
+from kvflow.stages.api.generation import GenerateInput, Generation, Usage, request_id_of
 from kvflow.stages.api.limits import TokenizerPool, check_prompt_bytes
-from kvflow.stages.detokenize import IncrementalDetokenizer
-from kvflow.stages.engine import SamplingParams
 from kvflow.stages.errors import InvalidArgument, NoCapacity
-from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)
 
-_MAX_REQUEST_ID = 128
-
 
 class Frontend(Protocol):
-    """What the inference API serves: a pipeline of the seven stages (or the router's part of
-    it), the tokenizer, the model's identity, and introspection. ``config`` has
+    """What the inference APIs (gRPC here, HTTP in http_app) serve: a pipeline of the seven
+    stages (or the router's part of it), the tokenizer, the model's identity (``model_name``:
+    the served name; ``card``: its ModelCard), and introspection. ``config`` has
     ``default_max_tokens`` and ``max_tokens_limit``; ``prefill``/``decode`` map instance ids."""
 
     config: Any
@@ -54,6 +42,8 @@ class Frontend(Protocol):
     serving_metrics: Any
     conductor: Any
     model_dir: Any
+    model_name: str
+    card: Any
     model_fingerprint: str
     block_size: int
     max_model_len: int
@@ -66,61 +56,40 @@ class Frontend(Protocol):
 
     def admin_source(self) -> Any: ...
 
+    async def flush_cache(self) -> int:
+        """Drop every cached block no running request holds; the number dropped.
+        Raises InvalidArgument while requests run (SGLang's rule)."""
+        ...
+
 
 class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-defined]
     def __init__(self, cluster: Frontend, auth: Authenticator | None = None) -> None:
         self._cluster = cluster
         self._auth = auth or Authenticator(None)
-        self._config = cluster.config
         self._tokenizer = TokenizerPool(cluster.tokenizer)
         self._in_flight: set[str] = set()  # request ids of the Generate calls running now
 
-    # -- request parsing --------------------------------------------------------------------
-    def _sampling(self, request: Any) -> tuple[int, SamplingParams]:
-        c = self._config
-        max_tokens = request.max_tokens or c.default_max_tokens
-        if max_tokens > c.max_tokens_limit:
-            raise InvalidArgument(
-                f"max_tokens {max_tokens} is out of range [1, {c.max_tokens_limit}]"
-            )
-        return max_tokens, sampling_from(request.sampling, max_tokens)
-
-    def _state(self, request: Any, identity: Identity = OPEN) -> GenerateState:
-        max_tokens, sampling = self._sampling(request)
+    @staticmethod
+    def _input(request: Any, tenant: str, request_id: str) -> GenerateInput:
         which = request.WhichOneof("input")
-        if which is None:
-            raise InvalidArgument("give a prompt or token_ids")
-        state = GenerateState(
-            tenant=tenant_for(identity, request.tenant),  # the key's, never the request's
-            max_tokens=max_tokens,
-            sampling=sampling,
-            submitted_at=time.monotonic(),
+        return GenerateInput(
+            prompt_text=request.prompt if which == "prompt" else None,
+            prompt_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+            tenant=tenant,
+            max_tokens=request.max_tokens or None,
+            sampling=sampling_fields(request.sampling),
+            stop=tuple(request.stop),
+            logprob_start=request.logprob_start,
+            request_id=request_id,
+            skip_tokens=request.skip_tokens,
         )
-        if which == "prompt":
-            check_prompt_bytes(request.prompt)
-            state.prompt_text = request.prompt
-        else:
-            state.prompt_ids = list(request.token_ids.ids)
-        if request.skip_tokens > max_tokens:
-            raise InvalidArgument(
-                f"skip_tokens {request.skip_tokens} is more than max_tokens {max_tokens}"
-            )
-        return state
-
-    def _request_id(self, request: Any) -> str:
-        rid = request.request_id or uuid.uuid4().hex[:16]
-        if len(rid) > _MAX_REQUEST_ID or not rid.isprintable() or "/" in rid:
-            raise InvalidArgument(
-                f"request_id must be at most {_MAX_REQUEST_ID} printable characters without '/'"
-            )
-        return rid
 
     # -- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             identity = self._auth.identify_metadata(context.invocation_metadata())
-            state = self._state(request, identity)
-            rid = self._request_id(request)
+            tenant = tenant_for(identity, request.tenant)  # the key's, never the request's
+            rid = request_id_of(request.request_id)
         except InvalidArgument as exc:
             await context.abort(*status_for(exc))
             return
@@ -137,79 +106,43 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             return
         self._in_flight.add(rid)
         try:
-            async for response in self._generate(request, context, rid, state):
+            async for response in self._generate(request, context, tenant, rid):
                 yield response
         finally:
             self._in_flight.discard(rid)
 
     async def _generate(
-        self, request: Any, context: grpc.aio.ServicerContext, rid: str, state: GenerateState
+        self, request: Any, context: grpc.aio.ServicerContext, tenant: str, rid: str
     ) -> AsyncIterator[Any]:
         try:
-            ctx = RequestContext(rid, state=state)
-            handle = self._cluster.pipeline.try_submit(ctx)
+            if request.WhichOneof("input") is None:
+                raise InvalidArgument("give a prompt or token_ids")
+            gen = Generation(self._cluster, self._input(request, tenant, rid))
         except (InvalidArgument, Overloaded, PipelineClosed) as exc:
             code, details = status_for(exc)
             await context.abort(code, details)
             return
-        detok = IncrementalDetokenizer(self._cluster.tokenizer)
-        metrics = self._cluster.serving_metrics
-        skip = request.skip_tokens  # tokens the caller already has (a resumed request)
         try:
-            async for kind, payload in handle:
-                if kind != "tokens":
-                    continue
-                if skip:  # the detokenizer still sees them: the text goes on from there
-                    detok.add(payload[:skip])
-                    payload, skip = payload[skip:], max(0, skip - len(payload))
-                    if not payload:
-                        continue
-                yield pb2.GenerateResponse(token_ids=payload, text=detok.add(payload))
-            await handle.result()
+            async for chunk in gen.chunks():
+                yield pb2.GenerateResponse(
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
+                    logprobs=logprobs_to_msgs(pb2.TokenLogprob, chunk.logprobs),
+                )
         except BaseException as exc:
-            handle.cancel("client went away" if _is_cancel(exc) else "server error")
             if _is_cancel(exc):
-                metrics.requests.labels(outcome="cancelled").inc()
                 raise
             code, details = status_for(exc)
-            metrics.requests.labels(outcome=code.name.lower()).inc()
-            logger.info("req=%s ended: %s %s", ctx.request_id, code.name, details)
+            logger.info("req=%s ended: %s %s", gen.request_id, code.name, details)
             await context.abort(code, details)
             return
-        usage = self._usage(ctx.request_id, state)
-        metrics.requests.labels(outcome="ok").inc()
+        start, prompt_lps = gen.prompt_logprobs
         yield pb2.GenerateResponse(
-            text=detok.flush(), finished=True, finish_reason=state.finish_reason or "", usage=usage
-        )
-
-    def _usage(self, request_id: str, state: GenerateState) -> Any:
-        m = self._cluster.serving_metrics
-        ttft = (state.first_token_at or state.submitted_at) - state.submitted_at
-        times = state.token_times
-        gaps = [b - a for a, b in itertools.pairwise(times)]
-        m.ttft.observe(ttft)
-        for gap in gaps:
-            m.tbt.observe(gap)
-        m.prompt_tokens.inc(state.prompt_len)
-        m.generated_tokens.inc(len(state.output_ids))
-        for tier, tokens in state.cached_by_tier.items():
-            m.cached_tokens.labels(tier=tier).inc(tokens)
-        decision = state.decision
-        return pb2.Usage(
-            request_id=request_id,
-            prompt_tokens=state.prompt_len,
-            completion_tokens=len(state.output_ids),
-            cached_tokens=state.num_cached_tokens,
-            cached_by_tier=[
-                pb2.TierTokens(tier=t, tokens=n) for t, n in sorted(state.cached_by_tier.items())
-            ],
-            ttft_ms=ttft * 1000.0,
-            mean_tbt_ms=(sum(gaps) / len(gaps) * 1000.0) if gaps else 0.0,
-            prefill_instance=decision.prefill_id if decision else "",
-            decode_instance=decision.decode_id if decision else "",
-            predicted_ttft_ms=decision.ttft_s * 1000.0 if decision else 0.0,
-            pulled_tokens=state.pulled_tokens,
-            e2e_ms=((state.finished_at or time.monotonic()) - state.submitted_at) * 1000.0,
+            finished=True,
+            finish_reason=gen.finish_reason or "",
+            usage=_usage_msg(gen.usage()),
+            prompt_logprobs=logprobs_to_msgs(pb2.TokenLogprob, prompt_lps),
+            prompt_logprobs_start=start,
         )
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -224,7 +157,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         c = self._cluster
         return pb2.HealthResponse(
             serving=c.pipeline.running,
-            model=str(c.model_dir),
+            model=c.model_name,
             model_fingerprint=c.model_fingerprint,
             block_size=c.block_size,
             max_model_len=c.max_model_len,
@@ -247,6 +180,25 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         return pb2.ExportTraceResponse(chrome_trace_json=json.dumps(doc).encode())
 
 
+def _usage_msg(u: Usage) -> Any:
+    return pb2.Usage(
+        request_id=u.request_id,
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        cached_tokens=u.cached_tokens,
+        cached_by_tier=[
+            pb2.TierTokens(tier=t, tokens=n) for t, n in sorted(u.cached_by_tier.items())
+        ],
+        ttft_ms=u.ttft_s * 1000.0,
+        mean_tbt_ms=u.mean_tbt_s * 1000.0,
+        prefill_instance=u.prefill_instance,
+        decode_instance=u.decode_instance,
+        predicted_ttft_ms=u.predicted_ttft_s * 1000.0,
+        pulled_tokens=u.pulled_tokens,
+        e2e_ms=u.e2e_s * 1000.0,
+    )
+
+
 def _is_cancel(exc: BaseException) -> bool:
     import asyncio
 
@@ -257,8 +209,8 @@ def create_server(
     cluster: Frontend, host: str, port: int, auth: Authenticator | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the inference service, the kvdb admin service (``kvflow kvdb``)
-    and reflection; returns (server, port).
-    Call ``await server.start()``."""
+    and reflection, behind the API-key gate (``auth``; None: open, or the cluster secret of
+    this process); returns (server, port). Call ``await server.start()``."""
     auth = auth or Authenticator(None, process_secret())
     auth.log_mode()
     server = grpc.aio.server(

@@ -20,7 +20,13 @@ from kvflow.kvdb import Namespace, block_keys
 from kvflow.pipeline import Pipeline, RequestContext, Tracer, traces_to_dict
 from kvflow.router import InstanceState
 from kvflow.stages.api import node_pb2, node_pb2_grpc
-from kvflow.stages.api.convert import pull_from_msg, sampling_from, status_for, trace_parent
+from kvflow.stages.api.convert import (
+    logprobs_to_msgs,
+    pull_from_msg,
+    sampling_from,
+    status_for,
+    trace_parent,
+)
 from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import namespace_for
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook
@@ -118,6 +124,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             state.block_keys = block_keys(ns, ids)
             state.prefill = n.instance
             state.pull, state.pulls_decided = pull, bool(request.pulls_decided)
+            if request.HasField("max_reuse_tokens"):
+                state.max_reuse_tokens = int(request.max_reuse_tokens)
             state.stream_target = StreamTarget(
                 segment, [int(o) for o in request.target_offsets], n.page_nbytes
             )
@@ -134,7 +142,13 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             return
 
         def first_token(payload: list[int]) -> Any:
-            return node_pb2.PrefillEvent(first_token=payload[0], has_first_token=True)
+            return node_pb2.PrefillEvent(
+                first_token=payload[0],
+                has_first_token=True,
+                first_token_logprob=logprobs_to_msgs(
+                    node_pb2.TokenLogprob, state.output_logprobs[:1]
+                ),
+            )
 
         try:
             async for event in _relay(handle, context, first_token, "prefill"):
@@ -148,6 +162,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             cached_by_tier=state.cached_by_tier,
             pulled_tokens=state.pulled_tokens,
             streamed_bytes=state.streamed_bytes,
+            prompt_logprobs=logprobs_to_msgs(node_pb2.TokenLogprob, state.prompt_logprobs),
+            prompt_logprobs_start=state.prompt_logprobs_start,
         )
 
     def _leases(self) -> LeaseBook | None:
@@ -216,10 +232,19 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             code, details = status_for(exc)
             await context.abort(code, details)
             return
+        sent = 0
+
+        def tokens(payload: list[int]) -> Any:
+            nonlocal sent
+            assert state is not None
+            lps = state.output_logprobs[sent : sent + len(payload)]
+            sent += len(payload)
+            return node_pb2.DecodeEvent(
+                token_ids=payload, logprobs=logprobs_to_msgs(node_pb2.TokenLogprob, lps)
+            )
+
         try:
-            async for event in _relay(
-                handle, context, lambda payload: node_pb2.DecodeEvent(token_ids=payload), "decode"
-            ):
+            async for event in _relay(handle, context, tokens, "decode"):
                 yield event
         finally:
             state.booking.release()

@@ -13,7 +13,13 @@ from typing import Any
 import grpc
 
 from kvflow.stages.api import node_pb2
-from kvflow.stages.api.convert import TRACE_PARENT, pull_to_fields, sampling_to_msg
+from kvflow.stages.api.convert import (
+    TRACE_PARENT,
+    logprobs_from_msgs,
+    pull_to_fields,
+    sampling_to_msg,
+)
+from kvflow.stages.engine import TokenLogprob
 from kvflow.stages.errors import NodeCallFailed
 from kvflow.stages.state import GenerateState
 
@@ -39,6 +45,10 @@ def _failed(node: Any, err: grpc.aio.AioRpcError) -> BaseException:
 
 class NodeClient:
     """Stateless: every node's stub is on the node object (``node.stub``)."""
+
+    @staticmethod
+    def logprobs(msgs: Any) -> list[TokenLogprob]:
+        return logprobs_from_msgs(msgs)
 
     async def reserve(self, node: Any, request_id: str, num_pages: int) -> Any:
         try:
@@ -73,6 +83,8 @@ class NodeClient:
             predicted_prefill_s=decision.t_prefill if decision else 0.0,
             **pull_to_fields(state.pull, state.pulls_decided),
         )
+        if state.max_reuse_tokens is not None:
+            req.max_reuse_tokens = state.max_reuse_tokens
         call = node.stub.Prefill(
             req, timeout=CALL_TIMEOUT_S, metadata=_trace(request_id, "prefill")
         )

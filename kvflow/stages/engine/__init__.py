@@ -14,8 +14,9 @@ from kvflow.stages.engine.errors import (
     PageLayoutError,
     UnknownRequestError,
 )
+from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.engine.pages import KVLayout
-from kvflow.stages.engine.sequence import RequestOutput
+from kvflow.stages.engine.sequence import RequestOutput, TokenLogprob
 from kvflow.stages.engine.spec import ModelSpec
 from kvflow.stages.engine.tokenizer import Tokenizer
 
@@ -26,12 +27,14 @@ __all__ = [
     "EngineError",
     "InvalidRequestError",
     "KVLayout",
+    "ModelCard",
     "ModelLoadError",
     "ModelSpec",
     "OutOfPagesError",
     "PageLayoutError",
     "RequestOutput",
     "SamplingParams",
+    "TokenLogprob",
     "Tokenizer",
     "UnknownRequestError",
     "write_demo_model",

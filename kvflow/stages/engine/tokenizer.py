@@ -18,6 +18,7 @@ class Tokenizer:
 
     def __init__(self, inner: HFTokenizer) -> None:
         self._inner = inner
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
@@ -33,6 +34,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Token ids the tokenizer can produce (including added special tokens)."""
         return int(self._inner.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token covers (its longest vocabulary
+        string): a text of n characters has at least ceil(n / max_token_chars) tokens, which
+        lets a front refuse an over-long prompt without tokenizing it."""
+        if self._max_token_chars is None:
+            vocab = self._inner.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(t) for t in vocab), default=1) or 1
+        return self._max_token_chars
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; no BOS unless add_special_tokens and the tokenizer adds one."""

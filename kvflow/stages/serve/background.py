@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 import grpc
 
 from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.stages.api.http_app import HttpServer
 from kvflow.stages.api.inference import create_server
-from kvflow.stages.serve.config import ServeConfig
+from kvflow.stages.serve.config import HttpConfig, ServeConfig
 from kvflow.stages.serve.embedded import EmbeddedCluster
 
 T = TypeVar("T")
@@ -25,15 +26,23 @@ T = TypeVar("T")
 class BackgroundServer:
     """Starts at construction (listening on 127.0.0.1, a free port); ``close()`` stops it all.
 
-    ``stub`` is a blocking InferenceStub on ``address``; ``call(fn)`` runs the coroutine
-    ``fn()`` on the server's loop and returns its result.
+    With ``http`` (an HttpConfig; port 0 picks a free one) the HTTP front runs too, at
+    ``http.url``. ``stub`` is a blocking InferenceStub on ``address``; ``call(fn)`` runs the
+    coroutine ``fn()`` on the server's loop and returns its result.
     """
 
     def __init__(
-        self, config: ServeConfig, host: str = "127.0.0.1", port: int = 0, auth: Any = None
+        self,
+        config: ServeConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        http: HttpConfig | None = None,
+        auth: Any = None,
     ) -> None:
         self.config = config
         self._auth = auth  # an api.auth.Authenticator; None: open
+        self._http_config = http
+        self.http: HttpServer | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -52,6 +61,9 @@ class BackgroundServer:
             await cluster.start()
             self.server, self.port = create_server(cluster, host, port, self._auth)
             await self.server.start()
+            if self._http_config is not None:
+                self.http = HttpServer(cluster, host, self._http_config)
+                await self.http.start()
         except BaseException:
             await cluster.stop()
             raise
@@ -79,6 +91,8 @@ class BackgroundServer:
         self.channel.close()
 
         async def stop() -> None:
+            if self.http is not None:
+                await self.http.stop()
             await self.server.stop(0.5)
             await self.cluster.stop()
 

@@ -20,6 +20,36 @@ def _positive_or_none(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
 
 
+def _model_name(name: str | None) -> None:
+    if name is not None and not (0 < len(name) <= 256 and name.isprintable()):
+        raise ValueError(f"served_model_name must be 1-256 printable characters, got {name!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpConfig:
+    """The HTTP front (OpenAI-compatible and SGLang-native APIs) of a server.
+
+    Fields:
+        port: the TCP port (bound on the server's host only); 0 picks a free one.
+        max_body_bytes: a request body over this is refused with 413 before it is read whole.
+        max_batch: the most prompts one SGLang /generate call may carry.
+    """
+
+    port: int = 8000
+    max_body_bytes: int = 4 << 20
+    max_batch: int = 64
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port < 65536
+        ):
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        _positive_int("max_body_bytes", self.max_body_bytes)
+        _positive_int("max_batch", self.max_batch)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineStoreConfig:
     """What every process that holds an engine and a kvdb shard is built from.
@@ -84,6 +114,8 @@ class RoutingConfig:
         default_max_tokens / max_tokens_limit: for requests that give none / the most allowed.
         trace_capacity: requests whose spans are kept for ``kvflow trace export``.
         seed: seeds the router's random choices.
+        served_model_name: the model's name in the APIs (/v1/models, Health); None: the
+            model card's (the directory's name).
     """
 
     policy: str = "cache-aware"
@@ -94,8 +126,10 @@ class RoutingConfig:
     max_tokens_limit: int = 4096
     trace_capacity: int = 1024
     seed: int = 0
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
+        _model_name(self.served_model_name)
         for name in ("default_max_tokens", "max_tokens_limit", "trace_capacity"):
             _positive_int(name, getattr(self, name))
         _positive_or_none("ttft_slo_s", self.ttft_slo_s)

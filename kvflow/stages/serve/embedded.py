@@ -19,6 +19,7 @@ from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, Tracer
 from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
 from kvflow.router import InstanceState, Rejection, RouterConfig
 from kvflow.stages.decode import DecodeStage
+from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import HashStage, namespace_for
 from kvflow.stages.prefill import PrefillStage
 from kvflow.stages.reuse_load import ReuseLoadStage
@@ -55,6 +56,7 @@ class EmbeddedCluster:
 
     Public after construction: ``pipeline``, ``tracer``, ``metrics``, ``serving_metrics``,
     ``prefill`` and ``decode`` (id -> instance), ``conductor``, ``tokenizer``, ``model_dir``,
+    ``card`` (the ModelCard), ``model_name`` (the served name),
     ``model_fingerprint``, ``layout``, ``max_model_len``.
     """
 
@@ -89,6 +91,8 @@ class EmbeddedCluster:
             self._add_prefill(f"prefill-{i}")
         first = next(iter(self.prefill.values())).worker.engine
         self.tokenizer = first.tokenizer
+        self.card = first.card
+        self.model_name = c.served_model_name or first.card.name
         self.model_fingerprint = first.model_fingerprint
         self.max_model_len = first.max_model_len
         self.vocab_size = first.spec.vocab_size
@@ -237,6 +241,20 @@ class EmbeddedCluster:
     def close_resources(self) -> None:
         """Stop engines, close shards (DRAM flushed to SSD), metadata and transfer. Idempotent."""
         self._closers.close_all()
+
+    async def flush_cache(self) -> int:
+        """Remove every block of every shard (SGLang's /flush_cache); only while no request
+        runs (InvalidArgument otherwise). Returns the number of blocks removed."""
+        if self.pipeline.in_flight():
+            raise InvalidArgument("cache not flushed: requests are running")
+
+        def flush() -> int:
+            removed = 0
+            for shard, _ in self.shards().values():
+                removed += sum(1 for key, _tier in shard.holdings() if shard.remove(key))
+            return removed
+
+        return await asyncio.to_thread(flush)
 
     # -- introspection ----------------------------------------------------------------------
     async def export_trace(self, last: int | None) -> dict[str, Any]:

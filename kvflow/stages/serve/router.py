@@ -37,7 +37,8 @@ from kvflow.security.grpc_auth import cluster_aio_channel
 from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.api.convert import layout_from_info
 from kvflow.stages.api.node_client import NodeClient
-from kvflow.stages.engine import Tokenizer
+from kvflow.stages.engine import ModelCard, Tokenizer
+from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import HashStage
 from kvflow.stages.remote_generate import RemoteGenerateStage
 from kvflow.stages.route import RouteStage
@@ -87,6 +88,8 @@ class RouterServer:
         self.settings = settings
         self.model_dir = settings.model_dir
         self.tokenizer = Tokenizer.from_dir(settings.model_dir)
+        self.card = ModelCard.from_dir(settings.model_dir)
+        self.model_name = settings.served_model_name or self.card.name
         self.metadata = RemoteMetadata(list(settings.meta))
         self.metadata.start()
         self.prefill: dict[str, RemoteNode] = {}
@@ -320,6 +323,10 @@ class RouterServer:
             "instance_waits": float(self.waits_total),
         }
         return {"router": router, "instances": instances}
+
+    async def flush_cache(self) -> int:
+        """Not on a router: its nodes hold the blocks (``kvflow kvdb`` manages them)."""
+        raise InvalidArgument("flush_cache is served by the embedded server, not a router")
 
     def admin_source(self) -> StaticAdminSource:
         return StaticAdminSource({}, self.metadata.view())

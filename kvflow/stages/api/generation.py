@@ -1,0 +1,275 @@
+"""One generation request as every front states it (gRPC, OpenAI, SGLang): ``GenerateInput``
+is validated into a ``GenerateState`` in one place (``build_state``), and ``Generation`` runs
+it on the front's pipeline: text deltas with stop strings, logprobs, the request ended early at
+a stop string or when the caller goes away, usage and serving metrics at the end.
+
+The fronts only translate their wire format to ``GenerateInput`` and ``Chunk``/``Usage`` back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.pipeline import RequestCancelled, RequestContext
+from kvflow.stages.api.convert import status_for
+from kvflow.stages.api.limits import check_prompt_bytes
+from kvflow.stages.detokenize import IncrementalDetokenizer
+from kvflow.stages.engine import SamplingParams, TokenLogprob
+from kvflow.stages.errors import InvalidArgument
+from kvflow.stages.state import GenerateState
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_REQUEST_ID = 128
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A generation request before validation.
+
+    Fields:
+        prompt_text / prompt_ids: exactly one is given (text is encoded with the model's
+            tokenizer, BOS added where the tokenizer adds one unless add_special_tokens is
+            False: a rendered chat template holds its special tokens as text).
+        tenant: "" is "default" (the caller's identity decides it: see http_auth).
+        max_tokens: None takes the server default; else 1 .. the server's limit.
+        sampling: SamplingParams fields other than max_tokens, only those the caller gave;
+            ``defaults`` (e.g. the model's generation_config) fill the others.
+        stop: stop strings (at most MAX_STOP_STRINGS of 1..MAX_STOP_CHARS characters).
+        include_stop: keep the stop string at the end of the text.
+        skip_special_tokens: leave special tokens out of the text.
+        logprob_start: with sampling["prompt_logprobs"], the first prompt position wanted;
+            the cache is used only before it (those positions are not computed here).
+        request_id: "" picks one; skip_tokens: resume after that many generated tokens.
+    """
+
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    add_special_tokens: bool = True
+    tenant: str = ""
+    max_tokens: int | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+    logprob_start: int = 0
+    request_id: str = ""
+    skip_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output: token ids, their text (whole characters, stop strings cut) and logprobs."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a finished request cost and where it ran (seconds, tokens)."""
+
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+    ttft_s: float
+    mean_tbt_s: float
+    e2e_s: float
+    prefill_instance: str
+    decode_instance: str
+    predicted_ttft_s: float
+    pulled_tokens: int
+
+
+def request_id_of(given: str) -> str:
+    rid = given or uuid.uuid4().hex[:16]
+    if len(rid) > MAX_REQUEST_ID or not rid.isprintable() or "/" in rid:
+        raise InvalidArgument(
+            f"request_id must be at most {MAX_REQUEST_ID} printable characters without '/'"
+        )
+    return rid
+
+
+def _check_stop(stop: tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise InvalidArgument(f"a stop string must have 1 to {MAX_STOP_CHARS} characters")
+
+
+def build_state(inp: GenerateInput, config: Any) -> GenerateState:
+    """The pipeline state of ``inp``; InvalidArgument naming what is wrong. ``config`` has
+    ``default_max_tokens`` and ``max_tokens_limit``."""
+    max_tokens = config.default_max_tokens if inp.max_tokens is None else inp.max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise InvalidArgument(f"max_tokens must be an integer, got {max_tokens!r}")
+    if not 1 <= max_tokens <= config.max_tokens_limit:
+        raise InvalidArgument(
+            f"max_tokens {max_tokens} is out of range [1, {config.max_tokens_limit}]"
+        )
+    if inp.skip_tokens > max_tokens:
+        raise InvalidArgument(f"skip_tokens {inp.skip_tokens} is more than max_tokens {max_tokens}")
+    _check_stop(inp.stop)
+    try:
+        sampling = SamplingParams(max_tokens=max_tokens, **{**inp.defaults, **inp.sampling})
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(str(exc)) from exc
+    if (inp.prompt_text is None) == (inp.prompt_ids is None):
+        raise InvalidArgument("give a prompt or token ids (exactly one)")
+    if inp.prompt_text is not None:
+        check_prompt_bytes(inp.prompt_text)  # before any tokenizing
+    state = GenerateState(
+        tenant=inp.tenant,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        prompt_text=inp.prompt_text,
+        prompt_ids=None if inp.prompt_ids is None else list(inp.prompt_ids),
+        add_special_tokens=inp.add_special_tokens,
+        submitted_at=time.monotonic(),
+    )
+    if sampling.prompt_logprobs is not None:
+        if inp.logprob_start < 0:
+            raise InvalidArgument(f"logprob_start must be >= 0, got {inp.logprob_start}")
+        state.max_reuse_tokens = max(0, inp.logprob_start - 1)
+    return state
+
+
+class Generation:
+    """One request on ``frontend``'s pipeline, submitted at construction.
+
+    Construction raises InvalidArgument (bad input), Overloaded or PipelineClosed (not
+    admitted). Iterate ``chunks()`` once; it raises the request's error (a FinalError, a
+    StageError...) and ends the request if the caller stops iterating early (a client that
+    went away: every page, pin and booking is freed by the stages' cleanup). After it:
+    ``finish_reason`` ("stop" | "length"), ``usage()``, ``prompt_logprobs``.
+    Not thread-safe: use on the event loop that runs the pipeline."""
+
+    def __init__(self, frontend: Any, inp: GenerateInput) -> None:
+        self._frontend = frontend
+        self.state = build_state(inp, frontend.config)
+        self.request_id = request_id_of(inp.request_id)
+        self.state.booking.request_id = self.request_id
+        self._detok = IncrementalDetokenizer(
+            frontend.tokenizer,
+            stop=inp.stop,
+            skip_special_tokens=inp.skip_special_tokens,
+            include_stop=inp.include_stop,
+        )
+        self._skip = inp.skip_tokens
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+        self.text = ""
+        self.handle = frontend.pipeline.try_submit(
+            RequestContext(self.request_id, state=self.state)
+        )
+
+    @property
+    def stopped(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._detok.stopped
+
+    @property
+    def prompt_logprobs(self) -> tuple[int, list[TokenLogprob]]:
+        """(first position, TokenLogprobs) of the prompt, once the prefill has run."""
+        return self.state.prompt_logprobs_start, list(self.state.prompt_logprobs)
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        metrics = self._frontend.serving_metrics
+        try:
+            async for chunk in self._run():
+                yield chunk
+        except BaseException as exc:
+            self.handle.cancel("client went away" if _is_cancel(exc) else "server error")
+            if _is_cancel(exc):
+                metrics.requests.labels(outcome="cancelled").inc()
+            else:
+                metrics.requests.labels(outcome=status_for(exc)[0].name.lower()).inc()
+            raise
+        metrics.requests.labels(outcome="ok").inc()
+        self._observe()
+
+    async def _run(self) -> AsyncIterator[Chunk]:
+        detok = self._detok
+        try:
+            async for kind, payload in self.handle:
+                if kind == "tokens" and detok.stopped is None:
+                    chunk = self._chunk(payload)
+                    if chunk is not None:
+                        yield chunk
+            await self.handle.result()
+        except RequestCancelled:
+            if detok.stopped is None:  # not our own cancel at a stop string
+                raise
+        tail = detok.flush()
+        self.text += tail
+        stopped = detok.stopped is not None
+        self.finish_reason = "stop" if stopped else self.state.finish_reason or "length"
+        if tail:
+            yield Chunk([], tail, [])
+
+    def _chunk(self, payload: list[int]) -> Chunk | None:
+        detok, state = self._detok, self.state
+        if self._skip:  # the caller has these (a resumed request): their text goes unsent
+            cut = min(self._skip, len(payload))
+            self._skip -= cut
+            detok.add(payload[:cut])
+            self.num_tokens = detok.num_tokens
+            payload = payload[cut:]
+        start = self.num_tokens
+        text = detok.add(payload) if payload else ""
+        n = detok.num_tokens - start  # a stop string may end it inside this payload
+        ids, self.num_tokens = list(payload[:n]), detok.num_tokens
+        lps = (
+            state.output_logprobs[start : start + n] if state.sampling.logprobs is not None else []
+        )
+        if detok.stopped is not None:
+            self.handle.cancel("stop string")
+        self.text += text
+        return Chunk(ids, text, lps) if ids or text else None
+
+    def usage(self) -> Usage:
+        s = self.state
+        ttft = (s.first_token_at or s.submitted_at) - s.submitted_at
+        times = s.token_times[: max(1, self.num_tokens)]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        d = s.decision
+        return Usage(
+            request_id=self.request_id,
+            prompt_tokens=s.prompt_len,
+            completion_tokens=self.num_tokens,
+            cached_tokens=s.num_cached_tokens,
+            cached_by_tier=dict(s.cached_by_tier),
+            ttft_s=ttft,
+            mean_tbt_s=sum(gaps) / len(gaps) if gaps else 0.0,
+            e2e_s=(s.finished_at or time.monotonic()) - s.submitted_at,
+            prefill_instance=d.prefill_id if d else "",
+            decode_instance=d.decode_id if d else "",
+            predicted_ttft_s=d.ttft_s if d else 0.0,
+            pulled_tokens=s.pulled_tokens,
+        )
+
+    def _observe(self) -> None:
+        m, u = self._frontend.serving_metrics, self.usage()
+        m.ttft.observe(u.ttft_s)
+        times = self.state.token_times[: max(1, self.num_tokens)]
+        for a, b in itertools.pairwise(times):
+            m.tbt.observe(b - a)
+        m.prompt_tokens.inc(u.prompt_tokens)
+        m.generated_tokens.inc(u.completion_tokens)
+        for tier, tokens in u.cached_by_tier.items():
+            m.cached_tokens.labels(tier=tier).inc(tokens)
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    return isinstance(exc, asyncio.CancelledError | GeneratorExit)

@@ -1,0 +1,147 @@
+"""What every HTTP route shares: reading a JSON body under a size limit, validating it into a
+pydantic model with 400s that name the field, Server-Sent Events, the caller's tenant, and
+the text of a token for logprobs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvflow.stages.api.http_errors import HttpError
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Body(BaseModel):
+    """Base of the request models: strict types (``"5"`` is not an int), unknown fields
+    ignored (clients send fields kvflow has no use for)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def caller_tenant(request: Request) -> str:
+    """The tenant of an HTTP caller: its API key's, as the auth middleware of the app
+    (``http_app.create_app``) decided from ``Authorization: Bearer KEY`` (api/auth.py); ""
+    (the default tenant) when the server runs without keys. Never a request field."""
+    identity = getattr(request.state, "identity", None)
+    return "" if identity is None else str(identity.tenant)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body. 413 when Content-Length says it is over ``limit`` bytes
+    (before reading any of it) or, without one, as soon as the bytes read pass it; 400 for
+    a body that is not UTF-8 or not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise HttpError(400, "Content-Length is not a number") from None
+        if size > limit:
+            raise HttpError(413, f"request body of {size} bytes is over the limit of {limit}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise HttpError(413, f"request body is over the limit of {limit} bytes")
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HttpError(400, f"request body is not valid UTF-8: {exc.reason}") from None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise HttpError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def parse(model: type[M], data: Any) -> M:
+    """``data`` validated as ``model``; 400 naming the first bad field."""
+    if not isinstance(data, dict):
+        raise HttpError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise HttpError(400, f"{where}: {first['msg']}", param=where or None) from None
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it encodes as UTF-8 (JSON escapes can carry lone surrogates); else 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HttpError(400, f"{what} is not valid UTF-8 (a lone surrogate)") from None
+    return text
+
+
+def sse(obj: Any) -> bytes:
+    """One Server-Sent Event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def sse_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``events`` then ``data: [DONE]``; an error after the stream started (the status is
+    sent) becomes one last event with the error JSON."""
+    from kvflow.stages.api.http_errors import http_error_for
+
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        yield sse(http_error_for(exc).body())
+    finally:  # a client that went away closes this stream: close the request's too
+        await events.aclose()  # type: ignore[attr-defined]
+    yield SSE_DONE
+
+
+class TokenText:
+    """The text of single token ids (for logprobs), cached: ``text(id)``. Special tokens
+    keep their text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < 65536:
+                self._cache[token_id] = text
+        return text
+
+
+async def primed(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``events`` with its first item already awaited: an error before the first item (bad
+    input found by a stage, a rejection) raises here, while an HTTP status can still be
+    chosen; the returned iterator yields every item, the first included."""
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        return _empty(events)
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+    return _chain(first, events)
+
+
+async def _empty(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    return
+    yield  # an async generator
+
+
+async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    try:
+        yield first
+        async for item in events:
+            yield item
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
