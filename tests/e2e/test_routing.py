@@ -131,5 +131,9 @@ def test_below_the_balancing_threshold_the_chosen_instance_pulls_nothing(make_se
     assert u3.cached_tokens == 96 and u3.pulled_tokens == 0
     keys = _keys(cluster, prompt)
     assert cluster.prefill[other].match_prefix(keys) == len(keys)  # computed the rest itself
-    assert cluster.metadata.view().replica_count(keys[8]) == 2  # its own copy, not a pull
+    view = cluster.metadata.view()  # its own copies reach the metadata asynchronously
+    deadline = time.monotonic() + 5
+    while view.replica_count(keys[8]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert view.replica_count(keys[8]) == 2  # computed by the other instance, not pulled
     assert_no_leaks(server)

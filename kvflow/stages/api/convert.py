@@ -4,7 +4,6 @@ Shared by the inference and node APIs (their messages use the same field names).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,7 +49,9 @@ def sampling_fields(msg: Any) -> dict[str, Any]:
     return {
         "temperature": float(msg.temperature),
         "top_k": int(msg.top_k),
-        "top_p": float(msg.top_p) if msg.top_p > 0 else 1.0,
+        # 0 is proto's "unset"; anything else (NaN and negatives too) is validated by
+        # SamplingParams, never silently replaced.
+        "top_p": float(msg.top_p) if msg.top_p != 0 else 1.0,
         "seed": int(msg.seed) if msg.HasField("seed") else None,
         "ignore_eos": bool(msg.ignore_eos),
         "stop_token_ids": tuple(int(t) for t in msg.stop_token_ids),
@@ -65,9 +66,6 @@ def sampling_fields(msg: Any) -> dict[str, Any]:
 def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
     """SamplingParams from a Sampling / SamplingParams message; a bad value is
     InvalidArgument naming it."""
-    top_p = float(msg.top_p)
-    if not math.isfinite(top_p) or top_p < 0.0:  # NaN used to become 1.0 silently
-        raise InvalidArgument(f"sampling: top_p must be in (0, 1] (0 = unset), got {top_p!r}")
     try:
         return SamplingParams(max_tokens=max_tokens, **sampling_fields(msg))
     except ValueError as exc:

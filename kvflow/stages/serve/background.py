@@ -62,7 +62,7 @@ class BackgroundServer:
             self.server, self.port = create_server(cluster, host, port, self._auth)
             await self.server.start()
             if self._http_config is not None:
-                self.http = HttpServer(cluster, host, self._http_config)
+                self.http = HttpServer(cluster, host, self._http_config, auth=self._auth)
                 await self.http.start()
         except BaseException:
             await cluster.stop()
