@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvflow.integrations.config import MemberConfig
+from kvflow.integrations.fetched import MISS, Fetched
 from kvflow.integrations.peers import Peers, format_member_address
 from kvflow.kvdb import (
     BlockPinnedError,
@@ -32,6 +34,7 @@ from kvflow.kvdb import (
     StoreConfig,
     StoreFullError,
     Tier,
+    ValueSizeError,
     add_admin_service,
     add_block_service,
     open_store,
@@ -228,13 +231,62 @@ class ClusterMember:
                 got = self.peers.read_into(node, [keys[i] for i in idx], [bufs[i] for i in idx])
                 for i, ok in zip(idx, got, strict=True):
                     out[i] = "remote" if ok else None
+        self._count(out)
+        return out
+
+    def read_fitting(
+        self, keys: Sequence[bytes], bufs: Sequence[np.ndarray], sizes: Sequence[int | None]
+    ) -> list[Fetched]:
+        """Like ``read_into``, but a buffer (flat uint8 numpy array) may be larger than its
+        value, which then fills its head. ``sizes[i]``: the value's size if the caller knows
+        it (a hint, checked; None = unknown: the value is first read whole, one more copy).
+        The keys this shard lacks are read from live peers, one lease per peer and run of
+        keys. Per key a ``Fetched``: where it came from and its size, a miss, or too small."""
+        if not len(keys) == len(bufs) == len(sizes):
+            raise ValueError(f"{len(keys)} keys, {len(bufs)} buffers, {len(sizes)} sizes")
+        shard = self.store.shard
+        out = [self._read_local(shard, k, b, n) for k, b, n in zip(keys, bufs, sizes, strict=True)]
+        missing = [i for i, f in enumerate(out) if f == MISS]
+        if missing and self.peers is not None:
+            by_node: dict[NodeId, list[int]] = {}
+            for i, node in zip(
+                missing, self.peers.holders([keys[i] for i in missing]), strict=True
+            ):
+                if node is not None:
+                    by_node.setdefault(node, []).append(i)
+            for node, idx in by_node.items():
+                got = self.peers.read_fitting(node, [keys[i] for i in idx], [bufs[i] for i in idx])
+                for i, fetched in zip(idx, got, strict=True):
+                    out[i] = fetched
+        self._count([f.source for f in out if not f.too_small])
+        return out
+
+    @staticmethod
+    def _read_local(shard: Any, key: bytes, buf: np.ndarray, size: int | None) -> Fetched:
+        if size is not None and size <= buf.shape[0]:
+            try:
+                tier = shard.get_into(key, buf[:size])
+            except ValueSizeError:  # a stale hint: learn the size below
+                pass
+            else:
+                if tier is None:
+                    return MISS
+                return Fetched("dram" if tier is Tier.DRAM else "ssd", size)
+        value = shard.get(key)
+        if value is None:
+            return MISS
+        if len(value) > buf.shape[0]:
+            return Fetched(None, len(value))
+        buf[: len(value)] = np.frombuffer(value, dtype=np.uint8)
+        return Fetched("dram", len(value))
+
+    def _count(self, sources: Sequence[str | None]) -> None:
         with self._lock:
             c = self._counters
-            c.dram_hits += out.count("dram")
-            c.ssd_hits += out.count("ssd")
-            c.remote_hits += out.count("remote")
-            c.misses += out.count(None)
-        return out
+            c.dram_hits += sources.count("dram")
+            c.ssd_hits += sources.count("ssd")
+            c.remote_hits += sources.count("remote")
+            c.misses += sources.count(None)
 
     def size_of(self, key: bytes) -> int | None:
         """The size of ``key``'s value here or on a live peer, or None if nobody holds it."""

@@ -13,6 +13,7 @@ Thread-safe (the member is). Buffers passed by address must be registered first
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import re
@@ -58,7 +59,10 @@ class MooncakeDistributedStore:
         self._member: ClusterMember | None = None
         self._ns: Namespace | None = None
         self._names: dict[str, bytes] = {}  # keys put through this object (for regex/all)
-        self._buffers: dict[int, int] = {}  # registered address -> size
+        self._sizes: dict[bytes, int] = {}  # value sizes of keys put here: hints for reads
+        # Registered buffers, sorted by address, as (starts, (start, end, view) per buffer):
+        # replaced whole under the lock, read without it.
+        self._regions: tuple[list[int], list[tuple[int, int, np.ndarray]]] = ([], [])
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- setup
@@ -123,7 +127,8 @@ class MooncakeDistributedStore:
     def _key(self, key: Any) -> bytes | None:
         if not isinstance(key, str) or not key:
             return None
-        return named_key(self._ready()[1], key.encode("utf-8"))
+        known = self._names.get(key)
+        return known if known is not None else named_key(self._ready()[1], key.encode("utf-8"))
 
     # ----------------------------------------------------------------- buffers
 
@@ -138,24 +143,39 @@ class MooncakeDistributedStore:
             or size <= 0
         ):
             return INVALID_PARAMS
+        view = self._view(buffer_ptr, size)
         with self._lock:
-            self._buffers[buffer_ptr] = size
-        member.register_destination(self._view(buffer_ptr, size))
+            regions = [r for r in self._regions[1] if r[0] != buffer_ptr]
+            regions.append((buffer_ptr, buffer_ptr + size, view))
+            regions.sort(key=lambda r: r[0])
+            self._regions = ([r[0] for r in regions], regions)
+        member.register_destination(view)
         return 0
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         with self._lock:
-            return 0 if self._buffers.pop(buffer_ptr, None) is not None else INVALID_PARAMS
+            regions = [r for r in self._regions[1] if r[0] != buffer_ptr]
+            if len(regions) == len(self._regions[1]):
+                return INVALID_PARAMS
+            self._regions = ([r[0] for r in regions], regions)
+        return 0
 
     def _view(self, ptr: int, size: int) -> np.ndarray:
         return np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(ptr))
 
     def _registered_view(self, ptr: Any, size: Any) -> np.ndarray | None:
+        """A view of ``[ptr, ptr + size)`` if it lies inside one registered buffer."""
         if not isinstance(ptr, int) or not isinstance(size, int) or size <= 0:
             return None
-        with self._lock:
-            ok = any(b <= ptr and ptr + size <= b + n for b, n in self._buffers.items())
-        return self._view(ptr, size) if ok else None
+        starts, regions = self._regions
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and ptr + size <= regions[i][1]:
+            start, _, view = regions[i]
+            return view[ptr - start : ptr - start + size]
+        for start, end, view in regions[: max(i, 0)]:  # overlapping registrations
+            if start <= ptr and ptr + size <= end:
+                return view[ptr - start : ptr - start + size]
+        return None
 
     # ----------------------------------------------------------------- writes
 
@@ -182,6 +202,7 @@ class MooncakeDistributedStore:
             return INTERNAL_ERROR
         with self._lock:
             self._names[key] = bkey
+            self._sizes[bkey] = data.nbytes
         if config is not None and config.replica_num > 1 and member.metadata is not None:
             member.metadata.set_replica_target(bkey, config.replica_num)
         return 0
@@ -222,31 +243,48 @@ class MooncakeDistributedStore:
         bkey = self._key(key)
         if bkey is None:
             return INVALID_PARAMS
+        known = self._sizes.get(bkey)
+        if known is not None and member.store.shard.exists(bkey):
+            return known
         size = member.size_of(bkey)
         return OBJECT_NOT_FOUND if size is None else size
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Bytes read into the registered buffer, or OBJECT_NOT_FOUND, BUFFER_OVERFLOW
         (buffer smaller than the object), INVALID_PARAMS (bad key or unregistered buffer)."""
-        member, _ = self._ready()
-        bkey = self._key(key)
-        view = self._registered_view(buffer_ptr, size)
-        if bkey is None or view is None:
-            return INVALID_PARAMS
-        nbytes = member.size_of(bkey)
-        if nbytes is None:
-            return OBJECT_NOT_FOUND
-        if nbytes > size:
-            return BUFFER_OVERFLOW
-        got = member.read_into([bkey], [view[:nbytes]])[0]
-        return nbytes if got is not None else OBJECT_NOT_FOUND
+        return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
     def batch_get_into(
         self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
+        """``get_into`` per key, as one batch: this shard's objects are copied, the rest read
+        from the members holding them with one lease and one transfer batch per member."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID_PARAMS] * len(keys)
-        return [self.get_into(k, p, s) for k, p, s in zip(keys, buffer_ptrs, sizes, strict=True)]
+        member, _ = self._ready()
+        out = [INVALID_PARAMS] * len(keys)
+        idx: list[int] = []
+        bkeys: list[bytes] = []
+        views: list[np.ndarray] = []
+        hints = self._sizes
+        for i, (key, ptr, size) in enumerate(zip(keys, buffer_ptrs, sizes, strict=True)):
+            bkey = self._key(key)
+            view = self._registered_view(ptr, size)
+            if bkey is not None and view is not None:
+                idx.append(i)
+                bkeys.append(bkey)
+                views.append(view)
+        if not idx:
+            return out
+        got = member.read_fitting(bkeys, views, [hints.get(k) for k in bkeys])
+        for i, bkey, fetched in zip(idx, bkeys, got, strict=True):
+            if fetched.source is not None:
+                out[i] = fetched.nbytes
+                if fetched.source != "remote":
+                    hints[bkey] = fetched.nbytes
+            else:
+                out[i] = BUFFER_OVERFLOW if fetched.too_small else OBJECT_NOT_FOUND
+        return out
 
     def get(self, key: str) -> bytes:
         """The object's bytes, or b"" if it is missing (or the key is bad)."""
@@ -254,11 +292,18 @@ class MooncakeDistributedStore:
         bkey = self._key(key)
         if bkey is None:
             return b""
-        nbytes = member.size_of(bkey)
-        if nbytes is None:
-            return b""
-        out = bytearray(nbytes)
-        return bytes(out) if member.read_into([bkey], [out])[0] is not None else b""
+        nbytes = self._sizes.get(bkey)
+        for _ in range(2):  # a second time if the size hint was stale
+            if nbytes is None:
+                nbytes = member.size_of(bkey)
+            if nbytes is None:
+                return b""
+            out = bytearray(nbytes)
+            fetched = member.read_fitting([bkey], [np.frombuffer(out, np.uint8)], [nbytes])[0]
+            if not fetched.too_small:
+                return bytes(out[: fetched.nbytes]) if fetched.source is not None else b""
+            nbytes = fetched.nbytes
+        return b""
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
@@ -282,6 +327,7 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         with self._lock:
             self._names.pop(key, None)
+            self._sizes.pop(bkey, None)
         return 0 if member.remove([bkey]) == 1 else OBJECT_NOT_FOUND
 
     def remove_by_regex(self, regex: str) -> int:
@@ -300,6 +346,7 @@ class MooncakeDistributedStore:
         member, _ = self._ready()
         with self._lock:
             self._names.clear()
+            self._sizes.clear()
         return member.remove_all()
 
 

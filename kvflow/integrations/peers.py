@@ -11,6 +11,7 @@ Thread-safe. A peer that cannot be reached, a failed transfer or a failed checks
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from kvflow.integrations.fetched import MISS, Fetched
 from kvflow.kvdb import KVDBError, RemoteClient
 from kvflow.replication import NodeId, ReplicationError
 from kvflow.transfer import TransferEngine, TransferError
@@ -139,6 +141,56 @@ class Peers:
                 self._loaded = -NODES_TTL_S  # re-read liveness before the next read
             return [False] * len(keys)
         return [t is not None for t in got]
+
+    def read_fitting(
+        self, node: NodeId, keys: Sequence[bytes], bufs: Sequence[Any]
+    ) -> list[Fetched]:
+        """Read ``keys`` from ``node`` into the heads of ``bufs`` (flat uint8 numpy arrays, each
+        at least its value's size) with one Lease RPC per run of held keys (the lease says
+        each value's size), one transfer batch and an asynchronous Release. A miss for what
+        is not held, fails its transfer or checksum, or an unreachable peer; ``too_small``
+        (nothing read) for a buffer smaller than its value."""
+        client = self._client(node)
+        out = [MISS] * len(keys)
+        if client is None or not keys:
+            return out
+        try:
+            pos = 0
+            while pos < len(keys):
+                lease = client.lease(keys[pos:])
+                if not lease.blocks:
+                    pos += 1  # not held (any more): a miss; lease the rest
+                    continue
+                try:
+                    self._read_leased(client, lease, bufs[pos:], out, pos)
+                finally:
+                    client.release_async(lease)  # the data is verified: do not wait
+                pos += len(lease.blocks)
+        except (KVDBError, TransferError, OSError, grpc.RpcError) as exc:
+            logger.warning("member=%s read from peer=%s failed: %s", self._self, node, exc)
+            with self._lock:
+                self._loaded = -NODES_TTL_S  # re-read liveness before the next read
+            return [f if f.too_small else MISS for f in out]
+        return out
+
+    @staticmethod
+    def _read_leased(
+        client: RemoteClient, lease: Any, bufs: Sequence[Any], out: list[Fetched], pos: int
+    ) -> None:
+        """Read the leased blocks that fit their buffers; their outcomes into ``out[pos:]``."""
+        blocks = lease.blocks
+        fit = []
+        for i, block in enumerate(blocks):
+            if block.length <= len(bufs[i]):
+                fit.append(i)
+            else:
+                out[pos + i] = Fetched(None, block.length)
+        if not fit:
+            return
+        sub = dataclasses.replace(lease, blocks=tuple(blocks[i] for i in fit))
+        got = client.read_into(sub, [bufs[i][: blocks[i].length] for i in fit])
+        for i, tier in zip(fit, got, strict=True):
+            out[pos + i] = MISS if tier is None else Fetched("remote", blocks[i].length)
 
     def size_of(self, node: NodeId, key: bytes) -> int | None:
         """The size of ``key``'s value on ``node`` (a lease, released at once), or None."""

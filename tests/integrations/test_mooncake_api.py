@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,6 +103,39 @@ def test_zero_copy_needs_registered_buffers_and_reports_sizes(
     assert store.get_into("k", dp, dst.nbytes) == INVALID_PARAMS
 
 
+def test_reads_of_readopted_objects_learn_their_size(tmp_path: Path) -> None:
+    """Objects this object did not put (an SSD tier re-adopted after a restart) have no size
+    hint: get_into learns it (a larger buffer, a too small one) and batch reads still work."""
+    config = {
+        "metadata_server": "embedded",
+        "kvflow_data_dir": str(tmp_path),
+        "kvflow_node_id": "restarted",
+        "kvflow_engine": "rocksdb",
+    }
+    first = MooncakeDistributedStore()
+    assert first.setup(config) == 0
+    payload = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8)
+    assert first.put_batch(["p", "q"], [payload.tobytes(), payload[:100].tobytes()]) == 0
+    assert first.close() == 0
+    again = MooncakeDistributedStore()
+    assert again.setup(config) == 0
+    try:
+        dst = np.zeros(8192, dtype=np.uint8)
+        assert again.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+        assert again.get_into("p", dst.ctypes.data, 4999) == BUFFER_OVERFLOW
+        got = again.batch_get_into(
+            ["q", "p", "r"],
+            [dst.ctypes.data, dst.ctypes.data + 100, dst.ctypes.data],
+            [100, 8000, 10],
+        )
+        assert got == [100, 5000, OBJECT_NOT_FOUND]
+        assert np.array_equal(dst[:100], payload[:100])
+        assert np.array_equal(dst[100:5100], payload)
+        assert again.get_size("p") == 5000 and again.get("q") == payload[:100].tobytes()
+    finally:
+        again.close()
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_two_members_read_each_others_objects(meta: str) -> None:  # noqa: F811
@@ -119,6 +153,19 @@ def test_two_members_read_each_others_objects(meta: str) -> None:  # noqa: F811
         assert b.get_into("shared", dst.ctypes.data, dst.nbytes) == payload.nbytes
         assert np.array_equal(dst, payload)
         assert b._member.counters().remote_hits == 2
+        # one batch from the peer: larger buffers, a too small one, a missing key
+        assert a.put_batch(["s1", "s2"], [b"x" * 1000, b"y" * 3000]) == 0
+        a._member.store.flush_metadata()
+        dst[:] = 0
+        base = dst.ctypes.data
+        got = b.batch_get_into(
+            ["s2", "nope", "s1", "shared"],
+            [base, base + 4000, base + 5000, base + 7000],
+            [4000, 10, 2000, 100],
+        )
+        assert got == [3000, OBJECT_NOT_FOUND, 1000, BUFFER_OVERFLOW]
+        assert bytes(dst[:3000]) == b"y" * 3000 and bytes(dst[5000:6000]) == b"x" * 1000
+        assert not dst[7000:7100].any()  # nothing written into the too small buffer
     finally:
         a.close()
         b.close()

@@ -169,6 +169,7 @@ class TcpBackend(Backend):
                 settle_failed(task, EngineClosedError("tcp backend is closed"))
             return
         slice_size = self._config.slice_size
+        reads: dict[tuple[str, int], list[Slice]] = {}  # (peer, lane) -> READ slices
         for task in tasks:
             request = task.request
             target = request.target
@@ -196,7 +197,28 @@ class TcpBackend(Backend):
                     task.progress,
                     peer.next_lane(),
                 )
-                self._dispatch(piece, peer)
+                if op == Op.READ:
+                    reads.setdefault((target.peer, piece.lane), []).append(piece)
+                else:
+                    self._dispatch(piece, peer)
+        for (peer_name, _lane), pieces in reads.items():
+            self._dispatch_reads(pieces, self._peer(peer_name))
+
+    def _dispatch_reads(self, pieces: list[Slice], peer: _Peer) -> None:
+        """Put one lane's READ slices on its first path's endpoint with one header write;
+        slice by slice (``_dispatch``, with its failover and errors) if that does not work."""
+        for address in self._ordered(peer.lane_paths(pieces[0].lane)):
+            key = EndpointKey(address, pieces[0].lane)
+            try:
+                endpoint = self.pool.acquire(key, lambda key=key: self._connect(key))
+            except OSError:
+                self.mark_down(address)
+                continue
+            if endpoint.send_reads(pieces):
+                return
+            break
+        for piece in pieces:
+            self._dispatch(piece, peer)
 
     def _dispatch(self, piece: Slice, peer: _Peer) -> None:
         """Put ``piece`` on its lane's first path that connects; fail it if none does."""
