@@ -280,6 +280,13 @@ class DecodeTimeModel:
         c0, c1, c2 = self.coefficients
         return max(0.0, c0 + c1 * batch_size + c2 * context_tokens)
 
+    def predict_many(self, batch_sizes: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+        """:meth:`predict` elementwise over two integer arrays of one shape (the same float
+        operations in the same order, so equal values), as a new float64 array. Inputs are
+        trusted to be >= 0 (the conductor's own counters)."""
+        c0, c1, c2 = self.coefficients
+        return np.maximum(0.0, c0 + c1 * batch_sizes + c2 * context_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         return _to_document("decode", self.model_id, self.coefficients, DECODE_FEATURES)
 

@@ -45,33 +45,37 @@ def walk_holders(
     """Leading-match lengths of ``instance_ids`` given each key's holders, in key order.
 
     Stops reading ``holder_sets`` as soon as no listed instance is still matching, so a lazy
-    iterable is read only as far as needed. ``None`` means nobody holds the key.
+    iterable is read only as far as needed. ``None`` means nobody holds the key. Sparse: after
+    the first key only its holders among ``instance_ids`` are tracked (usually a few of them),
+    so the cost is one set operation per key plus one pass over ``instance_ids`` at the end.
     """
-    lengths = [0] * len(instance_ids)
-    position: dict[str, int] = {}
-    for at, instance_id in enumerate(instance_ids):
-        position.setdefault(instance_id, at)
-    duplicates = len(position) != len(instance_ids)
-    alive = set(position)
+    if not instance_ids:
+        return []
+    matched: dict[str, int] = {}  # instance -> its match length, once it stopped matching
+    alive: set[str] | None = None
     depth = 0
     for holders in holder_sets:
-        if not alive:
-            break
         if holders is None:
             break
         held = holders if isinstance(holders, set | frozenset | dict) else set(holders)
-        gone = alive.difference(held)  # C-level: one probe of ``held`` per live instance
-        if gone:
-            for instance_id in gone:
-                lengths[position[instance_id]] = depth
-            alive -= gone
+        if alive is None:
+            alive = set(instance_ids)
+            alive.intersection_update(held)  # C-level: iterates the smaller side
+        else:
+            gone = alive.difference(held)  # C-level: one probe of ``held`` per live instance
+            if gone:
+                for instance_id in gone:
+                    matched[instance_id] = depth
+                alive -= gone
+        if not alive:
+            break
         depth += 1
-    for instance_id in alive:
-        lengths[position[instance_id]] = depth
-    if duplicates:  # rare: copy the first occurrence's answer to the repeats
-        first = {i: lengths[p] for p, i in reversed(list(enumerate(instance_ids)))}
-        lengths = [first[i] for i in instance_ids]
-    return lengths
+    for instance_id in alive or ():
+        matched[instance_id] = depth
+    if not matched:
+        return [0] * len(instance_ids)
+    get = matched.get
+    return [get(instance_id, 0) for instance_id in instance_ids]
 
 
 class LocalPrefixIndex:

@@ -35,6 +35,27 @@ class InstanceSnapshot(NamedTuple):
     decode_context_tokens: int
 
 
+class LoadTerms(NamedTuple):
+    """The terms a snapshot is computed from, for readers that cache per-instance arrays
+    (:class:`~kvflow.router.load_table.LoadTable`).
+
+    ``queued_seconds(now) = (waiting_s + r_1 + r_2 + ...) + external_s`` summed in that order,
+    where ``r_k = max(0.0, predicted_k - (now - started_k))`` for each ``running`` entry
+    ``(predicted_k, started_k)`` in start order (``predicted_k`` when ``now`` is None).
+    ``decode_batch_size`` and ``decode_context_tokens`` include the external load.
+    ``version`` is the instance's :attr:`InstanceState.version` these terms were read at.
+    """
+
+    version: int
+    healthy: bool
+    queued_requests: int
+    waiting_s: float
+    running: tuple[tuple[float, float], ...]
+    external_s: float
+    decode_batch_size: int
+    decode_context_tokens: int
+
+
 @dataclass
 class _Queued:
     predicted_s: float
@@ -72,6 +93,9 @@ class InstanceState:
         self._snap: InstanceSnapshot | None = None  # valid while nothing runs (no ``now``)
         self._external = (0.0, 0, 0)  # queued seconds, decode batch, decode context tokens
         self._lock = threading.Lock()
+        # Incremented by every mutation (under the lock). Read-only for others: a reader that
+        # caches what it derived from this instance re-reads it only when the version moved.
+        self.version = 0
 
     # --- health -------------------------------------------------------------------------------
     @property
@@ -82,6 +106,7 @@ class InstanceState:
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:
             self._snap = None  # every mutation invalidates the cached snapshot
+            self.version += 1
             self._healthy = healthy
 
     # --- prefill queue ------------------------------------------------------------------------
@@ -91,6 +116,7 @@ class InstanceState:
             raise ValueError(f"predicted_s must be finite and >= 0, got {predicted_s}")
         with self._lock:
             self._snap = None  # every mutation invalidates the cached snapshot
+            self.version += 1
             if request_id in self._queue:
                 raise ValueError(f"request_id {request_id!r} already queued on {self.instance_id}")
             self._queue[request_id] = _Queued(predicted_s)
@@ -101,6 +127,7 @@ class InstanceState:
         """Mark a queued request as running since ``now``; UnknownInstanceError if not queued."""
         with self._lock:
             self._snap = None  # every mutation invalidates the cached snapshot
+            self.version += 1
             entry = self._queue.get(request_id)
             if entry is None:
                 raise UnknownInstanceError(
@@ -115,6 +142,7 @@ class InstanceState:
         """Remove a request from the queue; UnknownInstanceError if it is not there."""
         with self._lock:
             self._snap = None  # every mutation invalidates the cached snapshot
+            self.version += 1
             entry = self._queue.pop(request_id, None)
             if entry is None:
                 raise UnknownInstanceError(
@@ -161,6 +189,7 @@ class InstanceState:
             raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
         with self._lock:
             self._snap = None  # every mutation invalidates the cached snapshot
+            self.version += 1
             if request_id in self._decode:
                 raise ValueError(
                     f"request_id {request_id!r} already decoding on {self.instance_id}"
@@ -172,6 +201,7 @@ class InstanceState:
         """Account ``tokens`` more context for a decoding request (one per generated token)."""
         with self._lock:
             self._snap = None  # every mutation invalidates the cached snapshot
+            self.version += 1
             if request_id not in self._decode:
                 raise UnknownInstanceError(
                     f"request {request_id!r} not decoding on {self.instance_id}"
@@ -182,6 +212,7 @@ class InstanceState:
     def remove_decode(self, request_id: str) -> None:
         with self._lock:
             self._snap = None  # every mutation invalidates the cached snapshot
+            self.version += 1
             tokens = self._decode.pop(request_id, None)
             if tokens is None:
                 raise UnknownInstanceError(
@@ -216,6 +247,7 @@ class InstanceState:
             raise ValueError("decode_batch_size and decode_context_tokens must be >= 0")
         with self._lock:
             self._snap = None  # every mutation invalidates the cached snapshot
+            self.version += 1
             self._external = (
                 max(0.0, queued_seconds - self._queued_seconds_locked(now)),
                 max(0, decode_batch_size - len(self._decode)),
@@ -245,6 +277,20 @@ class InstanceState:
             )
             self._snap = snap
             return snap
+
+    def load_terms(self) -> LoadTerms:
+        """A consistent read of the terms of :meth:`snapshot` (see :class:`LoadTerms`)."""
+        with self._lock:
+            ext_s, ext_batch, ext_ctx = self._external
+            running = tuple(
+                (e.predicted_s, e.started_at)
+                for e in self._running.values()
+                if e.started_at is not None
+            )
+            return LoadTerms(
+                self.version, self._healthy, len(self._queue), self._waiting_s, running, ext_s,
+                len(self._decode) + ext_batch, self._decode_tokens + ext_ctx,
+            )  # fmt: skip
 
     def __repr__(self) -> str:
         s = self.snapshot()

@@ -7,6 +7,7 @@ RESOURCE_EXHAUSTED with :meth:`Rejection.message` as the details).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -113,8 +114,10 @@ class RouteDecision:
     t_prefill: float
     t_transfer: float
     tbt_s: float
-    candidates: tuple[PrefillCandidate, ...]
-    decode_candidates: tuple[DecodeCandidate, ...]
+    # every healthy instance's predictions, in the caller's order (built on first access by the
+    # conductor; compare equal to tuples of the same records)
+    candidates: Sequence[PrefillCandidate]
+    decode_candidates: Sequence[DecodeCandidate]
 
 
 class RejectReason(enum.Enum):
