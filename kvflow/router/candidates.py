@@ -25,58 +25,67 @@ IntArray = npt.NDArray[np.int64]
 T = TypeVar("T")
 
 
+# One way to prefill the request on an instance with a given local prefix (in blocks):
+# (t_local, balanced prefix blocks, balanced pull blocks, balanced t_transfer, balanced t_prefill)
+Option = tuple[float, int, int, float, float]
+
+
 @dataclass(frozen=True, eq=False)
 class PrefillTable:
-    """Predictions for the healthy prefill instances (see :class:`PrefillCandidate` for the
-    meaning of each column). ``*_ttft = (t_transfer + t_queue) + t_prefill``, as
-    :attr:`Estimate.ttft` computes it; the local option never transfers."""
+    """Predictions for the healthy prefill instances (see :class:`PrefillCandidate` for what
+    each prediction means).
+
+    Predictions depend on an instance only through its local prefix length and its queue, so
+    the table keeps ``options`` (local prefix blocks -> :data:`Option`, with an entry for 0 when
+    some instance holds nothing) and ``held`` (position -> local prefix blocks, for the
+    instances holding any) beside the two arrays policies compare:
+    ``*_ttft = (t_transfer + t_queue) + t_prefill``, as :attr:`Estimate.ttft` computes it.
+    """
 
     instance_ids: tuple[str, ...]
-    local_prefix_blocks: IntArray
     queued_requests: IntArray
     t_queue: FloatArray
-    local_t_prefill: FloatArray
     local_ttft: FloatArray
-    balanced_prefix_blocks: IntArray
-    balanced_pull_blocks: IntArray
-    balanced_t_transfer: FloatArray
-    balanced_t_prefill: FloatArray
     balanced_ttft: FloatArray
+    held: dict[int, int]
+    options: dict[int, Option]
 
     def __len__(self) -> int:
         return len(self.instance_ids)
 
+    def local_blocks(self, i: int) -> int:
+        return self.held.get(i, 0)
+
     def local(self, i: int) -> Estimate:
-        return Estimate(
-            int(self.local_prefix_blocks[i]), 0, 0.0, float(self.t_queue[i]),
-            float(self.local_t_prefill[i]),
-        )  # fmt: skip
+        local_len = self.held.get(i, 0)
+        return Estimate(local_len, 0, 0.0, float(self.t_queue[i]), self.options[local_len][0])
 
     def balanced(self, i: int) -> Estimate:
-        return Estimate(
-            int(self.balanced_prefix_blocks[i]), int(self.balanced_pull_blocks[i]),
-            float(self.balanced_t_transfer[i]), float(self.t_queue[i]),
-            float(self.balanced_t_prefill[i]),
-        )  # fmt: skip
+        local_len = self.held.get(i, 0)
+        t_local, prefix, pull, t_transfer, t_prefill = self.options[local_len]
+        if not pull:
+            return Estimate(local_len, 0, 0.0, float(self.t_queue[i]), t_local)
+        return Estimate(prefix, pull, t_transfer, float(self.t_queue[i]), t_prefill)
+
+    def pulls(self, i: int) -> bool:
+        """Whether instance ``i``'s balanced option pulls blocks."""
+        return self.options[self.held.get(i, 0)][2] > 0
+
+    def first_holder(self, blocks: int) -> int:
+        """The first position whose local prefix is at least ``blocks`` (> 0) long."""
+        return min(at for at, length in self.held.items() if length >= blocks)
 
     def records(self) -> tuple[PrefillCandidate, ...]:
         """Every row as a :class:`PrefillCandidate` (Python ints and floats)."""
-        columns = zip(
-            self.instance_ids,
-            self.local_prefix_blocks.tolist(),
-            self.queued_requests.tolist(),
-            self.t_queue.tolist(),
-            self.local_t_prefill.tolist(),
-            self.balanced_prefix_blocks.tolist(),
-            self.balanced_pull_blocks.tolist(),
-            self.balanced_t_transfer.tolist(),
-            self.balanced_t_prefill.tolist(),
-            strict=True,
-        )
         out = []
-        for iid, local_len, queued, t_queue, t_local, prefix, pull, t_tr, t_pre in columns:
+        columns = zip(
+            self.instance_ids, self.queued_requests.tolist(), self.t_queue.tolist(), strict=True
+        )
+        for at, (iid, queued, t_queue) in enumerate(columns):
+            local_len = self.held.get(at, 0)
+            t_local, prefix, pull, t_transfer, t_prefill = self.options[local_len]
             local = Estimate(local_len, 0, 0.0, t_queue, t_local)
-            balanced = local if pull == 0 else Estimate(prefix, pull, t_tr, t_queue, t_pre)
+            balanced = Estimate(prefix, pull, t_transfer, t_queue, t_prefill) if pull else local
             out.append(PrefillCandidate(iid, local_len, queued, local, balanced))
         return tuple(out)
 
@@ -84,10 +93,10 @@ class PrefillTable:
 @dataclass(frozen=True, eq=False)
 class DecodeTable:
     """Predicted TBT of each healthy decode instance if the request joined its batch:
-    ``batch_size`` and ``context_tokens`` already include the request."""
+    ``loaded_batch_size`` is the batch without it, ``context_tokens`` includes its prompt."""
 
     instance_ids: tuple[str, ...]
-    batch_size: IntArray
+    loaded_batch_size: IntArray
     context_tokens: IntArray
     tbt_s: FloatArray
 
@@ -99,7 +108,7 @@ class DecodeTable:
             DecodeCandidate(*row)
             for row in zip(
                 self.instance_ids,
-                self.batch_size.tolist(),
+                (self.loaded_batch_size + 1).tolist(),
                 self.context_tokens.tolist(),
                 self.tbt_s.tolist(),
                 strict=True,

@@ -32,8 +32,6 @@ import threading
 import zlib
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvflow.router.admission import check_slo, no_instance
 from kvflow.router.candidates import DecodeTable, LazyRecords, PrefillTable
 from kvflow.router.config import RouterConfig
@@ -41,10 +39,10 @@ from kvflow.router.errors import UnknownInstanceError
 from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, TransferEstimator
 from kvflow.router.index import PrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceState
-from kvflow.router.load_table import IntArray, LoadTable
+from kvflow.router.load_table import LoadArrays, LoadTable
 from kvflow.router.policies.base import argmin_array
 from kvflow.router.policies.registry import make_policy
-from kvflow.router.scoring import PrefillScorer, score_decode
+from kvflow.router.scoring import DecodeScorer, PrefillScorer
 from kvflow.router.types import (
     Estimate,
     PullPlan,
@@ -83,7 +81,7 @@ class Conductor:
     ) -> None:
         self.config = config
         self._index = prefix_index
-        self._decode_model = decode_model
+        self._decode_scorer = DecodeScorer(decode_model)
         self._scorer = PrefillScorer(
             prefill_model,
             transfer_estimator,
@@ -94,6 +92,7 @@ class Conductor:
         self._policy = make_policy(config.policy, random.Random(config.seed))
         self._policy_lock = threading.Lock()
         self._match_all = getattr(prefix_index, "match_all", None)
+        self._match_holders = getattr(prefix_index, "match_holders", None)
         self._loads: dict[InstanceKind, LoadTable] = {}
 
     @property
@@ -122,9 +121,9 @@ class Conductor:
         self._check_request(req)
         prefill_load = self._load_table(prefill, InstanceKind.PREFILL).read(now)
         decode_load = self._load_table(decode, InstanceKind.DECODE).read(now)
-        local_lens = self._local_lens(req.block_keys, prefill_load.instance_ids)
-        table = self._scorer.score(req, prefill_load, local_lens)
-        decode_table = score_decode(req, decode_load, self._decode_model)
+        held = self._held(req.block_keys, prefill_load)
+        table = self._scorer.score(req, prefill_load, held)
+        decode_table = self._decode_scorer.score(req, decode_load)
         if not len(table) or not len(decode_table):
             return self._no_instance(req, table, decode_table)
         tie_break = zlib.crc32(req.request_id.encode())  # fair ties, still a pure decision
@@ -181,14 +180,25 @@ class Conductor:
             table = self._loads[kind] = LoadTable(states, kind)  # a new set of instances
         return table
 
-    def _local_lens(self, keys: Sequence[bytes], ids: Sequence[str]) -> IntArray:
+    def _held(self, keys: Sequence[bytes], load: LoadArrays) -> dict[int, int]:
+        """Step 1: position -> local prefix blocks of every healthy instance holding any; the
+        cheapest call the index offers (holders only, then all listed instances at once, then
+        one by one)."""
+        ids, positions = load.instance_ids, load.positions
         if not keys or not ids:
-            return np.zeros(len(ids), dtype=np.int64)
+            return {}
+        if self._match_holders is not None and positions is not None:
+            held = {}
+            for instance_id, length in self._match_holders(keys).items():
+                at = positions.get(instance_id)
+                if at is not None:
+                    held[at] = length
+            return held
         if self._match_all is not None:
             lens = self._match_all(ids, keys)
         else:
             lens = [self._index.match(i, keys) for i in ids]
-        return np.array(lens, dtype=np.int64)
+        return {at: length for at, length in enumerate(lens) if length > 0}
 
     def _no_instance(
         self, req: RouteRequest, table: PrefillTable, decode_table: DecodeTable
@@ -213,10 +223,10 @@ class Conductor:
         decode_table: DecodeTable,
         decode: int,
     ) -> RouteDecision:
-        local_blocks = int(table.local_prefix_blocks[chosen])
+        local_blocks = table.local_blocks(chosen)
         pull = None
         if option.pull_blocks > 0:  # from the first holder of the best match
-            holder = int(np.argmax(table.local_prefix_blocks >= option.prefix_blocks))
+            holder = table.first_holder(option.prefix_blocks)
             pull = PullPlan(table.instance_ids[holder], local_blocks, option.pull_blocks)
         decision = RouteDecision(
             request_id=req.request_id,

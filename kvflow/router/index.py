@@ -39,6 +39,53 @@ class BatchPrefixIndex(PrefixIndex, Protocol):
         ...
 
 
+@runtime_checkable
+class HolderPrefixIndex(PrefixIndex, Protocol):
+    """A :class:`PrefixIndex` that answers for whoever holds the keys, without a list of
+    instances: what the conductor prefers (its cost does not grow with the instance count)."""
+
+    def match_holders(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """``{instance: match(instance, keys)}`` for every instance whose match is > 0 (absent
+        instances match 0; empty ``keys`` give ``{}``). One holder lookup per key, none past
+        the first key that no still-matching instance holds. Same contract as ``match``."""
+        ...
+
+
+def prefix_lengths(holder_sets: Iterable[Iterable[str] | None]) -> dict[str, int]:
+    """Leading-match length of every instance holding the first key, given each key's holders
+    in key order (``None``: nobody holds it). Reads ``holder_sets`` only as far as needed."""
+    lengths: dict[str, int] = {}
+    alive: set[str] = set()
+    depth = 0
+    sets = iter(holder_sets)
+    for holders in sets:
+        if holders is None:
+            return lengths
+        alive = set(holders)
+        break
+    while len(alive) > 1:
+        depth += 1
+        holders = next(sets, None)
+        if holders is None:
+            break
+        held = holders if isinstance(holders, set | frozenset | dict) else set(holders)
+        gone = alive.difference(held)  # C-level: one probe of ``held`` per live instance
+        for instance_id in gone:
+            lengths[instance_id] = depth
+        alive -= gone
+    else:
+        if alive:  # one instance left: a membership test per key
+            (last,) = alive
+            depth += 1
+            for holders in sets:
+                if holders is None or last not in holders:
+                    break
+                depth += 1
+    for instance_id in alive:
+        lengths[instance_id] = depth
+    return lengths
+
+
 def walk_holders(
     instance_ids: Sequence[str], holder_sets: Iterable[Iterable[str] | None]
 ) -> list[int]:
@@ -117,6 +164,12 @@ class LocalPrefixIndex:
         with self._lock:
             holders = self._holders
             return walk_holders(instance_ids, (holders.get(k) for k in keys))
+
+    def match_holders(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """See :class:`HolderPrefixIndex`: one reverse-map lookup per key."""
+        with self._lock:
+            holders = self._holders
+            return prefix_lengths(holders.get(k) for k in keys)
 
     def holders_of(self, key: bytes) -> frozenset[str]:
         """The instances holding ``key`` (empty when none)."""

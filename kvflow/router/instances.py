@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,10 +44,8 @@ class LoadTerms(NamedTuple):
     where ``r_k = max(0.0, predicted_k - (now - started_k))`` for each ``running`` entry
     ``(predicted_k, started_k)`` in start order (``predicted_k`` when ``now`` is None).
     ``decode_batch_size`` and ``decode_context_tokens`` include the external load.
-    ``version`` is the instance's :attr:`InstanceState.version` these terms were read at.
     """
 
-    version: int
     healthy: bool
     queued_requests: int
     waiting_s: float
@@ -54,6 +53,11 @@ class LoadTerms(NamedTuple):
     external_s: float
     decode_batch_size: int
     decode_context_tokens: int
+
+
+class ChangeSet(set["InstanceState"]):
+    """A set that watched instances add themselves to when they change
+    (:meth:`InstanceState.watch`); a plain set cannot be weakly referenced, this one can."""
 
 
 @dataclass
@@ -93,9 +97,31 @@ class InstanceState:
         self._snap: InstanceSnapshot | None = None  # valid while nothing runs (no ``now``)
         self._external = (0.0, 0, 0)  # queued seconds, decode batch, decode context tokens
         self._lock = threading.Lock()
-        # Incremented by every mutation (under the lock). Read-only for others: a reader that
-        # caches what it derived from this instance re-reads it only when the version moved.
-        self.version = 0
+        self._watchers: list[weakref.ref[ChangeSet]] = []
+
+    # --- change notification ----------------------------------------------------------------
+    def watch(self, changed: ChangeSet) -> None:
+        """Add this instance to ``changed`` on every mutation from now on. ``changed`` is held
+        by weak reference (when it goes away the instance stops adding to it). The add happens
+        under this instance's lock, possibly before the mutation's effect: the owner of the set
+        reads the instance later (:meth:`load_terms`) and must not hold its own locks while
+        the instance could be mutated under them."""
+        with self._lock:
+            self._watchers.append(weakref.ref(changed))
+
+    def _changed(self) -> None:
+        """Every mutation calls this first, under the lock."""
+        self._snap = None  # the cached snapshot is stale
+        if self._watchers:
+            for ref in self._watchers:
+                changed = ref()
+                if changed is None:  # its owner is gone: forget the dead references
+                    self._watchers = [r for r in self._watchers if r() is not None]
+                    break
+                changed.add(self)
+            else:
+                return
+            self._changed()  # once more over the live ones
 
     # --- health -------------------------------------------------------------------------------
     @property
@@ -105,8 +131,7 @@ class InstanceState:
 
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
-            self.version += 1
+            self._changed()
             self._healthy = healthy
 
     # --- prefill queue ------------------------------------------------------------------------
@@ -115,8 +140,7 @@ class InstanceState:
         if not (math.isfinite(predicted_s) and predicted_s >= 0):
             raise ValueError(f"predicted_s must be finite and >= 0, got {predicted_s}")
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
-            self.version += 1
+            self._changed()
             if request_id in self._queue:
                 raise ValueError(f"request_id {request_id!r} already queued on {self.instance_id}")
             self._queue[request_id] = _Queued(predicted_s)
@@ -126,8 +150,7 @@ class InstanceState:
     def start(self, request_id: str, now: float) -> None:
         """Mark a queued request as running since ``now``; UnknownInstanceError if not queued."""
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
-            self.version += 1
+            self._changed()
             entry = self._queue.get(request_id)
             if entry is None:
                 raise UnknownInstanceError(
@@ -141,8 +164,7 @@ class InstanceState:
     def finish(self, request_id: str) -> None:
         """Remove a request from the queue; UnknownInstanceError if it is not there."""
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
-            self.version += 1
+            self._changed()
             entry = self._queue.pop(request_id, None)
             if entry is None:
                 raise UnknownInstanceError(
@@ -188,8 +210,7 @@ class InstanceState:
         if context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
-            self.version += 1
+            self._changed()
             if request_id in self._decode:
                 raise ValueError(
                     f"request_id {request_id!r} already decoding on {self.instance_id}"
@@ -200,8 +221,7 @@ class InstanceState:
     def grow_decode(self, request_id: str, tokens: int = 1) -> None:
         """Account ``tokens`` more context for a decoding request (one per generated token)."""
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
-            self.version += 1
+            self._changed()
             if request_id not in self._decode:
                 raise UnknownInstanceError(
                     f"request {request_id!r} not decoding on {self.instance_id}"
@@ -211,8 +231,7 @@ class InstanceState:
 
     def remove_decode(self, request_id: str) -> None:
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
-            self.version += 1
+            self._changed()
             tokens = self._decode.pop(request_id, None)
             if tokens is None:
                 raise UnknownInstanceError(
@@ -246,8 +265,7 @@ class InstanceState:
         if decode_batch_size < 0 or decode_context_tokens < 0:
             raise ValueError("decode_batch_size and decode_context_tokens must be >= 0")
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
-            self.version += 1
+            self._changed()
             self._external = (
                 max(0.0, queued_seconds - self._queued_seconds_locked(now)),
                 max(0, decode_batch_size - len(self._decode)),
@@ -288,7 +306,7 @@ class InstanceState:
                 if e.started_at is not None
             )
             return LoadTerms(
-                self.version, self._healthy, len(self._queue), self._waiting_s, running, ext_s,
+                self._healthy, len(self._queue), self._waiting_s, running, ext_s,
                 len(self._decode) + ext_batch, self._decode_tokens + ext_ctx,
             )  # fmt: skip
 

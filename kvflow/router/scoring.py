@@ -12,17 +12,11 @@ results are bit-identical to the reference's.
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 
-from kvflow.router.candidates import DecodeTable, PrefillTable
+from kvflow.router.candidates import DecodeTable, Option, PrefillTable
 from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, TransferEstimator
-from kvflow.router.load_table import LoadArrays
+from kvflow.router.load_table import FloatArray, IntArray, LoadArrays
 from kvflow.router.types import RouteRequest
-
-IntArray = npt.NDArray[np.int64]
-
-# (t_local, balanced prefix blocks, balanced pull blocks, balanced t_transfer, balanced t_prefill)
-_Option = tuple[float, int, int, float, float]
 
 
 class PrefillScorer:
@@ -45,64 +39,81 @@ class PrefillScorer:
         self._block_nbytes = block_nbytes
         self._threshold = balancing_threshold
 
-    def score(self, req: RouteRequest, load: LoadArrays, local_lens: IntArray) -> PrefillTable:
-        """``local_lens[i]``: leading blocks of ``req`` held by ``load.instance_ids[i]``."""
+    def score(self, req: RouteRequest, load: LoadArrays, held: dict[int, int]) -> PrefillTable:
+        """``held``: position in ``load`` -> local prefix blocks of ``req``, for the instances
+        holding any (the others hold none)."""
         n = len(load.instance_ids)
-        best = int(local_lens.max()) if n else 0
-        holders = local_lens.nonzero()[0]
-        options: dict[int, _Option] = {}
-        t_best: list[float] = []  # the best match's prefill seconds, computed at most once
+        options = self._options(req, held, with_zero=len(held) < n)
+        t_queue = load.queued_seconds
+        # ``t_transfer + t_queue`` with t_transfer = 0.0 is t_queue itself (t_queue >= +0.0)
+        if 0 in options:
+            t_local, _, pull, t_transfer, t_prefill = options[0]
+            local_ttft = t_queue + t_local
+            if pull:
+                balanced_ttft = (t_transfer + t_queue) + t_prefill
+            else:
+                balanced_ttft = local_ttft.copy() if held else local_ttft
+        else:
+            local_ttft = np.empty(n, dtype=np.float64)
+            balanced_ttft = np.empty(n, dtype=np.float64)
+        if held:
+            queued = t_queue.tolist()
+            for at, local_len in held.items():
+                t_local, _, pull, t_transfer, t_prefill = options[local_len]
+                local_ttft[at] = queued[at] + t_local
+                balanced_ttft[at] = (
+                    (t_transfer + queued[at]) + t_prefill if pull else (queued[at] + t_local)
+                )
+        return PrefillTable(
+            load.instance_ids, load.queued_requests, t_queue, local_ttft, balanced_ttft, held,
+            options,
+        )  # fmt: skip
 
-        def option(local_len: int) -> _Option:
+    def _options(
+        self, req: RouteRequest, held: dict[int, int], with_zero: bool
+    ) -> dict[int, Option]:
+        """The option of every local prefix length present (Algorithm 1, lines 5-8)."""
+        best = max(held.values(), default=0)
+        options: dict[int, Option] = {}
+        t_best: list[float] = []  # the best match's prefill seconds, computed at most once
+        lengths = set(held.values())
+        if with_zero:
+            lengths.add(0)
+        for local_len in sorted(lengths):
             t_local = self._predict(req, local_len)
+            options[local_len] = (t_local, local_len, 0, 0.0, t_local)
             if best > self._threshold * local_len:
                 if not t_best:
                     t_best.append(self._predict(req, best))
                 pull = best - local_len
                 t_transfer = self._transfer.estimate(pull * self._block_nbytes)
                 if t_transfer + t_best[0] < t_local:
-                    return (t_local, best, pull, t_transfer, t_best[0])
-            return (t_local, local_len, 0, 0.0, t_local)
-
-        columns = np.empty((n, 5), dtype=np.float64)
-        if len(holders) < n:
-            columns[:] = options.setdefault(0, option(0))
-        if len(holders):
-            held = local_lens[holders].tolist()
-            for length in held:
-                if length not in options:
-                    options[length] = option(length)
-            columns[holders] = [options[length] for length in held]
-        t_queue = load.queued_seconds
-        t_local = columns[:, 0]
-        balanced_transfer = columns[:, 3]
-        balanced_prefill = columns[:, 4]
-        local_ttft = (0.0 + t_queue) + t_local
-        if len(options) == 1 and next(iter(options.values()))[2] == 0:
-            balanced_ttft = local_ttft  # nobody pulls: the balanced options are the local ones
-        else:
-            balanced_ttft = (balanced_transfer + t_queue) + balanced_prefill
-        return PrefillTable(
-            instance_ids=load.instance_ids,
-            local_prefix_blocks=local_lens,
-            queued_requests=load.queued_requests,
-            t_queue=t_queue,
-            local_t_prefill=t_local,
-            local_ttft=local_ttft,
-            balanced_prefix_blocks=columns[:, 1].astype(np.int64),
-            balanced_pull_blocks=columns[:, 2].astype(np.int64),
-            balanced_t_transfer=balanced_transfer,
-            balanced_t_prefill=balanced_prefill,
-            balanced_ttft=balanced_ttft,
-        )
+                    options[local_len] = (t_local, best, pull, t_transfer, t_best[0])
+        return options
 
     def _predict(self, req: RouteRequest, blocks: int) -> float:
         reused = min(blocks * self._block_size, req.prompt_len)
         return self._model.predict(req.prompt_len, reused)
 
 
-def score_decode(req: RouteRequest, load: LoadArrays, model: DecodeTimeModel) -> DecodeTable:
-    """Step 4's predictions: each instance's TBT with ``req`` joined to its batch."""
-    batch = load.decode_batch_size + 1
-    context = load.decode_context_tokens + req.prompt_len
-    return DecodeTable(load.instance_ids, batch, context, model.predict_many(batch, context))
+class DecodeScorer:
+    """Step 4's predictions: each decode instance's TBT with the request joined to its batch.
+
+    Keeps the batch-size part of the model for the last batch-size array it saw: a
+    :class:`LoadTable` hands out a new array whenever a batch changes (and never mutates one),
+    so the array's identity says whether the part is still valid. Thread-safe (the cache is one
+    tuple, replaced whole).
+    """
+
+    def __init__(self, model: DecodeTimeModel) -> None:
+        self._model = model
+        self._cache: tuple[IntArray, FloatArray] | None = None
+
+    def score(self, req: RouteRequest, load: LoadArrays) -> DecodeTable:
+        batch = load.decode_batch_size
+        cache = self._cache
+        if cache is None or cache[0] is not batch:
+            cache = self._cache = (batch, self._model.batch_terms(batch + 1))
+        context = load.decode_context_tokens + req.prompt_len
+        tbt = self._model.predict_from_batch_terms(cache[1], context)
+        return DecodeTable(load.instance_ids, batch, context, tbt)

@@ -34,6 +34,7 @@ from kvflow.router.conductor import Conductor
 from kvflow.router.estimators import TransferEstimator
 from kvflow.router.index import LocalPrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceState
+from kvflow.router.reference import ReferenceConductor
 from kvflow.router.sim_config import SimulationConfig
 from kvflow.router.sim_decode import DecodeInstance
 from kvflow.router.sim_prefill import PrefillInstance, PrefillJob
@@ -52,7 +53,7 @@ DECODE_MEMORY = "decode_memory"
 class _Cluster:
     """The simulated cluster's mutable state for one run (private to :func:`simulate`)."""
 
-    def __init__(self, config: SimulationConfig) -> None:
+    def __init__(self, config: SimulationConfig, reference: bool = False) -> None:
         self.config = config
         self.prefill = [
             InstanceState(f"prefill-{i}", InstanceKind.PREFILL) for i in range(config.num_prefill)
@@ -64,7 +65,8 @@ class _Cluster:
         self.decode_at = {s.instance_id: i for i, s in enumerate(self.decode)}
         self.index = LocalPrefixIndex(config.cache_capacity_blocks)
         self.transfer = TransferEstimator(config.bandwidth_bytes_per_s, config.transfer_latency_s)
-        self.conductor = Conductor(
+        router = ReferenceConductor if reference else Conductor
+        self.conductor = router(
             config.router,
             self.index,
             config.predict_prefill_model or config.prefill_model,
@@ -208,15 +210,18 @@ def simulate(
     config: SimulationConfig,
     records: Sequence[TraceRecord],
     progress: Callable[[int, int], None] | None = None,
+    *,
+    reference: bool = False,
 ) -> SimulationReport:
     """Replay ``records`` through a simulated cluster routed by ``config.router.policy``.
 
     Pure function of its arguments (fresh state per call; the conductor's ties and rng are
     seeded). Records are taken in timestamp order (stable for equal stamps). ``progress(done,
     total)`` is called every few hundred requests and at the end. ValueError when a request can
-    never fit a decode instance's memory.
+    never fit a decode instance's memory. ``reference=True`` routes with the per-instance
+    :class:`ReferenceConductor` (same decisions, slower: a speed baseline and a cross-check).
     """
-    cluster = _Cluster(config)
+    cluster = _Cluster(config, reference)
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
     t0 = ordered[0].timestamp_ms if ordered else 0
     for i, record in enumerate(ordered):

@@ -19,7 +19,7 @@ class CacheAwarePolicy(Policy):
 
     def choose(self, table: PrefillTable, tie_break: int = 0) -> PolicyChoice:
         index = argmin_array(table.balanced_ttft, tie_break)
-        return PolicyChoice(index, pull=bool(table.balanced_pull_blocks[index] > 0))
+        return PolicyChoice(index, pull=table.pulls(index))
 
     def reference_choose(
         self, candidates: Sequence[PrefillCandidate], tie_break: int = 0
