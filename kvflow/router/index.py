@@ -188,21 +188,25 @@ class LocalPrefixIndex:
         with self._lock:
             held = self._blocks.setdefault(instance_id, OrderedDict())
             holders = self._holders
+            owners_of = holders.get
+            refresh = held.move_to_end
             for key in reversed(chain):
                 if key in held:
-                    held.move_to_end(key)
+                    refresh(key)
                 else:
                     held[key] = None
-                    owners = holders.get(key)
+                    owners = owners_of(key)
                     if owners is None:
                         holders[key] = {instance_id}
                     else:
                         owners.add(instance_id)
-            evicted = 0
-            while self._capacity is not None and len(held) > self._capacity:
+            evicted = 0 if self._capacity is None else max(0, len(held) - self._capacity)
+            for _ in range(evicted):  # the least recently inserted first
                 key, _ = held.popitem(last=False)
-                self._drop_holder(key, instance_id)
-                evicted += 1
+                owners = holders[key]
+                owners.discard(instance_id)
+                if not owners:
+                    del holders[key]
             self._evicted += evicted
             return evicted
 

@@ -31,6 +31,8 @@ class RouteRequest:
             raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
         if not isinstance(self.block_keys, tuple):
             object.__setattr__(self, "block_keys", tuple(self.block_keys))
+        if set(map(type, self.block_keys)) <= {bytes} and b"" not in self.block_keys:
+            return  # the common case, checked at C speed
         for i, key in enumerate(self.block_keys):
             if not isinstance(key, bytes) or not key:
                 raise ValueError(f"block_keys[{i}] must be non-empty bytes, got {key!r}")
