@@ -93,7 +93,8 @@ class Conductor:
         self._policy_lock = threading.Lock()
         self._match_all = getattr(prefix_index, "match_all", None)
         self._match_holders = getattr(prefix_index, "match_holders", None)
-        self._loads: dict[InstanceKind, LoadTable] = {}
+        self._prefill_loads = LoadTable((), InstanceKind.PREFILL)
+        self._decode_loads = LoadTable((), InstanceKind.DECODE)
 
     @property
     def policy_name(self) -> str:
@@ -119,8 +120,8 @@ class Conductor:
         the conductor re-read only the instances that changed.
         """
         self._check_request(req)
-        prefill_load = self._load_table(prefill, InstanceKind.PREFILL).read(now)
-        decode_load = self._load_table(decode, InstanceKind.DECODE).read(now)
+        prefill_load = self._prefill_table(prefill).read(now)
+        decode_load = self._decode_table(decode).read(now)
         held = self._held(req.block_keys, prefill_load)
         table = self._scorer.score(req, prefill_load, held)
         decode_table = self._decode_scorer.score(req, decode_load)
@@ -174,10 +175,16 @@ class Conductor:
                 f"holds at most {max_blocks} blocks of {self.config.block_size}"
             )
 
-    def _load_table(self, states: Sequence[InstanceState], kind: InstanceKind) -> LoadTable:
-        table = self._loads.get(kind)
-        if table is None or not table.serves(states):
-            table = self._loads[kind] = LoadTable(states, kind)  # a new set of instances
+    def _prefill_table(self, states: Sequence[InstanceState]) -> LoadTable:
+        table = self._prefill_loads
+        if not table.serves(states):  # a new set of instances
+            table = self._prefill_loads = LoadTable(states, InstanceKind.PREFILL)
+        return table
+
+    def _decode_table(self, states: Sequence[InstanceState]) -> LoadTable:
+        table = self._decode_loads
+        if not table.serves(states):
+            table = self._decode_loads = LoadTable(states, InstanceKind.DECODE)
         return table
 
     def _held(self, keys: Sequence[bytes], load: LoadArrays) -> dict[int, int]:

@@ -168,8 +168,7 @@ class LocalPrefixIndex:
     def match_holders(self, keys: Sequence[bytes]) -> dict[str, int]:
         """See :class:`HolderPrefixIndex`: one reverse-map lookup per key."""
         with self._lock:
-            holders = self._holders
-            return prefix_lengths(holders.get(k) for k in keys)
+            return prefix_lengths(map(self._holders.get, keys))
 
     def holders_of(self, key: bytes) -> frozenset[str]:
         """The instances holding ``key`` (empty when none)."""

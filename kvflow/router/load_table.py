@@ -3,15 +3,16 @@
 The conductor used to take one :class:`~kvflow.router.instances.InstanceSnapshot` per instance
 per decision (a Python call and a tuple each: ~1 us, so ~130 us per decision at 64 + 64
 instances). A :class:`LoadTable` mirrors an ordered group of :class:`InstanceState` objects as
-arrays. It watches its instances (:meth:`InstanceState.watch`): a mutation only marks the
-instance dirty, and a read re-reads the dirty ones (:meth:`InstanceState.load_terms`) and then
-computes every queue's remaining seconds at ``now`` with a few array operations, whatever the
-number of instances.
+arrays. It watches its instances (:meth:`InstanceState.watch`): a mutation only adds the
+instance to a change set, and a read re-reads those (:meth:`InstanceState.load_terms`).
 
-The values are bit-identical to the snapshots': a running request's remainder is
+Only queues with running requests depend on ``now``. With few of them their seconds are summed
+in Python, with the snapshot's own expressions; with many (``MANY_RUNNING`` rows or more), in
+numpy over a padded matrix of running entries, one column at a time. Either way the values are
+bit-identical to the snapshots': a running request's remainder is
 ``max(0.0, predicted - (now - started))`` and a queue's seconds are summed in the snapshot's
-order (``waiting``, then each running entry in start order, then the external load): one
-column of running entries at a time. Rows are padded with entries that add exactly ``0.0``.
+order (``waiting``, then each running entry in start order, then the external load); padding
+entries add exactly ``0.0``.
 """
 
 from __future__ import annotations
@@ -23,16 +24,23 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvflow.router.instances import ChangeSet, InstanceKind, InstanceState, LoadTerms
+from kvflow.router.instances import ChangeSet, InstanceKind, InstanceState
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+
+MANY_RUNNING = 16
+"""Rows with running requests from which their remainders are computed in numpy."""
+
+# a row's running terms: (waiting seconds, ((predicted, started), ...), external seconds)
+_Running = tuple[float, tuple[tuple[float, float], ...], float]
 
 
 class LoadArrays(NamedTuple):
     """The healthy instances of a group at one ``now``, in the group's order; ``positions``
     maps an instance id to its position (None when an id repeats). The reader must not mutate
-    any of it (arrays handed out are never mutated by the table either)."""
+    any of it (arrays handed out are never mutated by the table either). A prefill group's
+    decode columns, and a decode group's queue columns, are zeros."""
 
     instance_ids: tuple[str, ...]
     positions: dict[str, int] | None
@@ -53,24 +61,19 @@ class LoadTable:
                     f"instance {state.instance_id!r} is {state.kind.value}, expected {kind.value}"
                 )
         self.states = tuple(states)
-        self._prefill = kind is InstanceKind.PREFILL  # the other kind's columns stay 0
+        self._prefill = kind is InstanceKind.PREFILL
         n = len(self.states)
         self._rows: dict[InstanceState, list[int]] = {}
         for row, state in enumerate(self.states):
             self._rows.setdefault(state, []).append(row)
         self._ids = tuple(s.instance_id for s in self.states)
-        self._healthy = np.zeros(n, dtype=bool)
+        self._healthy = [False] * n
         self._queued_requests = np.zeros(n, dtype=np.int64)
-        self._external = np.zeros(n, dtype=np.float64)
+        self._static = np.zeros(n, dtype=np.float64)  # waiting + external seconds
         self._batch = np.zeros(n, dtype=np.int64)
         self._context = np.zeros(n, dtype=np.int64)
-        # column 0: waiting seconds; columns 1..: running entries (predicted, started), padded
-        # with (0.0, -inf): max(0.0, 0.0 - (now + inf)) = 0.0, and 0.0 without ``now``
-        self._predicted = np.zeros((n, 1), dtype=np.float64)
-        self._started = np.full((n, 1), -np.inf, dtype=np.float64)
-        self._running = [0] * n  # running entries per row
-        self._any_running = 0  # rows with running entries
-        self._static: FloatArray | None = None  # waiting + external, valid while none runs
+        self._running: dict[int, _Running] = {}
+        self._matrices: tuple[IntArray, FloatArray, FloatArray, FloatArray] | None = None
         self._view: tuple[tuple[str, ...], dict[str, int] | None, IntArray | None] = ((), {}, None)
         self._dirty = ChangeSet(self.states)  # instances add themselves when they change
         self._lock = threading.Lock()
@@ -88,7 +91,7 @@ class LoadTable:
         with self._lock:
             if self._dirty:
                 self._refresh()
-            seconds = self._queued_seconds(now)
+            seconds = self._queued_seconds(now) if self._running else self._static
             ids, positions, rows = self._view
             if rows is None:
                 return LoadArrays(
@@ -104,12 +107,13 @@ class LoadTable:
         # copy on write: arrays handed out by earlier reads are never mutated
         if self._prefill:
             self._queued_requests = self._queued_requests.copy()
-            self._static = None
+            self._static = self._static.copy()
+            self._matrices = None
         else:
             self._batch = self._batch.copy()
             self._context = self._context.copy()
-        health_moved = False
-        dirty = self._dirty
+        health_moved = not self._view[0]
+        dirty, healthy = self._dirty, self._healthy
         while dirty:
             try:
                 state = dirty.pop()  # a mutation may add more meanwhile: read until none is left
@@ -117,63 +121,66 @@ class LoadTable:
                 break
             terms = state.load_terms()
             for row in self._rows[state]:
-                health_moved |= bool(self._healthy[row]) != terms.healthy
-                self._store(row, terms)
-        if health_moved or not self._view[0]:
-            rows = self._healthy.nonzero()[0]
+                if healthy[row] is not terms.healthy:
+                    healthy[row] = terms.healthy
+                    health_moved = True
+                if not self._prefill:
+                    self._batch[row] = terms.decode_batch_size
+                    self._context[row] = terms.decode_context_tokens
+                    continue
+                self._queued_requests[row] = terms.queued_requests
+                self._static[row] = terms.waiting_s + terms.external_s
+                if terms.running:
+                    self._running[row] = (terms.waiting_s, terms.running, terms.external_s)
+                else:
+                    self._running.pop(row, None)
+        if health_moved:
+            rows = np.flatnonzero(healthy)
             if len(rows) == len(self.states):
                 self._view = (self._ids, _positions(self._ids), None)
             else:
                 ids = tuple(self._ids[r] for r in rows.tolist())
                 self._view = (ids, _positions(ids), rows)
 
-    def _store(self, row: int, terms: LoadTerms) -> None:
-        self._healthy[row] = terms.healthy
-        if self._prefill:
-            self._store_queue(row, terms)
-        else:
-            self._batch[row] = terms.decode_batch_size
-            self._context[row] = terms.decode_context_tokens
-
-    def _store_queue(self, row: int, terms: LoadTerms) -> None:
-        self._queued_requests[row] = terms.queued_requests
-        self._external[row] = terms.external_s
-        running = terms.running
-        width = self._predicted.shape[1] - 1
-        if len(running) > width:
-            self._widen(len(running))
-        predicted, started = self._predicted[row], self._started[row]
-        predicted[0] = terms.waiting_s
-        for k in range(len(running), self._running[row]):  # clear what ran before
-            predicted[k + 1] = 0.0
-            started[k + 1] = -np.inf
-        for k, (p, s) in enumerate(running):
-            predicted[k + 1] = p
-            started[k + 1] = s
-        self._any_running += (len(running) > 0) - (self._running[row] > 0)
-        self._running[row] = len(running)
-
-    def _widen(self, width: int) -> None:
-        n = len(self.states)
-        extra = width + 1 - self._predicted.shape[1]
-        self._predicted = np.hstack([self._predicted, np.zeros((n, extra))])
-        self._started = np.hstack([self._started, np.full((n, extra), -np.inf)])
-
     def _queued_seconds(self, now: float | None) -> FloatArray:
-        if not self._any_running:
-            if self._static is None:
-                self._static = self._predicted[:, 0] + self._external
-            return self._static
-        predicted = self._predicted
-        # column 0 (waiting, started -inf) comes out 0.0 with ``now``; it is read from predicted
-        remaining = (
-            predicted if now is None else np.maximum(0.0, predicted - (now - self._started))
-        )
+        """Seconds per row at ``now`` when some rows have running requests."""
+        if len(self._running) >= MANY_RUNNING:
+            return self._queued_seconds_numpy(now)
+        seconds = self._static.copy()
+        for row, (total, running, external) in self._running.items():
+            for predicted, started in running:  # InstanceState.snapshot's sum, term for term
+                total += predicted if now is None else max(0.0, predicted - (now - started))
+            seconds[row] = total + external
+        return seconds
+
+    def _queued_seconds_numpy(self, now: float | None) -> FloatArray:
+        if self._matrices is None:
+            self._matrices = self._pad_running()
+        rows, predicted, started, external = self._matrices
+        # column 0: waiting (started -inf, so its remainder comes out 0.0; read from predicted)
+        remaining = predicted if now is None else np.maximum(0.0, predicted - (now - started))
         total = predicted[:, 0] + remaining[:, 1]
         for k in range(2, predicted.shape[1]):  # left to right, as the snapshot sums
             total += remaining[:, k]
-        total += self._external
-        return total
+        total += external
+        seconds = self._static.copy()
+        seconds[rows] = total
+        return seconds
+
+    def _pad_running(self) -> tuple[IntArray, FloatArray, FloatArray, FloatArray]:
+        rows = sorted(self._running)
+        width = 1 + max(len(self._running[r][1]) for r in rows)
+        # padding (0.0, -inf): max(0.0, 0.0 - (now + inf)) = 0.0, and 0.0 without ``now``
+        predicted = np.zeros((len(rows), width), dtype=np.float64)
+        started = np.full((len(rows), width), -np.inf, dtype=np.float64)
+        external = np.zeros(len(rows), dtype=np.float64)
+        for at, row in enumerate(rows):
+            waiting, running, external[at] = self._running[row]
+            predicted[at, 0] = waiting
+            for k, (p, s) in enumerate(running, start=1):
+                predicted[at, k] = p
+                started[at, k] = s
+        return np.array(rows, dtype=np.int64), predicted, started, external
 
 
 def _positions(ids: tuple[str, ...]) -> dict[str, int] | None:

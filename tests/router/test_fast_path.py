@@ -27,6 +27,7 @@ from kvflow.router import (
     RouteRequest,
     TransferEstimator,
     UnknownInstanceError,
+    load_table,
     policy_names,
 )
 from kvflow.router.load_table import LoadTable
@@ -115,7 +116,10 @@ def _config(rng: random.Random, policy: str) -> RouterConfig:
 
 @pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("seed", range(6))
-def test_fast_decisions_equal_the_reference(policy: str, seed: int) -> None:
+def test_fast_decisions_equal_the_reference(
+    policy: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(load_table, "MANY_RUNNING", [1, 4, 10**9][seed % 3])
     rng = random.Random(seed * 1009 + len(policy))
     prefill, decode = _cluster(rng)
     chains = _chains(rng)
@@ -168,12 +172,15 @@ def test_the_random_states_reach_pulls_ties_and_rejections() -> None:
     assert min(totals[k] for k in ("pull", "ttft_slo", "tied", "busy")) > 10, totals
 
 
-def test_load_table_equals_snapshots() -> None:
+@pytest.mark.parametrize("many_running", [1, 10**9])  # running rows summed in numpy / Python
+def test_load_table_equals_snapshots(many_running: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(load_table, "MANY_RUNNING", many_running)
     rng = random.Random(3)
     prefill, decode = _cluster(rng)
     chains = _chains(rng)
     index = LocalPrefixIndex()
     table = LoadTable(prefill, InstanceKind.PREFILL)
+    running = 0
     for n in range(300):
         now = n * 0.05 if n % 7 else None
         loads = table.read(now)
@@ -181,7 +188,9 @@ def test_load_table_equals_snapshots() -> None:
         assert loads.instance_ids == tuple(s.instance_id for s in snaps)
         assert loads.queued_seconds.tolist() == [s.queued_seconds for s in snaps]
         assert loads.queued_requests.tolist() == [s.queued_requests for s in snaps]
+        running = max(running, sum(1 for s in prefill if s.load_terms().running))
         _perturb(rng, prefill, decode, index, chains, n * 0.05, n)
+    assert running >= 3  # rows with running requests were compared
     with pytest.raises(ValueError, match="expected prefill"):
         LoadTable(decode, InstanceKind.PREFILL)
 

@@ -82,5 +82,6 @@ def argmin(values: Sequence[float], tie_break: int = 0) -> int:
 
 def argmin_array(values: npt.NDArray[np.float64], tie_break: int = 0) -> int:
     """:func:`argmin` over a non-empty array without NaN (the same index)."""
-    tied = (values == values.min()).nonzero()[0]
-    return int(tied[tie_break % len(tied)])
+    first = int(values.argmin())  # C-level (``values.min()`` goes through a Python wrapper)
+    tied = (values == values[first]).nonzero()[0]
+    return first if len(tied) == 1 else int(tied[tie_break % len(tied)])
