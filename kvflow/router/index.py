@@ -68,8 +68,13 @@ def prefix_lengths(holder_sets: Iterable[Iterable[str] | None]) -> dict[str, int
         holders = next(sets, None)
         if holders is None:
             break
-        held = holders if isinstance(holders, set | frozenset | dict) else set(holders)
-        gone = alive.difference(held)  # C-level: one probe of ``held`` per live instance
+        if isinstance(holders, dict):
+            holders = holders.keys()
+        elif not isinstance(holders, set | frozenset):
+            holders = set(holders)
+        if alive <= holders:  # C-level, allocates nothing: the common case on a shared prefix
+            continue
+        gone = alive - holders
         for instance_id in gone:
             lengths[instance_id] = depth
         alive -= gone

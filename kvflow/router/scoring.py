@@ -56,14 +56,11 @@ class PrefillScorer:
         else:
             local_ttft = np.empty(n, dtype=np.float64)
             balanced_ttft = np.empty(n, dtype=np.float64)
-        if held:
-            queued = t_queue.tolist()
-            for at, local_len in held.items():
-                t_local, _, pull, t_transfer, t_prefill = options[local_len]
-                local_ttft[at] = queued[at] + t_local
-                balanced_ttft[at] = (
-                    (t_transfer + queued[at]) + t_prefill if pull else (queued[at] + t_local)
-                )
+        for at, local_len in held.items():
+            t_local, _, pull, t_transfer, t_prefill = options[local_len]
+            queued = float(t_queue[at])
+            local_ttft[at] = queued + t_local
+            balanced_ttft[at] = (t_transfer + queued) + t_prefill if pull else queued + t_local
         return PrefillTable(
             load.instance_ids, load.queued_requests, t_queue, local_ttft, balanced_ttft, held,
             options,
