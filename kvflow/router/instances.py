@@ -300,7 +300,11 @@ class InstanceState:
         """A consistent read of the terms of :meth:`snapshot` (see :class:`LoadTerms`)."""
         with self._lock:
             ext_s, ext_batch, ext_ctx = self._external
-            running = tuple([(e.predicted_s, e.started_at) for e in self._running.values()])
+            running = (
+                tuple([(e.predicted_s, e.started_at) for e in self._running.values()])
+                if self._running
+                else ()
+            )
             return LoadTerms(
                 self._healthy, len(self._queue), self._waiting_s, running, ext_s,
                 len(self._decode) + ext_batch, self._decode_tokens + ext_ctx,

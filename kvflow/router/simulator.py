@@ -87,12 +87,13 @@ class _Cluster:
 
     def __init__(self, config: SimulationConfig, reference: bool = False) -> None:
         self.config = config
-        self.prefill = [
+        # tuples: the conductor recognises the same instances without comparing them one by one
+        self.prefill = tuple(
             InstanceState(f"prefill-{i}", InstanceKind.PREFILL) for i in range(config.num_prefill)
-        ]
-        self.decode = [
+        )
+        self.decode = tuple(
             InstanceState(f"decode-{i}", InstanceKind.DECODE) for i in range(config.num_decode)
-        ]
+        )
         self.prefill_at = {s.instance_id: i for i, s in enumerate(self.prefill)}
         self.decode_at = {s.instance_id: i for i, s in enumerate(self.decode)}
         self.index = LocalPrefixIndex(config.cache_capacity_blocks)
