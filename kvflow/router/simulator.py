@@ -20,7 +20,10 @@ The model (one run is deterministic given the config, its seed and the records):
 - KV streaming to decode overlaps prefill and is not charged.
 
 Accounting is incremental (queue and batch sums, a virtual token clock per decode batch, a
-reverse holder index), so a decision costs O(instances), not O(instances x queue).
+reverse holder index), and the conductor re-reads only the instances that changed and scores
+the rest as arrays (see the router README), so a decision costs a few array operations over the
+instances plus Python work per changed instance and per prefix holder. Per-request results are
+kept in mutable records and frozen once at the end.
 """
 
 from __future__ import annotations
