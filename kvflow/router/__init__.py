@@ -22,7 +22,7 @@ from kvflow.router.estimators import (
     ProfileSample,
     TransferEstimator,
 )
-from kvflow.router.index import BatchPrefixIndex, LocalPrefixIndex, PrefixIndex
+from kvflow.router.index import BatchPrefixIndex, HolderPrefixIndex, LocalPrefixIndex, PrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceSnapshot, InstanceState
 from kvflow.router.metadata_index import MetadataPrefixIndex
 from kvflow.router.policies import make_policy, policy_names
@@ -52,6 +52,7 @@ __all__ = [
     "DecodeTimeModel",
     "Estimate",
     "FitError",
+    "HolderPrefixIndex",
     "InstanceKind",
     "InstanceLoad",
     "InstanceSnapshot",

@@ -17,6 +17,11 @@ For one request the conductor
 
 ``route`` does not mutate instance state or the index; the caller applies a decision with
 :meth:`Conductor.commit` (or its own bookkeeping) and updates the index as blocks land.
+
+Speed: every instance is scored at once. Instance loads come from a :class:`LoadTable` per kind
+(re-read only where an instance's version moved), predictions from :mod:`.scoring` (numpy, the
+models run once per distinct prefix length), and the policy chooses over the arrays. Decisions
+equal those of the per-instance :class:`~kvflow.router.reference.ReferenceConductor` exactly.
 """
 
 from __future__ import annotations
@@ -27,20 +32,21 @@ import threading
 import zlib
 from collections.abc import Sequence
 
+from kvflow.router.admission import check_slo, no_instance
+from kvflow.router.candidates import DecodeTable, LazyRecords, PrefillTable
 from kvflow.router.config import RouterConfig
 from kvflow.router.errors import UnknownInstanceError
 from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, TransferEstimator
 from kvflow.router.index import PrefixIndex
-from kvflow.router.instances import InstanceKind, InstanceSnapshot, InstanceState
-from kvflow.router.policies.base import argmin
+from kvflow.router.instances import InstanceKind, InstanceState
+from kvflow.router.load_table import LoadArrays, LoadTable
+from kvflow.router.policies.base import argmin_array
 from kvflow.router.policies.registry import make_policy
+from kvflow.router.scoring import DecodeScorer, PrefillScorer
 from kvflow.router.types import (
-    DecodeCandidate,
     Estimate,
-    PrefillCandidate,
     PullPlan,
     Rejection,
-    RejectReason,
     RouteDecision,
     RouteRequest,
 )
@@ -60,8 +66,9 @@ logger = logging.getLogger(__name__)
 class Conductor:
     """Routes requests to (prefill, decode) instance pairs; see the module doc for the algorithm.
 
-    Thread-safe: ``route`` serialises only the policy call (its rng / cursor) under a lock; the
-    estimators and the index must be thread-safe themselves (the provided ones are).
+    Thread-safe: ``route`` serialises the policy call (its rng / cursor) and each kind's load
+    read under locks; the estimators and the index must be thread-safe themselves (the provided
+    ones are).
     """
 
     def __init__(
@@ -74,12 +81,20 @@ class Conductor:
     ) -> None:
         self.config = config
         self._index = prefix_index
-        self._prefill_model = prefill_model
-        self._decode_model = decode_model
-        self._transfer = transfer_estimator
+        self._decode_scorer = DecodeScorer(decode_model)
+        self._scorer = PrefillScorer(
+            prefill_model,
+            transfer_estimator,
+            config.block_size,
+            config.block_nbytes,
+            config.balancing_threshold,
+        )
         self._policy = make_policy(config.policy, random.Random(config.seed))
         self._policy_lock = threading.Lock()
         self._match_all = getattr(prefix_index, "match_all", None)
+        self._match_holders = getattr(prefix_index, "match_holders", None)
+        self._prefill_loads = LoadTable((), InstanceKind.PREFILL)
+        self._decode_loads = LoadTable((), InstanceKind.DECODE)
 
     @property
     def policy_name(self) -> str:
@@ -100,26 +115,35 @@ class Conductor:
         """Choose instances for ``req``; ``now`` lets running work count only its remainder.
 
         Unhealthy instances are skipped. Raises ValueError when ``req.block_keys`` cannot belong
-        to ``req.prompt_len`` tokens, or an instance is of the wrong kind.
+        to ``req.prompt_len`` tokens, or an instance is of the wrong kind. Passing the same
+        state objects in the same order on every call (as a server or the simulator does) lets
+        the conductor re-read only the instances that changed.
         """
         self._check_request(req)
-        prefill_snaps = _healthy_snapshots(prefill, InstanceKind.PREFILL, now)
-        decode_snaps = _healthy_snapshots(decode, InstanceKind.DECODE, now)
-        candidates = self._prefill_candidates(req, prefill_snaps)
-        decode_candidates = self._decode_candidates(req, decode_snaps)
-        if not candidates or not decode_candidates:
-            return self._no_instance(req, candidates, decode_candidates)
+        prefill_load = self._prefill_table(prefill).read(now)
+        decode_load = self._decode_table(decode).read(now)
+        held = self._held(req.block_keys, prefill_load)
+        table = self._scorer.score(req, prefill_load, held)
+        decode_table = self._decode_scorer.score(req, decode_load)
+        if not len(table) or not len(decode_table):
+            return self._no_instance(req, table, decode_table)
         tie_break = zlib.crc32(req.request_id.encode())  # fair ties, still a pure decision
         with self._policy_lock:
-            choice = self._policy.choose(candidates, tie_break)
-        best_decode = decode_candidates[argmin([d.tbt_s for d in decode_candidates], tie_break)]
-        chosen = candidates[choice.index]
-        option = chosen.balanced if choice.pull else chosen.local
-        rejection = self._check_slo(req, chosen.instance_id, option, best_decode)
+            choice = self._policy.choose(table, tie_break)
+        best_decode = argmin_array(decode_table.tbt_s, tie_break)
+        option = table.balanced(choice.index) if choice.pull else table.local(choice.index)
+        rejection = check_slo(
+            self.config,
+            req.request_id,
+            table.instance_ids[choice.index],
+            option,
+            decode_table.instance_ids[best_decode],
+            float(decode_table.tbt_s[best_decode]),
+        )
         if rejection is not None:
             logger.info("req=%s %s", req.request_id, rejection.message())
             return rejection
-        return self._decision(req, candidates, chosen, option, best_decode, decode_candidates)
+        return self._decision(req, table, choice.index, option, decode_table, best_decode)
 
     def predict_prefill_s(self, prompt_len: int, reused_tokens: int) -> float:
         """The prefill time model's prediction (seconds) for a prompt reusing a prefix."""
@@ -155,136 +179,83 @@ class Conductor:
                 f"holds at most {max_blocks} blocks of {self.config.block_size}"
             )
 
-    def _reused_tokens(self, req: RouteRequest, blocks: int) -> int:
-        return min(blocks * self.config.block_size, req.prompt_len)
+    def _prefill_table(self, states: Sequence[InstanceState]) -> LoadTable:
+        table = self._prefill_loads
+        if not table.serves(states):  # a new set of instances
+            table = self._prefill_loads = LoadTable(states, InstanceKind.PREFILL)
+        return table
 
-    def _local_lens(self, keys: Sequence[bytes], snaps: Sequence[InstanceSnapshot]) -> list[int]:
-        if not keys:
-            return [0] * len(snaps)
-        ids = [s.instance_id for s in snaps]
+    def _decode_table(self, states: Sequence[InstanceState]) -> LoadTable:
+        table = self._decode_loads
+        if not table.serves(states):
+            table = self._decode_loads = LoadTable(states, InstanceKind.DECODE)
+        return table
+
+    def _held(self, keys: Sequence[bytes], load: LoadArrays) -> dict[int, int]:
+        """Step 1: position -> local prefix blocks of every healthy instance holding any; the
+        cheapest call the index offers (holders only, then all listed instances at once, then
+        one by one)."""
+        ids, positions = load.instance_ids, load.positions
+        if not keys or not ids:
+            return {}
+        if self._match_holders is not None and positions is not None:
+            held = {}
+            for instance_id, length in self._match_holders(keys).items():
+                at = positions.get(instance_id)
+                if at is not None:
+                    held[at] = length
+            return held
         if self._match_all is not None:
-            return list(self._match_all(ids, keys))
-        return [self._index.match(i, keys) for i in ids]
-
-    def _prefill_candidates(
-        self, req: RouteRequest, snaps: Sequence[InstanceSnapshot]
-    ) -> list[PrefillCandidate]:
-        local_lens = self._local_lens(req.block_keys, snaps)
-        best_len = max(local_lens, default=0)
-        threshold = self.config.balancing_threshold
-        t_prefill: dict[int, float] = {}  # reused blocks -> predicted prefill seconds
-        t_pull: dict[int, float] = {}  # local blocks -> transfer seconds of the balanced pull
-        out = []
-        for snap, local_len in zip(snaps, local_lens, strict=True):
-            t_local = t_prefill.get(local_len)
-            if t_local is None:
-                t_local = t_prefill[local_len] = self._predict_prefill(req, local_len)
-            local = Estimate(local_len, 0, 0.0, snap.queued_seconds, t_local)
-            balanced = local
-            if best_len > threshold * local_len:
-                t_best = t_prefill.get(best_len)
-                if t_best is None:
-                    t_best = t_prefill[best_len] = self._predict_prefill(req, best_len)
-                t_transfer = t_pull.get(local_len)
-                if t_transfer is None:
-                    nbytes = (best_len - local_len) * self.config.block_nbytes
-                    t_transfer = t_pull[local_len] = self._transfer.estimate(nbytes)
-                if t_transfer + t_best < t_local:
-                    balanced = Estimate(
-                        best_len, best_len - local_len, t_transfer, snap.queued_seconds, t_best
-                    )
-            out.append(
-                PrefillCandidate(snap.instance_id, local_len, snap.queued_requests, local, balanced)
-            )
-        return out
-
-    def _predict_prefill(self, req: RouteRequest, blocks: int) -> float:
-        return self._prefill_model.predict(req.prompt_len, self._reused_tokens(req, blocks))
-
-    def _decode_candidates(
-        self, req: RouteRequest, snaps: Sequence[InstanceSnapshot]
-    ) -> list[DecodeCandidate]:
-        out = []
-        for snap in snaps:
-            batch = snap.decode_batch_size + 1
-            context = snap.decode_context_tokens + req.prompt_len
-            tbt = self._decode_model.predict(batch, context)
-            out.append(DecodeCandidate(snap.instance_id, batch, context, tbt))
-        return out
-
-    def _check_slo(
-        self, req: RouteRequest, prefill_id: str, option: Estimate, decode: DecodeCandidate
-    ) -> Rejection | None:
-        cfg = self.config
-        reason: RejectReason | None = None
-        if cfg.ttft_slo_s is not None and option.ttft > cfg.ttft_slo_s:
-            reason = RejectReason.TTFT_SLO
-        elif cfg.tbt_slo_s is not None and decode.tbt_s > cfg.tbt_slo_s:
-            reason = RejectReason.TBT_SLO
-        if reason is None:
-            return None
-        return Rejection(
-            req.request_id, reason, option.ttft, decode.tbt_s, option.t_queue, option.t_prefill,
-            option.t_transfer, prefill_id, decode.instance_id, cfg.ttft_slo_s, cfg.tbt_slo_s,
-        )  # fmt: skip
+            lens = self._match_all(ids, keys)
+        else:
+            lens = [self._index.match(i, keys) for i in ids]
+        return {at: length for at, length in enumerate(lens) if length > 0}
 
     def _no_instance(
-        self,
-        req: RouteRequest,
-        candidates: Sequence[PrefillCandidate],
-        decode_candidates: Sequence[DecodeCandidate],
+        self, req: RouteRequest, table: PrefillTable, decode_table: DecodeTable
     ) -> Rejection:
-        best_prefill = min(candidates, key=lambda c: c.local.ttft) if candidates else None
-        best_decode = min(decode_candidates, key=lambda d: d.tbt_s) if decode_candidates else None
-        est = best_prefill.local if best_prefill else None
-        rejection = Rejection(
-            req.request_id,
-            RejectReason.NO_INSTANCE,
-            est.ttft if est else None,
-            best_decode.tbt_s if best_decode else None,
-            est.t_queue if est else None,
-            est.t_prefill if est else None,
-            est.t_transfer if est else None,
-            best_prefill.instance_id if best_prefill else None,
-            best_decode.instance_id if best_decode else None,
-            self.config.ttft_slo_s,
-            self.config.tbt_slo_s,
-        )
+        prefill = decode = None
+        if len(table):
+            best = argmin_array(table.local_ttft)
+            prefill = (table.instance_ids[best], table.local(best))
+        if len(decode_table):
+            best = argmin_array(decode_table.tbt_s)
+            decode = (decode_table.instance_ids[best], float(decode_table.tbt_s[best]))
+        rejection = no_instance(self.config, req.request_id, prefill, decode)
         logger.warning("req=%s %s", req.request_id, rejection.message())
         return rejection
 
     def _decision(
         self,
         req: RouteRequest,
-        candidates: Sequence[PrefillCandidate],
-        chosen: PrefillCandidate,
+        table: PrefillTable,
+        chosen: int,
         option: Estimate,
-        decode: DecodeCandidate,
-        decode_candidates: Sequence[DecodeCandidate],
+        decode_table: DecodeTable,
+        decode: int,
     ) -> RouteDecision:
+        local_blocks = table.local_blocks(chosen)
         pull = None
-        if option.pull_blocks > 0:
-            holder = next(
-                c for c in candidates if c.local_prefix_blocks >= option.prefix_blocks
-            )  # the first holder of the best match
-            pull = PullPlan(holder.instance_id, chosen.local_prefix_blocks, option.pull_blocks)
+        if option.pull_blocks > 0:  # from the first holder of the best match
+            holder = table.first_holder(option.prefix_blocks)
+            pull = PullPlan(table.instance_ids[holder], local_blocks, option.pull_blocks)
         decision = RouteDecision(
             request_id=req.request_id,
             policy=self._policy.name,
-            prefill_id=chosen.instance_id,
-            decode_id=decode.instance_id,
+            prefill_id=table.instance_ids[chosen],
+            decode_id=decode_table.instance_ids[decode],
             prompt_len=req.prompt_len,
-            local_prefix_blocks=chosen.local_prefix_blocks,
+            local_prefix_blocks=local_blocks,
             reused_blocks=option.prefix_blocks,
-            reused_tokens=self._reused_tokens(req, option.prefix_blocks),
+            reused_tokens=min(option.prefix_blocks * self.config.block_size, req.prompt_len),
             pull=pull,
             ttft_s=option.ttft,
             t_queue=option.t_queue,
             t_prefill=option.t_prefill,
             t_transfer=option.t_transfer,
-            tbt_s=decode.tbt_s,
-            candidates=tuple(candidates),
-            decode_candidates=tuple(decode_candidates),
+            tbt_s=float(decode_table.tbt_s[decode]),
+            candidates=LazyRecords(table.records),
+            decode_candidates=LazyRecords(decode_table.records),
         )
         logger.debug(
             "req=%s prefill=%s decode=%s reused=%d pull=%s ttft=%.4f tbt=%.4f",
@@ -292,21 +263,6 @@ class Conductor:
             pull, decision.ttft_s, decision.tbt_s,
         )  # fmt: skip
         return decision
-
-
-def _healthy_snapshots(
-    states: Sequence[InstanceState], kind: InstanceKind, now: float | None
-) -> list[InstanceSnapshot]:
-    out = []
-    for state in states:
-        if state.kind is not kind:
-            raise ValueError(
-                f"instance {state.instance_id!r} is {state.kind.value}, expected {kind.value}"
-            )
-        snap = state.snapshot(now)
-        if snap.healthy:
-            out.append(snap)
-    return out
 
 
 def find_state(states: Sequence[InstanceState], instance_id: str) -> InstanceState:

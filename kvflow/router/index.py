@@ -39,39 +39,95 @@ class BatchPrefixIndex(PrefixIndex, Protocol):
         ...
 
 
+@runtime_checkable
+class HolderPrefixIndex(PrefixIndex, Protocol):
+    """A :class:`PrefixIndex` that answers for whoever holds the keys, without a list of
+    instances: what the conductor prefers (its cost does not grow with the instance count)."""
+
+    def match_holders(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """``{instance: match(instance, keys)}`` for every instance whose match is > 0 (absent
+        instances match 0; empty ``keys`` give ``{}``). One holder lookup per key, none past
+        the first key that no still-matching instance holds. Same contract as ``match``."""
+        ...
+
+
+def prefix_lengths(holder_sets: Iterable[Iterable[str] | None]) -> dict[str, int]:
+    """Leading-match length of every instance holding the first key, given each key's holders
+    in key order (``None``: nobody holds it). Reads ``holder_sets`` only as far as needed."""
+    lengths: dict[str, int] = {}
+    alive: set[str] = set()
+    depth = 0
+    sets = iter(holder_sets)
+    for holders in sets:
+        if holders is None:
+            return lengths
+        alive = set(holders)
+        break
+    while len(alive) > 1:
+        depth += 1
+        holders = next(sets, None)
+        if holders is None:
+            break
+        if isinstance(holders, dict):
+            holders = holders.keys()
+        elif not isinstance(holders, set | frozenset):
+            holders = set(holders)
+        if alive <= holders:  # C-level, allocates nothing: the common case on a shared prefix
+            continue
+        gone = alive - holders
+        for instance_id in gone:
+            lengths[instance_id] = depth
+        alive -= gone
+    else:
+        if alive:  # one instance left: a membership test per key
+            (last,) = alive
+            depth += 1
+            for holders in sets:
+                if holders is None or last not in holders:
+                    break
+                depth += 1
+    for instance_id in alive:
+        lengths[instance_id] = depth
+    return lengths
+
+
 def walk_holders(
     instance_ids: Sequence[str], holder_sets: Iterable[Iterable[str] | None]
 ) -> list[int]:
     """Leading-match lengths of ``instance_ids`` given each key's holders, in key order.
 
     Stops reading ``holder_sets`` as soon as no listed instance is still matching, so a lazy
-    iterable is read only as far as needed. ``None`` means nobody holds the key.
+    iterable is read only as far as needed. ``None`` means nobody holds the key. Sparse: after
+    the first key only its holders among ``instance_ids`` are tracked (usually a few of them),
+    so the cost is one set operation per key plus one pass over ``instance_ids`` at the end.
     """
-    lengths = [0] * len(instance_ids)
-    position: dict[str, int] = {}
-    for at, instance_id in enumerate(instance_ids):
-        position.setdefault(instance_id, at)
-    duplicates = len(position) != len(instance_ids)
-    alive = set(position)
+    if not instance_ids:
+        return []
+    matched: dict[str, int] = {}  # instance -> its match length, once it stopped matching
+    alive: set[str] | None = None
     depth = 0
     for holders in holder_sets:
-        if not alive:
-            break
         if holders is None:
             break
         held = holders if isinstance(holders, set | frozenset | dict) else set(holders)
-        gone = alive.difference(held)  # C-level: one probe of ``held`` per live instance
-        if gone:
-            for instance_id in gone:
-                lengths[position[instance_id]] = depth
-            alive -= gone
+        if alive is None:
+            alive = set(instance_ids)
+            alive.intersection_update(held)  # C-level: iterates the smaller side
+        else:
+            gone = alive.difference(held)  # C-level: one probe of ``held`` per live instance
+            if gone:
+                for instance_id in gone:
+                    matched[instance_id] = depth
+                alive -= gone
+        if not alive:
+            break
         depth += 1
-    for instance_id in alive:
-        lengths[position[instance_id]] = depth
-    if duplicates:  # rare: copy the first occurrence's answer to the repeats
-        first = {i: lengths[p] for p, i in reversed(list(enumerate(instance_ids)))}
-        lengths = [first[i] for i in instance_ids]
-    return lengths
+    for instance_id in alive or ():
+        matched[instance_id] = depth
+    if not matched:
+        return [0] * len(instance_ids)
+    get = matched.get
+    return [get(instance_id, 0) for instance_id in instance_ids]
 
 
 class LocalPrefixIndex:
@@ -114,6 +170,11 @@ class LocalPrefixIndex:
             holders = self._holders
             return walk_holders(instance_ids, (holders.get(k) for k in keys))
 
+    def match_holders(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """See :class:`HolderPrefixIndex`: one reverse-map lookup per key."""
+        with self._lock:
+            return prefix_lengths(map(self._holders.get, keys))
+
     def holders_of(self, key: bytes) -> frozenset[str]:
         """The instances holding ``key`` (empty when none)."""
         with self._lock:
@@ -131,21 +192,25 @@ class LocalPrefixIndex:
         with self._lock:
             held = self._blocks.setdefault(instance_id, OrderedDict())
             holders = self._holders
+            owners_of = holders.get
+            refresh = held.move_to_end
             for key in reversed(chain):
                 if key in held:
-                    held.move_to_end(key)
+                    refresh(key)
                 else:
                     held[key] = None
-                    owners = holders.get(key)
+                    owners = owners_of(key)
                     if owners is None:
                         holders[key] = {instance_id}
                     else:
                         owners.add(instance_id)
-            evicted = 0
-            while self._capacity is not None and len(held) > self._capacity:
+            evicted = 0 if self._capacity is None else max(0, len(held) - self._capacity)
+            for _ in range(evicted):  # the least recently inserted first
                 key, _ = held.popitem(last=False)
-                self._drop_holder(key, instance_id)
-                evicted += 1
+                owners = holders[key]
+                owners.discard(instance_id)
+                if not owners:
+                    del holders[key]
             self._evicted += evicted
             return evicted
 

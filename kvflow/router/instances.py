@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +34,30 @@ class InstanceSnapshot(NamedTuple):
     queued_seconds: float
     decode_batch_size: int
     decode_context_tokens: int
+
+
+class LoadTerms(NamedTuple):
+    """The terms a snapshot is computed from, for readers that cache per-instance arrays
+    (:class:`~kvflow.router.load_table.LoadTable`).
+
+    ``queued_seconds(now) = (waiting_s + r_1 + r_2 + ...) + external_s`` summed in that order,
+    where ``r_k = max(0.0, predicted_k - (now - started_k))`` for each ``running`` entry
+    ``(predicted_k, started_k)`` in start order (``predicted_k`` when ``now`` is None).
+    ``decode_batch_size`` and ``decode_context_tokens`` include the external load.
+    """
+
+    healthy: bool
+    queued_requests: int
+    waiting_s: float
+    running: tuple[tuple[float, float], ...]
+    external_s: float
+    decode_batch_size: int
+    decode_context_tokens: int
+
+
+class ChangeSet(set["InstanceState"]):
+    """A set that watched instances add themselves to when they change
+    (:meth:`InstanceState.watch`); a plain set cannot be weakly referenced, this one can."""
 
 
 @dataclass
@@ -72,6 +97,31 @@ class InstanceState:
         self._snap: InstanceSnapshot | None = None  # valid while nothing runs (no ``now``)
         self._external = (0.0, 0, 0)  # queued seconds, decode batch, decode context tokens
         self._lock = threading.Lock()
+        self._watchers: list[weakref.ref[ChangeSet]] = []
+
+    # --- change notification ----------------------------------------------------------------
+    def watch(self, changed: ChangeSet) -> None:
+        """Add this instance to ``changed`` on every mutation from now on. ``changed`` is held
+        by weak reference (when it goes away the instance stops adding to it). The add happens
+        under this instance's lock, possibly before the mutation's effect: the owner of the set
+        reads the instance later (:meth:`load_terms`) and must not hold its own locks while
+        the instance could be mutated under them."""
+        with self._lock:
+            self._watchers.append(weakref.ref(changed))
+
+    def _changed(self) -> None:
+        """Every mutation calls this first, under the lock."""
+        self._snap = None  # the cached snapshot is stale
+        if self._watchers:
+            for ref in self._watchers:
+                changed = ref()
+                if changed is None:  # its owner is gone: forget the dead references
+                    self._watchers = [r for r in self._watchers if r() is not None]
+                    break
+                changed.add(self)
+            else:
+                return
+            self._changed()  # once more over the live ones
 
     # --- health -------------------------------------------------------------------------------
     @property
@@ -81,7 +131,7 @@ class InstanceState:
 
     def set_healthy(self, healthy: bool) -> None:
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
+            self._changed()
             self._healthy = healthy
 
     # --- prefill queue ------------------------------------------------------------------------
@@ -90,7 +140,7 @@ class InstanceState:
         if not (math.isfinite(predicted_s) and predicted_s >= 0):
             raise ValueError(f"predicted_s must be finite and >= 0, got {predicted_s}")
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
+            self._changed()
             if request_id in self._queue:
                 raise ValueError(f"request_id {request_id!r} already queued on {self.instance_id}")
             self._queue[request_id] = _Queued(predicted_s)
@@ -100,7 +150,7 @@ class InstanceState:
     def start(self, request_id: str, now: float) -> None:
         """Mark a queued request as running since ``now``; UnknownInstanceError if not queued."""
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
+            self._changed()
             entry = self._queue.get(request_id)
             if entry is None:
                 raise UnknownInstanceError(
@@ -114,7 +164,7 @@ class InstanceState:
     def finish(self, request_id: str) -> None:
         """Remove a request from the queue; UnknownInstanceError if it is not there."""
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
+            self._changed()
             entry = self._queue.pop(request_id, None)
             if entry is None:
                 raise UnknownInstanceError(
@@ -160,7 +210,7 @@ class InstanceState:
         if context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
+            self._changed()
             if request_id in self._decode:
                 raise ValueError(
                     f"request_id {request_id!r} already decoding on {self.instance_id}"
@@ -171,7 +221,7 @@ class InstanceState:
     def grow_decode(self, request_id: str, tokens: int = 1) -> None:
         """Account ``tokens`` more context for a decoding request (one per generated token)."""
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
+            self._changed()
             if request_id not in self._decode:
                 raise UnknownInstanceError(
                     f"request {request_id!r} not decoding on {self.instance_id}"
@@ -181,7 +231,7 @@ class InstanceState:
 
     def remove_decode(self, request_id: str) -> None:
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
+            self._changed()
             tokens = self._decode.pop(request_id, None)
             if tokens is None:
                 raise UnknownInstanceError(
@@ -215,7 +265,7 @@ class InstanceState:
         if decode_batch_size < 0 or decode_context_tokens < 0:
             raise ValueError("decode_batch_size and decode_context_tokens must be >= 0")
         with self._lock:
-            self._snap = None  # every mutation invalidates the cached snapshot
+            self._changed()
             self._external = (
                 max(0.0, queued_seconds - self._queued_seconds_locked(now)),
                 max(0, decode_batch_size - len(self._decode)),
@@ -245,6 +295,20 @@ class InstanceState:
             )
             self._snap = snap
             return snap
+
+    def load_terms(self) -> LoadTerms:
+        """A consistent read of the terms of :meth:`snapshot` (see :class:`LoadTerms`)."""
+        with self._lock:
+            ext_s, ext_batch, ext_ctx = self._external
+            running = (
+                tuple([(e.predicted_s, e.started_at) for e in self._running.values()])
+                if self._running
+                else ()
+            )
+            return LoadTerms(
+                self._healthy, len(self._queue), self._waiting_s, running, ext_s,
+                len(self._decode) + ext_batch, self._decode_tokens + ext_ctx,
+            )  # fmt: skip
 
     def __repr__(self) -> str:
         s = self.snapshot()

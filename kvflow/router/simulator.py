@@ -20,7 +20,10 @@ The model (one run is deterministic given the config, its seed and the records):
 - KV streaming to decode overlaps prefill and is not charged.
 
 Accounting is incremental (queue and batch sums, a virtual token clock per decode batch, a
-reverse holder index), so a decision costs O(instances), not O(instances x queue).
+reverse holder index), and the conductor re-reads only the instances that changed and scores
+the rest as arrays (see the router README), so a decision costs a few array operations over the
+instances plus Python work per changed instance and per prefix holder. Per-request results are
+kept in mutable records and frozen once at the end.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass
 
 from kvflow.router.conductor import Conductor
 from kvflow.router.estimators import TransferEstimator
 from kvflow.router.index import LocalPrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceState
+from kvflow.router.reference import ReferenceConductor
 from kvflow.router.sim_config import SimulationConfig
 from kvflow.router.sim_decode import DecodeInstance
 from kvflow.router.sim_prefill import PrefillInstance, PrefillJob
@@ -49,22 +53,56 @@ DECODE_MEMORY = "decode_memory"
 """Rejection reason of a request whose KV exceeds a decode instance's whole memory."""
 
 
+@dataclass(slots=True)
+class _Request:
+    """A request's outcome while the run is on (mutable; frozen by :meth:`outcome` at the end:
+    three ``dataclasses.replace`` per request cost more than the routing decision)."""
+
+    request_id: str
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    prefill_id: str | None = None
+    decode_id: str | None = None
+    reused_tokens: int = 0
+    local_hit_tokens: int = 0
+    pulled_blocks: int = 0
+    predicted_ttft_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_done_s: float = 0.0
+    decode_wait_s: float = 0.0
+    tbt_s: float = 0.0
+    finish_s: float = 0.0
+    rejected: str | None = None
+    keys: tuple[bytes, ...] = ()  # its block keys while its prefill runs
+
+    def outcome(self) -> RequestOutcome:
+        return RequestOutcome(
+            self.request_id, self.arrival_s, self.prompt_len, self.output_len, self.prefill_id,
+            self.decode_id, self.reused_tokens, self.local_hit_tokens, self.pulled_blocks,
+            self.predicted_ttft_s, self.ttft_s, self.prefill_done_s, self.decode_wait_s,
+            self.tbt_s, self.finish_s, self.rejected,
+        )  # fmt: skip
+
+
 class _Cluster:
     """The simulated cluster's mutable state for one run (private to :func:`simulate`)."""
 
-    def __init__(self, config: SimulationConfig) -> None:
+    def __init__(self, config: SimulationConfig, reference: bool = False) -> None:
         self.config = config
-        self.prefill = [
+        # tuples: the conductor recognises the same instances without comparing them one by one
+        self.prefill = tuple(
             InstanceState(f"prefill-{i}", InstanceKind.PREFILL) for i in range(config.num_prefill)
-        ]
-        self.decode = [
+        )
+        self.decode = tuple(
             InstanceState(f"decode-{i}", InstanceKind.DECODE) for i in range(config.num_decode)
-        ]
+        )
         self.prefill_at = {s.instance_id: i for i, s in enumerate(self.prefill)}
         self.decode_at = {s.instance_id: i for i, s in enumerate(self.decode)}
         self.index = LocalPrefixIndex(config.cache_capacity_blocks)
         self.transfer = TransferEstimator(config.bandwidth_bytes_per_s, config.transfer_latency_s)
-        self.conductor = Conductor(
+        router = ReferenceConductor if reference else Conductor
+        self.conductor = router(
             config.router,
             self.index,
             config.predict_prefill_model or config.prefill_model,
@@ -90,8 +128,7 @@ class _Cluster:
         self.events: list[tuple[float, int, int, int, int]] = []  # time, seq, kind, idx, version
         self.versions = [[0] * config.num_prefill, [0] * config.num_decode]
         self.seq = 0
-        self.outcomes: dict[str, RequestOutcome] = {}
-        self.keys: dict[str, tuple[bytes, ...]] = {}
+        self.requests: dict[str, _Request] = {}
 
     # --- events -------------------------------------------------------------------------------
     def schedule(self, kind: int, idx: int, time: float | None) -> None:
@@ -114,7 +151,7 @@ class _Cluster:
                 self.decode_tick(idx, time)
 
     # --- prefill ------------------------------------------------------------------------------
-    def submit(self, decision: RouteDecision, keys: tuple[bytes, ...], now: float) -> None:
+    def submit(self, decision: RouteDecision, request: _Request, now: float) -> None:
         idx = self.prefill_at[decision.prefill_id]
         ready = now
         if decision.pull is not None:
@@ -124,23 +161,22 @@ class _Cluster:
             start = max(now, self.link_busy_until[holder])
             self.link_busy_until[holder] = ready = start + wire
             self.transfer.observe(nbytes, wire)
-            self.index.insert(decision.pull.from_instance, keys[: decision.reused_blocks])
+            self.index.insert(decision.pull.from_instance, request.keys[: decision.reused_blocks])
         self.prefill[idx].enqueue(decision.request_id, decision.t_transfer + decision.t_prefill)
-        self.keys[decision.request_id] = keys
         job = PrefillJob(decision.request_id, decision.prompt_len, decision.reused_tokens, ready)
         self.engines[idx].submit(job)
         self.schedule(PREFILL, idx, self.engines[idx].poke(now))
 
     def prefill_done(self, job: PrefillJob, at: float) -> None:
-        outcome = self.outcomes[job.request_id]
-        assert outcome.prefill_id is not None and outcome.decode_id is not None
-        self.prefill[self.prefill_at[outcome.prefill_id]].finish(job.request_id)
-        self.index.insert(outcome.prefill_id, self.keys.pop(job.request_id))
-        self.outcomes[job.request_id] = replace(
-            outcome, ttft_s=at - outcome.arrival_s, prefill_done_s=at
-        )
-        idx = self.decode_at[outcome.decode_id]
-        self.batches[idx].arrive(job.request_id, outcome.prompt_len, outcome.output_len, at)
+        request = self.requests[job.request_id]
+        assert request.prefill_id is not None and request.decode_id is not None
+        self.prefill[self.prefill_at[request.prefill_id]].finish(job.request_id)
+        self.index.insert(request.prefill_id, request.keys)
+        request.keys = ()
+        request.ttft_s = at - request.arrival_s
+        request.prefill_done_s = at
+        idx = self.decode_at[request.decode_id]
+        self.batches[idx].arrive(job.request_id, request.prompt_len, request.output_len, at)
         self.after_decode_change(idx)
 
     # --- decode -------------------------------------------------------------------------------
@@ -148,49 +184,45 @@ class _Cluster:
         state = self.decode[idx]
         for request_id, joined_s, finished_s in self.batches[idx].advance(time):
             state.remove_decode(request_id)
-            outcome = self.outcomes[request_id]
-            tokens = max(1, outcome.output_len)
-            self.outcomes[request_id] = replace(
-                outcome,
-                finish_s=finished_s,
-                decode_wait_s=joined_s - outcome.prefill_done_s,
-                tbt_s=(finished_s - outcome.prefill_done_s) / tokens,
-            )
+            request = self.requests[request_id]
+            request.finish_s = finished_s
+            request.decode_wait_s = joined_s - request.prefill_done_s
+            request.tbt_s = (finished_s - request.prefill_done_s) / max(1, request.output_len)
         self.after_decode_change(idx)
 
     def after_decode_change(self, idx: int) -> None:
         batch = self.batches[idx]
         state = self.decode[idx]
         for request_id, _ in batch.take_joined():
-            state.add_decode(request_id, self.outcomes[request_id].prompt_len)
+            state.add_decode(request_id, self.requests[request_id].prompt_len)
         self.schedule(DECODE, idx, batch.next_departure())
 
     # --- arrivals -----------------------------------------------------------------------------
     def arrive(self, request_id: str, record: TraceRecord, now: float) -> None:
-        keys = record.block_keys
-        req = RouteRequest(request_id, keys, record.input_length)
-        base = RequestOutcome(request_id, now, record.input_length, record.output_length)
+        request = self.requests[request_id] = _Request(
+            request_id, now, record.input_length, record.output_length
+        )
         capacity = self.config.decode_capacity_tokens
         if capacity is not None and record.input_length + max(1, record.output_length) > capacity:
             # no decode instance could ever hold its KV: rejected up front (HTTP 429)
-            self.outcomes[request_id] = replace(base, rejected=DECODE_MEMORY)
+            request.rejected = DECODE_MEMORY
             return
+        keys = record.block_keys
+        req = RouteRequest(request_id, keys, record.input_length)
         result = self.conductor.route(req, self.prefill, self.decode, now=now)
         if isinstance(result, Rejection):
-            self.outcomes[request_id] = replace(base, rejected=result.reason.value)
+            request.rejected = result.reason.value
             return
         bs = self.config.router.block_size
         local_tokens = min(result.local_prefix_blocks * bs, record.input_length)
-        self.outcomes[request_id] = replace(
-            base,
-            prefill_id=result.prefill_id,
-            decode_id=result.decode_id,
-            reused_tokens=result.reused_tokens,
-            local_hit_tokens=min(local_tokens, result.reused_tokens),
-            pulled_blocks=result.pull.num_blocks if result.pull else 0,
-            predicted_ttft_s=result.ttft_s,
-        )
-        self.submit(result, keys, now)
+        request.prefill_id = result.prefill_id
+        request.decode_id = result.decode_id
+        request.reused_tokens = result.reused_tokens
+        request.local_hit_tokens = min(local_tokens, result.reused_tokens)
+        request.pulled_blocks = result.pull.num_blocks if result.pull else 0
+        request.predicted_ttft_s = result.ttft_s
+        request.keys = keys
+        self.submit(result, request, now)
 
     def loads(self) -> list[InstanceLoad]:
         out = []
@@ -208,15 +240,18 @@ def simulate(
     config: SimulationConfig,
     records: Sequence[TraceRecord],
     progress: Callable[[int, int], None] | None = None,
+    *,
+    reference: bool = False,
 ) -> SimulationReport:
     """Replay ``records`` through a simulated cluster routed by ``config.router.policy``.
 
     Pure function of its arguments (fresh state per call; the conductor's ties and rng are
     seeded). Records are taken in timestamp order (stable for equal stamps). ``progress(done,
     total)`` is called every few hundred requests and at the end. ValueError when a request can
-    never fit a decode instance's memory.
+    never fit a decode instance's memory. ``reference=True`` routes with the per-instance
+    :class:`ReferenceConductor` (same decisions, slower: a speed baseline and a cross-check).
     """
-    cluster = _Cluster(config)
+    cluster = _Cluster(config, reference)
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
     t0 = ordered[0].timestamp_ms if ordered else 0
     for i, record in enumerate(ordered):
@@ -232,7 +267,7 @@ def simulate(
     report = summarise(
         config,
         cluster.conductor.policy_name,
-        list(cluster.outcomes.values()),
+        [request.outcome() for request in cluster.requests.values()],
         cluster.index.evicted_blocks,
         cluster.loads(),
         duration,

@@ -9,6 +9,7 @@ chained prefix ids, so equal ids at equal positions mean an equal prefix. The id
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,14 @@ class TraceRecord:
 
     @property
     def block_keys(self) -> tuple[bytes, ...]:
-        return tuple(hash_id_key(h) for h in self.hash_ids)
+        """The hash ids as block keys (:func:`hash_id_key`); ValueError for an id out of range."""
+        try:
+            return tuple(map(_to_key, self.hash_ids))  # C-level: no per-id Python call
+        except OverflowError:
+            return tuple(hash_id_key(h) for h in self.hash_ids)  # raises the ValueError
+
+
+_to_key = operator.methodcaller("to_bytes", 8, "big")
 
 
 def hash_id_key(hash_id: int) -> bytes:

@@ -7,6 +7,7 @@ RESOURCE_EXHAUSTED with :meth:`Rejection.message` as the details).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,6 +31,8 @@ class RouteRequest:
             raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
         if not isinstance(self.block_keys, tuple):
             object.__setattr__(self, "block_keys", tuple(self.block_keys))
+        if set(map(type, self.block_keys)) <= {bytes} and b"" not in self.block_keys:
+            return  # the common case, checked at C speed
         for i, key in enumerate(self.block_keys):
             if not isinstance(key, bytes) or not key:
                 raise ValueError(f"block_keys[{i}] must be non-empty bytes, got {key!r}")
@@ -113,8 +116,10 @@ class RouteDecision:
     t_prefill: float
     t_transfer: float
     tbt_s: float
-    candidates: tuple[PrefillCandidate, ...]
-    decode_candidates: tuple[DecodeCandidate, ...]
+    # every healthy instance's predictions, in the caller's order (built on first access by the
+    # conductor; compare equal to tuples of the same records)
+    candidates: Sequence[PrefillCandidate]
+    decode_candidates: Sequence[DecodeCandidate]
 
 
 class RejectReason(enum.Enum):

@@ -8,6 +8,7 @@ import pytest
 
 from kvflow.replication import MetadataTable, MetadataView, NodeId, Tier
 from kvflow.router import BatchPrefixIndex, LocalPrefixIndex, MetadataPrefixIndex, PrefixIndex
+from kvflow.router.index import HolderPrefixIndex, prefix_lengths
 from tests.router.conftest import keys
 
 
@@ -57,7 +58,24 @@ def test_match_all_equals_match_per_instance():
         probe = keys(rng.randint(0, 14), rng.choice("ab"))
         asked = [*ids, "unknown", ids[0]]  # an unknown instance and a repeat
         assert index.match_all(asked, probe) == [index.match(i, probe) for i in asked]
-    assert isinstance(index, BatchPrefixIndex)
+        every = {i: index.match(i, probe) for i in ids}
+        assert index.match_holders(probe) == {i: n for i, n in every.items() if n > 0}
+    assert isinstance(index, BatchPrefixIndex) and isinstance(index, HolderPrefixIndex)
+
+
+def test_prefix_lengths_stops_at_the_first_key_nobody_left_holds():
+    read: list[int] = []
+
+    def holder_sets():  # type: ignore[no-untyped-def]
+        for n, holders in enumerate([{"a", "b", "c"}, {"a", "b"}, ["b"], {"a"}, None, {"b"}]):
+            read.append(n)
+            yield holders
+
+    assert prefix_lengths(holder_sets()) == {"c": 1, "a": 2, "b": 3}
+    assert read == [0, 1, 2, 3]  # the 4th key: "b" alone was matching and does not hold it
+    assert prefix_lengths([{"a"}, {"a"}, {"a"}]) == {"a": 3}
+    assert prefix_lengths([None, {"a"}]) == {} == prefix_lengths([]) == prefix_lengths([set()])
+    assert prefix_lengths([{"a", "b"}, {"a", "b"}]) == {"a": 2, "b": 2}
 
 
 def test_metadata_index_reads_holders_once_per_request():
@@ -78,3 +96,6 @@ def test_metadata_index_reads_holders_once_per_request():
     assert index.match("p1", keys(5)) == 2
     assert index.match_all(["p0"], ()) == [0]
     assert calls == [5, 5]
+    assert index.match_holders(keys(5)) == {"p0": 4, "p1": 2}
+    assert index.match_holders(()) == {}
+    assert calls == [5, 5, 5]

@@ -3,6 +3,11 @@
 A policy only computes a choice over the conductor's per-instance predictions; it reads no
 instance state and mutates nothing but its own small cursor (round-robin) or the rng it is
 given. Every implementation is constructed the same way: ``Policy(rng)``.
+
+Two forms of the same choice: :meth:`Policy.choose` over a :class:`PrefillTable` (arrays, what
+the conductor calls) and :meth:`Policy.reference_choose` over per-instance
+:class:`PrefillCandidate` records (the straightforward form the reference conductor calls; tests
+check that both pick the same instance).
 """
 
 from __future__ import annotations
@@ -12,15 +17,20 @@ import random
 from collections.abc import Sequence
 from typing import ClassVar
 
+import numpy as np
+import numpy.typing as npt
+
+from kvflow.router.candidates import PrefillTable
 from kvflow.router.types import PolicyChoice, PrefillCandidate
 
 
 class Policy(abc.ABC):
     """Picks the prefill instance for one request.
 
-    ``choose`` receives a non-empty sequence of candidates (healthy prefill instances, in the
-    caller's order) and returns a :class:`PolicyChoice` whose ``index`` is valid for it. Not
-    thread-safe: the conductor calls it under its own lock.
+    ``choose`` receives a non-empty table (healthy prefill instances, in the caller's order) and
+    returns a :class:`PolicyChoice` whose ``index`` is valid for it; ``reference_choose`` makes
+    the same choice from the rows as records. Not thread-safe: the conductor calls it under its
+    own lock.
     """
 
     name: ClassVar[str]
@@ -34,9 +44,15 @@ class Policy(abc.ABC):
         self._rng = rng
 
     @abc.abstractmethod
-    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
-        """The choice; never called with an empty sequence. ``tie_break`` (a hash of the request
+    def choose(self, table: PrefillTable, tie_break: int = 0) -> PolicyChoice:
+        """The choice; never called with an empty table. ``tie_break`` (a hash of the request
         id) picks among exactly tied candidates, see :func:`argmin`."""
+
+    @abc.abstractmethod
+    def reference_choose(
+        self, candidates: Sequence[PrefillCandidate], tie_break: int = 0
+    ) -> PolicyChoice:
+        """:meth:`choose` over the same rows as records, written per instance."""
 
 
 def argmin(values: Sequence[float], tie_break: int = 0) -> int:
@@ -62,3 +78,10 @@ def argmin(values: Sequence[float], tie_break: int = 0) -> int:
                 return i
             pick -= 1
     raise AssertionError("unreachable: tie count out of step")
+
+
+def argmin_array(values: npt.NDArray[np.float64], tie_break: int = 0) -> int:
+    """:func:`argmin` over a non-empty array without NaN (the same index)."""
+    first = int(values.argmin())  # C-level (``values.min()`` goes through a Python wrapper)
+    tied = (values == values[first]).nonzero()[0]
+    return first if len(tied) == 1 else int(tied[tie_break % len(tied)])

@@ -10,7 +10,10 @@ import math
 import random
 from collections.abc import Sequence
 
-from kvflow.router.policies.base import Policy, argmin
+import numpy as np
+
+from kvflow.router.candidates import PrefillTable
+from kvflow.router.policies.base import Policy, argmin, argmin_array
 from kvflow.router.types import PolicyChoice, PrefillCandidate
 
 
@@ -19,7 +22,12 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
+    def choose(self, table: PrefillTable, tie_break: int = 0) -> PolicyChoice:
+        return PolicyChoice(self._rng.randrange(len(table)))
+
+    def reference_choose(
+        self, candidates: Sequence[PrefillCandidate], tie_break: int = 0
+    ) -> PolicyChoice:
         return PolicyChoice(self._rng.randrange(len(candidates)))
 
 
@@ -35,8 +43,16 @@ class RoundRobinPolicy(Policy):
         super().__init__(rng)
         self._cursor = 0
 
-    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
-        index = self._cursor % len(candidates)
+    def choose(self, table: PrefillTable, tie_break: int = 0) -> PolicyChoice:
+        return self._next(len(table))
+
+    def reference_choose(
+        self, candidates: Sequence[PrefillCandidate], tie_break: int = 0
+    ) -> PolicyChoice:
+        return self._next(len(candidates))
+
+    def _next(self, count: int) -> PolicyChoice:
+        index = self._cursor % count
         self._cursor += 1
         return PolicyChoice(index)
 
@@ -47,8 +63,15 @@ class LeastLoadedPolicy(Policy):
 
     name = "least-loaded"
 
-    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
-        fewest = min(c.queued_requests for c in candidates)
+    def choose(self, table: PrefillTable, tie_break: int = 0) -> PolicyChoice:
+        queued = table.queued_requests
         # queued seconds of the least-queued ones; the rest are out of the running
+        seconds = np.where(queued == queued.min(), table.t_queue, np.inf)
+        return PolicyChoice(argmin_array(seconds, tie_break))
+
+    def reference_choose(
+        self, candidates: Sequence[PrefillCandidate], tie_break: int = 0
+    ) -> PolicyChoice:
+        fewest = min(c.queued_requests for c in candidates)
         seconds = [c.local.t_queue if c.queued_requests == fewest else math.inf for c in candidates]
         return PolicyChoice(argmin(seconds, tie_break))

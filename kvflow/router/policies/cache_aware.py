@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvflow.router.policies.base import Policy, argmin
+from kvflow.router.candidates import PrefillTable
+from kvflow.router.policies.base import Policy, argmin, argmin_array
 from kvflow.router.types import PolicyChoice, PrefillCandidate
 
 
@@ -16,7 +17,13 @@ class CacheAwarePolicy(Policy):
     name = "cache-aware"
     decides_pulls = True
 
-    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
+    def choose(self, table: PrefillTable, tie_break: int = 0) -> PolicyChoice:
+        index = argmin_array(table.balanced_ttft, tie_break)
+        return PolicyChoice(index, pull=table.pulls(index))
+
+    def reference_choose(
+        self, candidates: Sequence[PrefillCandidate], tie_break: int = 0
+    ) -> PolicyChoice:
         index = argmin([c.balanced.ttft for c in candidates], tie_break)
         return PolicyChoice(index, pull=candidates[index].balanced.pull_blocks > 0)
 
@@ -27,5 +34,10 @@ class LocalCacheAwarePolicy(Policy):
     name = "local-cache-aware"
     decides_pulls = True
 
-    def choose(self, candidates: Sequence[PrefillCandidate], tie_break: int = 0) -> PolicyChoice:
+    def choose(self, table: PrefillTable, tie_break: int = 0) -> PolicyChoice:
+        return PolicyChoice(argmin_array(table.local_ttft, tie_break))
+
+    def reference_choose(
+        self, candidates: Sequence[PrefillCandidate], tie_break: int = 0
+    ) -> PolicyChoice:
         return PolicyChoice(argmin([c.local.ttft for c in candidates], tie_break))

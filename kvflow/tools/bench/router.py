@@ -12,12 +12,16 @@ Indexes:
     ``MetadataTable`` holding the same facts (what a router reads; the gRPC view adds one RPC on
     a holders-cache miss, not measured here);
   * with ``--per-instance``, also each index wrapped so that the conductor can only call
-    ``match`` once per instance (the code before ``match_all``), for comparison in the same run.
+    ``match`` once per instance (the code before ``match_all``), for comparison in the same run;
+  * with ``--reference``, also each index routed by :class:`ReferenceConductor` (``*-reference``:
+    the per-instance conductor before vectorised scoring, same decisions), in the same run.
 
-Only ``route`` is timed (the decision; ``commit`` is not). Prints one summary line; ``--json
-PATH`` writes every result.
+Only ``route`` is timed (the decision; ``commit`` is not), in wall time and in this thread's CPU
+time (``time.thread_time_ns``: excludes the time spent waiting for a core on a shared machine).
+Prints one summary line; ``--json PATH`` writes every result and the load average.
 
-    python -m kvflow.tools.bench.router [--instances 16,64,256] [--blocks 1000000] [--json out]
+    python -m kvflow.tools.bench.router [--instances 16,64,256] [--blocks 1000000] [--reference]
+        [--json out]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -49,6 +54,7 @@ from kvflow.router import (
     RouteRequest,
     TransferEstimator,
 )
+from kvflow.router.reference import ReferenceConductor
 
 BLOCK_SIZE = 512
 PREFILL = PrefillTimeModel((0.03, 1.1e-4, 1.05e-9, 6.5e-6), "bench")
@@ -129,24 +135,33 @@ def _time_routes(
     decode: list[InstanceState],
     requests: Sequence[RouteRequest],
     freeze_gc: bool,
+    reference: bool = False,
 ) -> dict[str, float]:
     config = RouterConfig(block_size=BLOCK_SIZE, block_nbytes=BLOCK_SIZE * 327_680)
-    conductor = Conductor(config, index, PREFILL, DECODE, TransferEstimator(25e9, 1e-3))
+    router = ReferenceConductor if reference else Conductor
+    conductor = router(config, index, PREFILL, DECODE, TransferEstimator(25e9, 1e-3))
     for req in requests[:50]:  # warm-up
         conductor.route(req, prefill, decode, now=0.5)
     if freeze_gc:
         gc.collect()
         gc.freeze()  # the index's millions of long-lived objects leave the collector's scans
     samples = []
+    cpu_samples = []
     for req in requests:
-        start = time.perf_counter_ns()
+        start, cpu_start = time.perf_counter_ns(), time.thread_time_ns()
         conductor.route(req, prefill, decode, now=0.5)
         samples.append(time.perf_counter_ns() - start)
-    us = np.array(samples, dtype=float) / 1e3
+        cpu_samples.append(time.thread_time_ns() - cpu_start)
+    ms = np.array(samples, dtype=float) / 1e6
+    cpu_ms = np.array(cpu_samples, dtype=float) / 1e6
     return {
-        "p50_ms": float(np.percentile(us, 50)) / 1e3,
-        "p99_ms": float(np.percentile(us, 99)) / 1e3,
-        "mean_ms": float(us.mean()) / 1e3,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "mean_ms": float(ms.mean()),
+        # this thread's CPU time per decision: what the decision costs, without the time the
+        # thread waited for a core on a shared machine
+        "cpu_p50_ms": float(np.percentile(cpu_ms, 50)),
+        "cpu_p99_ms": float(np.percentile(cpu_ms, 99)),
         "decisions": len(samples),
     }
 
@@ -159,6 +174,7 @@ def run_bench(
     seed: int,
     per_instance: bool,
     freeze_gc: bool,
+    reference: bool = False,
 ) -> list[dict[str, Any]]:
     results = []
     for instances in instance_counts:
@@ -174,8 +190,11 @@ def run_bench(
             if per_instance:
                 indexes[f"{name}-per-instance"] = PerInstanceIndex(index)
         held = sum(len(k) for k in layout.holdings.values())
-        for name, index in indexes.items():
-            stats = _time_routes(index, prefill, decode, requests, freeze_gc)
+        runs = [(name, index, False) for name, index in indexes.items()]
+        if reference:
+            runs += [(f"{name}-reference", indexes[name], True) for name in ("local", "metadata")]
+        for name, index, with_reference in runs:
+            stats = _time_routes(index, prefill, decode, requests, freeze_gc, with_reference)
             results.append(
                 {
                     "index": name,
@@ -189,7 +208,8 @@ def run_bench(
             )
             print(
                 f"  {name:<22} {instances:>4} prefill: p50 {stats['p50_ms']:.3f} ms "
-                f"p99 {stats['p99_ms']:.3f} ms",
+                f"p99 {stats['p99_ms']:.3f} ms (cpu p50 {stats['cpu_p50_ms']:.3f} "
+                f"p99 {stats['cpu_p99_ms']:.3f} ms)",
                 file=sys.stderr,
             )
     return results
@@ -204,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--per-instance", action="store_true", help="also time one match per instance"
+    )
+    parser.add_argument(
+        "--reference", action="store_true", help="also time the per-instance ReferenceConductor"
     )
     parser.add_argument(
         "--no-gc-freeze",
@@ -223,9 +246,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.seed,
         args.per_instance,
         not args.no_gc_freeze,
+        args.reference,
     )
     if args.json is not None:
-        doc = {"seed": args.seed, "blocks": args.blocks, "results": results}
+        doc = {
+            "seed": args.seed,
+            "blocks": args.blocks,
+            "loadavg_after": os.getloadavg(),
+            "results": results,
+        }
         args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     print(
         "bench_router: "
