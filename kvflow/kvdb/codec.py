@@ -49,9 +49,7 @@ def key_seed(key: bytes, parent: bytes | None) -> int:
     return int(xxhash.xxh3_64_intdigest(bytes(key) + (bytes(parent) if parent else _NO_PARENT)))
 
 
-def block_checksum(
-    key: bytes, parent: bytes | None, data: np.ndarray | memoryview | bytes
-) -> int:
+def block_checksum(key: bytes, parent: bytes | None, data: np.ndarray | memoryview | bytes) -> int:
     """The checksum a block stores and every reader verifies: value, key and parent."""
     return checksum(data, key_seed(key, parent))
 
