@@ -5,9 +5,13 @@ An SSD record is a 48-byte header followed by the payload:
     magic "KVDB" | version u8 | codec u8 | shuffle u8 | flags u8 |
     raw_len u64 | payload_len u64 | checksum u64 | parent key 16 bytes
 
-The checksum is xxh3_64 of the RAW value (before compression), so the same checksum follows a
-block from DRAM to SSD and back and is verified at every read, end to end. Functions here are
-pure and thread-safe (compressor objects are per thread).
+The checksum is a *block checksum*: xxh3_64 of the RAW value (before compression) seeded with
+xxh3_64(key ‖ parent key), so it covers which block the bytes are, not only the bytes: a valid
+value found under another key (or with another parent) fails it like a flipped bit. The same
+checksum follows a block from DRAM to SSD and back and to a remote reader, and is verified at
+every read, end to end. Version 1 records checksummed the value alone; this build refuses them
+(the data dir's manifest version says so before any record is read). Functions here are pure
+and thread-safe (compressor objects are per thread).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from kvflow.kvdb.errors import ChecksumError
 from kvflow.kvdb.keys import KEY_BYTES, BlockKey
 
 MAGIC = b"KVDB"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 CODEC_NONE = 0
 CODEC_ZSTD = 1
 _FLAG_PARENT = 1
@@ -35,26 +39,37 @@ _NO_PARENT = bytes(KEY_BYTES)
 _local = threading.local()
 
 
-def checksum(data: np.ndarray | memoryview | bytes) -> int:
-    """xxh3_64 of a contiguous buffer."""
-    return int(xxhash.xxh3_64_intdigest(data))
+def checksum(data: np.ndarray | memoryview | bytes, seed: int = 0) -> int:
+    """xxh3_64 of a contiguous buffer (``seed``: see ``key_seed``)."""
+    return int(xxhash.xxh3_64_intdigest(data, seed))
 
 
-def copy_and_checksum(dst: np.ndarray, src: np.ndarray) -> int:
-    """Copy ``src`` into ``dst`` (same length, uint8) and return xxh3_64 of the bytes.
+def key_seed(key: bytes, parent: bytes | None) -> int:
+    """The seed that binds a block checksum to ``key`` and ``parent`` (None: no parent)."""
+    return int(xxhash.xxh3_64_intdigest(bytes(key) + (bytes(parent) if parent else _NO_PARENT)))
+
+
+def block_checksum(key: bytes, parent: bytes | None, data: np.ndarray | memoryview | bytes) -> int:
+    """The checksum a block stores and every reader verifies: value, key and parent."""
+    return checksum(data, key_seed(key, parent))
+
+
+def copy_and_checksum(dst: np.ndarray, src: np.ndarray, seed: int = 0) -> int:
+    """Copy ``src`` into ``dst`` (same length, uint8) and return xxh3_64 of the bytes seeded
+    with ``seed`` (``key_seed`` of the block).
 
     Hashes the source first: for block-sized values the hash pulls the source into cache, so
     the copy that follows reads from cache (about the cost of a plain memcpy in total).
     """
-    digest = checksum(src)
+    digest = checksum(src, seed)
     dst[:] = src
     return digest
 
 
-def verified_copy(dst: np.ndarray, src: np.ndarray, expected: int) -> bool:
-    """Copy ``src`` into ``dst`` only if its xxh3_64 is ``expected``; False (``dst``
-    untouched) otherwise."""
-    if checksum(src) != expected:
+def verified_copy(dst: np.ndarray, src: np.ndarray, expected: int, seed: int = 0) -> bool:
+    """Copy ``src`` into ``dst`` only if its xxh3_64 seeded with ``seed`` is ``expected``;
+    False (``dst`` untouched) otherwise."""
+    if checksum(src, seed) != expected:
         return False
     dst[:] = src
     return True
@@ -163,13 +178,16 @@ def decode_header(record: bytes | memoryview) -> RecordHeader:
     )
 
 
-def decode_record_into(record: bytes | memoryview, dst: np.ndarray) -> RecordHeader:
-    """Decode ``record`` into ``dst`` (uint8, exactly raw_len bytes) and verify its checksum.
+def decode_record_into(record: bytes | memoryview, dst: np.ndarray, key: bytes) -> RecordHeader:
+    """Decode ``record``, stored under ``key``, into ``dst`` (uint8, exactly raw_len bytes) and
+    verify its block checksum (value, ``key`` and the header's parent).
 
-    Raises ChecksumError on any corruption (``dst`` then holds unspecified bytes) and ValueError
-    if ``dst`` has the wrong length (checked before anything is written).
+    Raises ChecksumError on any corruption, and for a record that belongs to another key
+    (``dst`` then holds unspecified bytes); ValueError if ``dst`` has the wrong length (checked
+    before anything is written).
     """
     header = decode_header(record)
+    seed = key_seed(key, header.parent)
     if dst.shape[0] != header.raw_len:
         raise ValueError(f"destination has {dst.shape[0]} bytes, record holds {header.raw_len}")
     payload = np.frombuffer(record, dtype=np.uint8, offset=HEADER_BYTES)
@@ -177,7 +195,7 @@ def decode_record_into(record: bytes | memoryview, dst: np.ndarray) -> RecordHea
         # copy first, then hash the copy while it is in cache: from an mmap'ed engine (LMDB)
         # this is ~1.8x faster than hashing the mapped source first (measured)
         dst[:] = payload
-        got = checksum(dst)
+        got = checksum(dst, seed)
     else:
         try:
             raw = _decompressor().decompress(memoryview(payload), max_output_size=header.raw_len)
@@ -190,7 +208,10 @@ def decode_record_into(record: bytes | memoryview, dst: np.ndarray) -> RecordHea
             unshuffle_into(dst, plain, header.shuffle)
         else:
             dst[:] = plain
-        got = checksum(dst)
+        got = checksum(dst, seed)
     if got != header.checksum:
-        raise ChecksumError(f"checksum mismatch: stored {header.checksum:#x}, read {got:#x}")
+        raise ChecksumError(
+            f"block checksum mismatch (corrupt, or the record of another key): stored "
+            f"{header.checksum:#x}, read {got:#x}"
+        )
     return header

@@ -15,7 +15,9 @@ from kvflow.kvdb.errors import IncompatibleDataDirError, NamespaceMismatchError
 
 MANIFEST_NAME = "kvdb-manifest.json"
 FORMAT_NAME = "kvflow.kvdb"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# What each older version lacks, for the refusal message.
+_OLDER = {1: "its checksums cover the value only, not the block key and parent"}
 
 
 def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
@@ -49,10 +51,12 @@ def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
         raise IncompatibleDataDirError(f"{path}: unreadable manifest: {exc}") from exc
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise IncompatibleDataDirError(f"{path}: not a kvflow kvdb data directory")
-    if body.get("format_version") != FORMAT_VERSION:
+    version = body.get("format_version")
+    if version != FORMAT_VERSION:
+        why = _OLDER.get(version) if isinstance(version, int) else None
         raise IncompatibleDataDirError(
-            f"{path}: format version {body.get('format_version')!r}, this build reads "
-            f"{FORMAT_VERSION}"
+            f"{path}: format version {version!r}, this build reads {FORMAT_VERSION}"
+            + (f" ({why}); it is a cache: delete the directory to start afresh" if why else "")
         )
     if body.get("engine") != engine:
         raise IncompatibleDataDirError(

@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvflow.kvdb.codec import checksum
+from kvflow.kvdb.codec import block_checksum
 from kvflow.kvdb.dram import DramTier
 from kvflow.kvdb.entry import Entry
 from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored
@@ -40,6 +40,10 @@ class ShardState:
     dram_counters: TierCounters
     ssd_counters: TierCounters
     emit: Callable[[BlockEvent], None]
+    # Pins still owed on blocks removed while pinned (a corrupt copy was their last): the
+    # holders' unpin consumes these first, so a pin on a lost block is never a NotPinnedError
+    # nor a leak. Keyed by key: a block stored again under the key shares the count.
+    lost_pins: dict[BlockKey, int] = field(default_factory=dict)
 
 
 class TierMover:
@@ -234,7 +238,7 @@ class TierMover:
         s = self.s
         if s.ssd is None:
             return None
-        csum = checksum(src)
+        csum = block_checksum(key, parent, src)
         record = s.ssd.encode(src, csum, parent)
         if not self.make_ssd_room(len(record)):
             return None
@@ -277,6 +281,8 @@ class TierMover:
                 return
         if not e.readers and e.dram is None and not e.on_ssd:
             del s.index[e.key]
+            if e.pins:
+                s.lost_pins[e.key] = s.lost_pins.get(e.key, 0) + e.pins
             s.emit(BlockRemoved(e.key))
 
     def adopt_ssd(self) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvflow.kvdb import manifest
 from kvflow.kvdb.buffers import readable_bytes, writable_bytes
-from kvflow.kvdb.codec import copy_and_checksum, verified_copy
+from kvflow.kvdb.codec import copy_and_checksum, key_seed, verified_copy
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.dram import DramTier
 from kvflow.kvdb.engines import ENGINES, StorageEngine
@@ -205,7 +205,7 @@ class Shard:
         dram = self._state.dram
         assert dram is not None
         try:
-            csum = copy_and_checksum(dram.view(offset, nbytes), src)
+            csum = copy_and_checksum(dram.view(offset, nbytes), src, key_seed(key, parent))
         except BaseException:
             with self._lock:
                 self._writing.discard(key)
@@ -281,7 +281,8 @@ class Shard:
         """The copy + verification, outside the lock."""
         if tier is Tier.DRAM:
             assert self._state.dram is not None and offset is not None
-            return verified_copy(dst, self._state.dram.view(offset, e.nbytes), e.checksum)
+            view = self._state.dram.view(offset, e.nbytes)
+            return verified_copy(dst, view, e.checksum, key_seed(e.key, e.parent))
         assert self._state.ssd is not None
         try:
             return self._state.ssd.read_into(e.key, dst)
@@ -380,23 +381,36 @@ class Shard:
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         """Drop one pin from each key. Raises NotPinnedError (and changes nothing) if a key
-        (counting repeats) holds fewer pins than asked."""
+        (counting repeats) holds fewer pins than asked. A pinned block that was removed since
+        because its last copy failed its checksum still owes its pins: unpinning it is fine
+        (those owed pins are dropped first)."""
         checked = [check_key(k) for k in keys]
         with self._lock:
             wanted: dict[bytes, int] = {}
             for key in checked:
                 wanted[key] = wanted.get(key, 0) + 1
+            lost = self._state.lost_pins
             for key, n in wanted.items():
                 e = self._state.index.get(BlockKey(key))
-                if e is None or e.pins < n:
+                if (0 if e is None else e.pins) + lost.get(BlockKey(key), 0) < n:
                     raise NotPinnedError(f"key={key.hex()} holds fewer than {n} pins")
             for key, n in wanted.items():
-                self._state.index[BlockKey(key)].pins -= n
+                owed = min(n, lost.get(BlockKey(key), 0))
+                if owed:
+                    lost[BlockKey(key)] -= owed
+                    if not lost[BlockKey(key)]:
+                        del lost[BlockKey(key)]
+                if n > owed:
+                    self._state.index[BlockKey(key)].pins -= n - owed
 
     def num_pinned(self) -> int:
-        """Blocks holding at least one pin (a leak check for callers that pin)."""
+        """Blocks holding at least one pin, plus removed (corrupt) blocks whose pins were not
+        dropped yet (a leak check for callers that pin)."""
         with self._lock:
-            return sum(1 for e in self._state.index.values() if e.pins > 0)
+            index = self._state.index
+            held = sum(1 for e in index.values() if e.pins > 0)
+            lost = (k for k in self._state.lost_pins if k not in index or not index[k].pins)
+            return held + sum(1 for _ in lost)
 
     def evict(self, tier: Tier, nbytes: int) -> int:
         """Evict at least ``nbytes`` from ``tier`` now, by the configured policy (an admin

@@ -74,8 +74,8 @@ class SsdTier:
 
     def read_into(self, key: BlockKey, dst: np.ndarray) -> bool:
         """Decode ``key``'s record into ``dst`` and verify it. False if the record is absent;
-        raises ChecksumError if it is corrupted or truncated."""
-        found = self.engine.read(key, lambda record: codec.decode_record_into(record, dst))
+        raises ChecksumError if it is corrupted, truncated or another key's record."""
+        found = self.engine.read(key, lambda record: codec.decode_record_into(record, dst, key))
         return found is not None
 
     def adopt(self) -> Iterator[AdoptedRecord]:

@@ -6,6 +6,7 @@ defined here and re-exported by kvdb. See README.md in this folder.
 
 from __future__ import annotations
 
+from kvflow.replication.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from kvflow.replication.config import MetadataConfig
 from kvflow.replication.errors import (
     MetadataTimeoutError,
@@ -23,6 +24,9 @@ from kvflow.replication.types import NodeId, NodeInfo, Tier
 from kvflow.replication.view import MetadataView
 
 __all__ = [
+    "BreakerConfig",
+    "BreakerState",
+    "CircuitBreaker",
     "MetadataClient",
     "MetadataConfig",
     "MetadataGroup",

@@ -6,9 +6,13 @@ knows as the leader (learned from ``Status`` replies and from the ``kvflow-leade
 an UNAVAILABLE reply), reads first to the replica that answered last. UNAVAILABLE and
 DEADLINE_EXCEEDED are retried on the next replica, then again after a short backoff, until
 the call's budget (``timeout_s``) is spent; then ``MetadataUnavailableError`` names every
-address and what it answered. INVALID_ARGUMENT raises ``ValueError``. Only idempotent
-commands go through here (all of the metadata's are), so a retry after an unknown outcome
-is safe.
+address and what it answered. One attempt of a read waits at most ``read_attempt_timeout_s``
+(any replica answers a read from memory; a paused one must not hold it for a write's
+``attempt_timeout_s``), and each replica has a ``CircuitBreaker``: a replica that failed or
+timed out is tried last until a half-open probe finds it answering again, so a paused
+leader costs the first call one short attempt and the next ones nothing. INVALID_ARGUMENT
+raises ``ValueError``. Only idempotent commands go through here (all of the metadata's are),
+so a retry after an unknown outcome is safe.
 
 Thread-safety: every method may be called from any thread; gRPC channels are thread-safe
 and the little routing state is under a lock.
@@ -25,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from kvflow.replication.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from kvflow.replication.config import check_address
 from kvflow.replication.errors import MetadataUnavailableError, ReplicationError
 from kvflow.replication.wire import GRPC_OPTIONS, LEADER_METADATA_KEY, pb2, pb2_grpc
@@ -45,12 +50,20 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 _BACKOFF_S = (0.02, 0.05, 0.1, 0.2)
 _DISCOVER_TIMEOUT_S = 1.0
+DEFAULT_READ_ATTEMPT_TIMEOUT_S = 0.5
 
 
 class Endpoints:
     """Channels to every replica, the known leader, and the retrying call (module doc)."""
 
-    def __init__(self, addresses: Sequence[str], timeout_s: float, attempt_timeout_s: float):
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        timeout_s: float,
+        attempt_timeout_s: float,
+        read_attempt_timeout_s: float = DEFAULT_READ_ATTEMPT_TIMEOUT_S,
+        breaker: BreakerConfig | None = None,
+    ):
         if isinstance(addresses, str) or not addresses:
             raise ValueError("addresses: expected a non-empty sequence of 'host:port' strings")
         for address in addresses:
@@ -60,6 +73,10 @@ class Endpoints:
         self.addresses: tuple[str, ...] = tuple(addresses)
         self._timeout_s = timeout_s
         self._attempt_timeout_s = attempt_timeout_s
+        self._read_attempt_timeout_s = min(read_attempt_timeout_s, attempt_timeout_s)
+        self.breakers = {
+            a: CircuitBreaker(breaker or BreakerConfig(failure_threshold=1)) for a in addresses
+        }
         self._lock = threading.Lock()
         self._stubs: dict[str, Any] = {}
         self._channels: list[grpc.Channel] = []
@@ -96,7 +113,11 @@ class Endpoints:
                     first.append(leader)
             first.append(self._last_good)
         rest = [a for a in self.addresses if a not in first]
-        return list(dict.fromkeys(first)) + rest
+        ordered = list(dict.fromkeys(first)) + rest
+        # A replica whose breaker is open goes last: tried only when no other answered. A
+        # half-open one is in its place again: whichever call reaches it is the probe.
+        allowed = [a for a in ordered if self.breakers[a].state is not BreakerState.OPEN]
+        return allowed + [a for a in ordered if a not in allowed]
 
     def _failed(self, address: str, exc: grpc.RpcError) -> None:
         hint = None
@@ -139,6 +160,7 @@ class Endpoints:
         """Call ``method`` on the first replica that answers (module docstring)."""
         deadline = time.monotonic() + self._timeout_s
         answers: dict[str, str] = {}
+        attempt_s = self._attempt_timeout_s if write else self._read_attempt_timeout_s
         for attempt in itertools.count():
             for address in self._candidates(write):
                 remaining = deadline - time.monotonic()
@@ -146,13 +168,21 @@ class Endpoints:
                     break
                 try:
                     reply = getattr(self.stub(address), method)(
-                        request, timeout=min(self._attempt_timeout_s, remaining)
+                        request, timeout=min(attempt_s, remaining)
                     )
                 except grpc.RpcError as exc:
                     self._raise_unless_retryable(method, address, exc)
                     answers[address] = f"{exc.code().name}: {exc.details()}"
                     self._failed(address, exc)
+                    if self.breakers[address].failure():
+                        logger.warning(
+                            "metadata replica %s failed %s (%s): tried last for a while",
+                            address,
+                            method,
+                            exc.code().name,
+                        )
                     continue
+                self.breakers[address].success()
                 with self._lock:
                     self._last_good = address
                 return reply

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from kvflow.security.grpc_input import AioInputInterceptor, InputInterceptor
 from kvflow.security.secret import ClusterSecret
 
 CLUSTER_TOKEN_KEY = "x-kvflow-cluster-token"
@@ -112,13 +113,18 @@ class AioClusterOnlyInterceptor(aio.ServerInterceptor):
 
 
 def cluster_interceptors(secret: ClusterSecret | None) -> list[grpc.ServerInterceptor]:
-    """Interceptors for a synchronous intra-cluster server (none when running open)."""
-    return [] if secret is None else [ClusterOnlyInterceptor(secret)]
+    """Interceptors for a synchronous intra-cluster server: the token gate (not when running
+    open), then malformed requests → INVALID_ARGUMENT (``grpc_input``)."""
+    gate: list[grpc.ServerInterceptor] = [] if secret is None else [ClusterOnlyInterceptor(secret)]
+    return [*gate, InputInterceptor()]
 
 
 def aio_cluster_interceptors(secret: ClusterSecret | None) -> list[aio.ServerInterceptor]:
-    """Interceptors for a ``grpc.aio`` intra-cluster server (none when running open)."""
-    return [] if secret is None else [AioClusterOnlyInterceptor(secret)]
+    """Interceptors for a ``grpc.aio`` intra-cluster server (as ``cluster_interceptors``)."""
+    gate: list[aio.ServerInterceptor] = []
+    if secret is not None:
+        gate.append(AioClusterOnlyInterceptor(secret))
+    return [*gate, AioInputInterceptor()]
 
 
 # --- clients ------------------------------------------------------------------------------
@@ -214,9 +220,7 @@ class _AioStreamUnary(_AioToken, aio.StreamUnaryClientInterceptor):
 
 
 class _AioStreamStream(_AioToken, aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(
-        self, continuation: Any, details: Any, requests: Any
-    ) -> Any:
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
 

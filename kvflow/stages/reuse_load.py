@@ -8,20 +8,25 @@
    (``state.pulls_decided``), only from shards it does not route to (a decode instance's
    generated blocks, which a follow-up turn starts with), plus, as the fallback, the planned
    blocks the holder failed to give. When the policy is cache-blind, from any shard.
-3. The local prefix is pinned and read with one batch get_into into page-shaped tensors.
+3. The local prefix is pinned and read with one batch get_into into page-shaped tensors. A
+   pinned block cannot be evicted, so a miss there is a block that failed its checksum (a
+   corrupt record, or a valid one stored under another key): the shard drops it, the prefix
+   ends before it (the rest is recomputed), every pin past it is released at once, and the
+   event is counted (``corrupt_blocks``, the ``reuse_corrupt_blocks`` metric, the span).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from kvflow.kvdb import BlockKey, EmbeddedClient, Tier
-from kvflow.pipeline import RequestContext, Stage
+from kvflow.pipeline import Metrics, RequestContext, Stage
 from kvflow.stages.errors import NoCapacity
 from kvflow.stages.runtime.instances import ShardOwner
 from kvflow.stages.state import GenerateState
@@ -31,7 +36,9 @@ logger = logging.getLogger(__name__)
 
 class ReuseLoadStage(Stage):
     """Fills ``state.prefix_pages``, ``num_cached_tokens``, ``cached_by_tier``,
-    ``pulled_tokens`` and ``pinned_keys``. Cleanup unpins whatever is still pinned."""
+    ``pulled_tokens`` and ``pinned_keys``. Cleanup unpins whatever is still pinned.
+    ``corrupt_blocks``: prefix blocks that failed their checksum here since start (read from
+    any thread); with ``metrics``, also the ``reuse_corrupt_blocks`` counter."""
 
     name = "reuse-load"
 
@@ -42,6 +49,7 @@ class ReuseLoadStage(Stage):
         page_dtype: torch.dtype,
         block_size: int,
         peers: Mapping[str, ShardOwner] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._holders = holders  # where a planned pull reads from, by instance id
         # Not ``peers or {}``: a live mapping (RemotePeers) is empty while this node is the
@@ -50,6 +58,16 @@ class ReuseLoadStage(Stage):
         self._page_shape = page_shape
         self._page_dtype = page_dtype
         self._block_size = block_size
+        self._lock = threading.Lock()
+        self.corrupt_blocks = 0
+        self._corrupt_metric = (
+            metrics.counter(
+                "reuse_corrupt_blocks",
+                "Prefix blocks that failed their checksum in reuse-load (recomputed)",
+            )
+            if metrics is not None
+            else None
+        )
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
@@ -83,8 +101,10 @@ class ReuseLoadStage(Stage):
                 span.set_attrs(blocks=copied, source=source)
             pulled.update(range(start, start + copied))
         with ctx.span("reuse-load.local") as span:
-            hits, tiers = await asyncio.to_thread(self._load_local, client, usable, state)
+            hits, tiers, corrupt = await asyncio.to_thread(self._load_local, client, usable, state)
             span.set_attrs(blocks=hits, bytes=hits * self._page_nbytes())
+            if corrupt:
+                span.set_attrs(corrupt_blocks=corrupt)
         by_tier: dict[str, int] = {}
         for i, tier in enumerate(tiers[:hits]):
             name = "remote" if i in pulled else tier.name.lower()
@@ -207,10 +227,11 @@ class ReuseLoadStage(Stage):
 
     def _load_local(
         self, client: EmbeddedClient, keys: list[BlockKey], state: GenerateState
-    ) -> tuple[int, list[Tier]]:
+    ) -> tuple[int, list[Tier], int]:
+        """Pin and read the local prefix: (blocks usable, their tiers, blocks found corrupt)."""
         n = client.match_prefix(keys)
         if n == 0:
-            return 0, []
+            return 0, [], 0
         pinned = client.pin(keys[:n])
         # A block evicted between match and pin ends the usable run.
         n = next((i for i, ok in enumerate(pinned) if not ok), n)
@@ -218,13 +239,29 @@ class ReuseLoadStage(Stage):
         state.pinned_keys = list(keys[:n])
         bufs = self._load_buffers(state, n)
         tiers = client.batch_get_into(keys[:n], bufs)
-        # A block that failed its checksum is a miss: it ends the run too.
+        # Pinned blocks are never evicted: a miss failed its checksum (the shard dropped it,
+        # its pin stays owed until unpinned). The run ends there; the rest is recomputed.
         hits = next((i for i, t in enumerate(tiers) if t is None), n)
+        corrupt = sum(1 for t in tiers[hits:] if t is None)
         if hits < n:
-            client.unpin(keys[hits:n])
             state.pinned_keys = list(keys[:hits])
+            client.unpin(keys[hits:n])
+            self._count_corrupt(state, keys[hits], corrupt)
         state.prefix_pages = bufs[:hits]
-        return hits, [t for t in tiers[:hits] if t is not None]
+        return hits, [t for t in tiers[:hits] if t is not None], corrupt
+
+    def _count_corrupt(self, state: GenerateState, first: BlockKey, n: int) -> None:
+        with self._lock:
+            self.corrupt_blocks += n
+        if self._corrupt_metric is not None:
+            self._corrupt_metric.inc(n)
+        logger.warning(
+            "reuse-load: tenant=%s %d prefix blocks failed their checksum, first key=%s; "
+            "recomputing from there",
+            state.tenant,
+            n,
+            first.hex(),
+        )
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
         unpin_prefix(ctx.state)

@@ -7,6 +7,8 @@ from kvflow.kvdb import codec
 from kvflow.kvdb.allocator import ExtentAllocator
 from kvflow.kvdb.errors import ChecksumError
 
+KEY = bytes(range(100, 116))
+
 
 def _bf16_like(n: int) -> np.ndarray:
     x = np.random.default_rng(1).standard_normal(n // 2).astype(np.float32)
@@ -18,12 +20,17 @@ def test_record_roundtrip(compress: bool, width: int) -> None:
     raw = _bf16_like(1 << 16)
     parent = bytes(range(16))
     rec = codec.encode_record(
-        raw, codec.checksum(raw), parent, compress=compress, level=3, shuffle_width=width
+        raw,
+        codec.block_checksum(KEY, parent, raw),
+        parent,
+        compress=compress,
+        level=3,
+        shuffle_width=width,
     )
     if compress:
         assert len(rec) < raw.nbytes  # bf16 normals compress
     out = np.empty_like(raw)
-    header = codec.decode_record_into(rec, out)
+    header = codec.decode_record_into(rec, out, KEY)
     assert np.array_equal(out, raw)
     assert header.parent == parent and header.raw_len == raw.nbytes
 
@@ -48,21 +55,59 @@ def test_corruption_and_truncation_are_detected(compress: bool) -> None:
     raw = _bf16_like(8192)
     rec = bytearray(
         codec.encode_record(
-            raw, codec.checksum(raw), None, compress=compress, level=3, shuffle_width=2
+            raw,
+            codec.block_checksum(KEY, None, raw),
+            None,
+            compress=compress,
+            level=3,
+            shuffle_width=2,
         )
     )
     out = np.empty_like(raw)
     flipped = bytearray(rec)
     flipped[-5] ^= 0x40
     with pytest.raises(ChecksumError):
-        codec.decode_record_into(bytes(flipped), out)
+        codec.decode_record_into(bytes(flipped), out, KEY)
     with pytest.raises(ChecksumError, match="truncated"):
-        codec.decode_record_into(bytes(rec[:-7]), out)
+        codec.decode_record_into(bytes(rec[:-7]), out, KEY)
     with pytest.raises(ChecksumError, match="truncated"):
-        codec.decode_record_into(bytes(rec[:20]), out)
+        codec.decode_record_into(bytes(rec[:20]), out, KEY)
     bad_magic = b"XXXX" + bytes(rec[4:])
     with pytest.raises(ChecksumError, match="magic"):
-        codec.decode_record_into(bad_magic, out)
+        codec.decode_record_into(bad_magic, out, KEY)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_record_under_another_key_or_parent_fails_its_checksum(compress: bool) -> None:
+    """The checksum covers the key and the parent: a valid record is refused elsewhere."""
+    raw = _bf16_like(8192)
+    parent = bytes(16 * [7])
+    rec = codec.encode_record(
+        raw,
+        codec.block_checksum(KEY, parent, raw),
+        parent,
+        compress=compress,
+        level=3,
+        shuffle_width=2,
+    )
+    out = np.empty_like(raw)
+    codec.decode_record_into(rec, out, KEY)  # its own key: fine
+    other = bytes(16 * [9])
+    with pytest.raises(ChecksumError, match="another key"):
+        codec.decode_record_into(rec, out, other)
+    reparented = bytearray(rec)
+    reparented[32:48] = other  # the header's parent field
+    with pytest.raises(ChecksumError, match="another key"):
+        codec.decode_record_into(bytes(reparented), out, KEY)
+
+
+def test_block_checksum_binds_key_and_parent() -> None:
+    data = b"x" * 64
+    base = codec.block_checksum(KEY, None, data)
+    assert base == codec.checksum(data, codec.key_seed(KEY, None))
+    assert codec.block_checksum(bytes(16), None, data) != base
+    assert codec.block_checksum(KEY, bytes(range(16)), data) != base
+    assert codec.checksum(data) != base
 
 
 def test_copy_and_checksum_matches_plain_checksum() -> None:

@@ -29,14 +29,16 @@ logger = logging.getLogger(__name__)
 
 class LeasedBlock(NamedTuple):
     """One leased block: its bytes are ``pool[offset : offset + nbytes]`` of the holder's DRAM
-    pool while the lease holds; ``checksum`` is the xxh3_64 of those bytes; ``tier`` is where
-    the block was before the lease (SSD: it was promoted into DRAM for the lease)."""
+    pool while the lease holds; ``checksum`` is the block checksum of those bytes (value, key
+    and ``parent``: ``codec.block_checksum``); ``tier`` is where the block was before the lease
+    (SSD: it was promoted into DRAM for the lease)."""
 
     key: BlockKey
     offset: int
     nbytes: int
     checksum: int
     tier: Tier
+    parent: BlockKey | None = None
 
 
 class HotBlock(NamedTuple):
@@ -75,7 +77,7 @@ def lease_leading(
         counters = state.dram_counters if tier is Tier.DRAM else state.ssd_counters
         counters.hits += 1
         counters.bytes_read += e.nbytes
-        out.append(LeasedBlock(e.key, e.dram, e.nbytes, e.checksum, tier))
+        out.append(LeasedBlock(e.key, e.dram, e.nbytes, e.checksum, tier, e.parent))
     return out
 
 

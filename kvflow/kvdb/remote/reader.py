@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 
 from kvflow.kvdb.buffers import writable_bytes
-from kvflow.kvdb.codec import checksum
+from kvflow.kvdb.codec import checksum, key_seed
 from kvflow.kvdb.errors import RemoteReadError, ValueSizeError
 from kvflow.kvdb.proto import pb2, pb2_grpc
 from kvflow.kvdb.remote.config import RemoteClientConfig
@@ -125,8 +125,14 @@ class RemoteClient:
         with self._lock:
             self._counts["leases"] += 1
         blocks = tuple(
-            RemoteBlock(b.offset, b.length, b.checksum, _TIERS.get(b.tier, Tier.DRAM))
-            for b in reply.blocks
+            RemoteBlock(
+                b.offset,
+                b.length,
+                b.checksum,
+                _TIERS.get(b.tier, Tier.DRAM),
+                key_seed(key, b.parent or None),
+            )
+            for key, b in zip(checked, reply.blocks, strict=False)
         )
         return RemoteLease(reply.lease_id, reply.segment, blocks, reply.timeout_s)
 
@@ -306,13 +312,13 @@ class RemoteClient:
                 continue
             if staging is not None and name == staging[0]:
                 data = staging[1][offset : offset + block.length]
-                if checksum(data) == block.checksum:
+                if checksum(data, block.seed) == block.checksum:
                     dsts[i][:] = data
                     ok[i] = True
                     staged_bytes += block.length
                 else:
                     checksum_failures += 1
-            elif checksum(dsts[i]) == block.checksum:
+            elif checksum(dsts[i], block.seed) == block.checksum:
                 ok[i] = True
             else:
                 checksum_failures += 1

@@ -174,7 +174,11 @@ class BlockServer:
             timeout_s=timeout,
             blocks=[
                 pb2.LeasedBlock(
-                    offset=b.offset, length=b.nbytes, checksum=b.checksum, tier=b.tier.name.lower()
+                    offset=b.offset,
+                    length=b.nbytes,
+                    checksum=b.checksum,
+                    tier=b.tier.name.lower(),
+                    parent=b.parent or b"",
                 )
                 for b in blocks
             ],

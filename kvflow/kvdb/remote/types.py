@@ -9,13 +9,16 @@ from kvflow.replication import Tier
 
 @dataclass(frozen=True)
 class RemoteBlock:
-    """One leased block: ``length`` bytes at ``offset`` of the lease's segment, whose xxh3_64
-    is ``checksum``; ``tier``: where the holder had it before the lease."""
+    """One leased block: ``length`` bytes at ``offset`` of the lease's segment, whose block
+    checksum is ``checksum``; ``tier``: where the holder had it before the lease. ``seed``:
+    ``codec.key_seed`` of the key the reader asked for and the parent the holder reported, so
+    bytes of any other block fail the check (0: unbound, the value alone)."""
 
     offset: int
     length: int
     checksum: int
     tier: Tier
+    seed: int = 0
 
 
 @dataclass(frozen=True)

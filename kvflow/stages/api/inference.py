@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from kvflow.kvdb import ADMIN_SERVICE_NAME, add_admin_service
 from kvflow.pipeline import Overloaded, PipelineClosed
 from kvflow.security import process_secret
+from kvflow.security.grpc_input import AioInputInterceptor
 from kvflow.stages.api import SERVICE_NAME, pb2, pb2_grpc
 from kvflow.stages.api.auth import (
     Authenticator,
@@ -215,7 +216,7 @@ def create_server(
     auth.log_mode()
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
-        interceptors=[AuthInterceptor(auth)],
+        interceptors=[AuthInterceptor(auth), AioInputInterceptor()],
     )
     pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(cluster, auth), server)
     add_admin_service(server, cluster.admin_source())

@@ -3,7 +3,9 @@
 Each call carries the trace context in its metadata (``convert.TRACE_PARENT``), so the node's
 spans join the request's trace. A failure that a retry on another node can fix (UNAVAILABLE,
 DEADLINE_EXCEEDED, CANCELLED, INTERNAL) becomes ``NodeCallFailed(node)``; any other status
-propagates as it is."""
+propagates as it is. Every call takes its deadline (``timeout``; the defaults are the
+ceilings); ``node_guard.NodeGuard`` sizes them to the work. A streaming call abandoned
+before its end is cancelled on the wire."""
 
 from __future__ import annotations
 
@@ -50,26 +52,33 @@ class NodeClient:
     def logprobs(msgs: Any) -> list[TokenLogprob]:
         return logprobs_from_msgs(msgs)
 
-    async def reserve(self, node: Any, request_id: str, num_pages: int) -> Any:
+    async def reserve(
+        self, node: Any, request_id: str, num_pages: int, timeout: float = SHORT_TIMEOUT_S
+    ) -> Any:
         try:
             return await node.stub.Reserve(
                 node_pb2.ReserveRequest(request_id=request_id, num_pages=num_pages),
-                timeout=SHORT_TIMEOUT_S,
+                timeout=timeout,
                 metadata=_trace(request_id, "reserve"),
             )
         except grpc.aio.AioRpcError as err:
             raise _failed(node, err) from err
 
-    async def release(self, node: Any, lease: Any) -> None:
+    async def release(self, node: Any, lease: Any, timeout: float = SHORT_TIMEOUT_S) -> None:
         try:
             await node.stub.Release(
-                node_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=SHORT_TIMEOUT_S
+                node_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=timeout
             )
         except grpc.aio.AioRpcError as err:
             raise _failed(node, err) from err
 
     async def prefill(
-        self, node: Any, request_id: str, state: GenerateState, lease: Any
+        self,
+        node: Any,
+        request_id: str,
+        state: GenerateState,
+        lease: Any,
+        timeout: float = CALL_TIMEOUT_S,
     ) -> AsyncIterator[Any]:
         decision = state.decision
         req = node_pb2.PrefillRequest(
@@ -85,14 +94,18 @@ class NodeClient:
         )
         if state.max_reuse_tokens is not None:
             req.max_reuse_tokens = state.max_reuse_tokens
-        call = node.stub.Prefill(
-            req, timeout=CALL_TIMEOUT_S, metadata=_trace(request_id, "prefill")
-        )
+        call = node.stub.Prefill(req, timeout=timeout, metadata=_trace(request_id, "prefill"))
         async for ev in self._events(node, call):
             yield ev
 
     async def decode(
-        self, node: Any, request_id: str, state: GenerateState, lease: Any, first: int
+        self,
+        node: Any,
+        request_id: str,
+        state: GenerateState,
+        lease: Any,
+        first: int,
+        timeout: float = CALL_TIMEOUT_S,
     ) -> AsyncIterator[Any]:
         assert state.prompt_ids is not None
         req = node_pb2.DecodeRequest(
@@ -104,7 +117,7 @@ class NodeClient:
             sampling=sampling_to_msg(state.sampling),
             tenant=state.tenant,
         )
-        call = node.stub.Decode(req, timeout=CALL_TIMEOUT_S, metadata=_trace(request_id, "decode"))
+        call = node.stub.Decode(req, timeout=timeout, metadata=_trace(request_id, "decode"))
         async for ev in self._events(node, call):
             yield ev
 
@@ -115,3 +128,6 @@ class NodeClient:
                 yield ev
         except grpc.aio.AioRpcError as err:
             raise _failed(node, err) from err
+        finally:
+            if not call.done():
+                call.cancel()

@@ -189,6 +189,7 @@ class EmbeddedCluster:
                 engine.page_dtype,
                 c.block_size,
                 peers={**self.prefill, **self.decode},
+                metrics=self.metrics,
             ),
             PrefillStage(c.block_size),
             StreamStage(self.transfer, self.pools, c.block_size),

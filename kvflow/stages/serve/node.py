@@ -149,7 +149,12 @@ class NodeServer:
         self.pipeline = self._pipeline(
             [
                 ReuseLoadStage(
-                    self.peers, engine.page_shape, engine.page_dtype, c.block_size, self.peers
+                    self.peers,
+                    engine.page_shape,
+                    engine.page_dtype,
+                    c.block_size,
+                    self.peers,
+                    metrics=self.metrics,
                 ),
                 PrefillStage(c.block_size),
                 StreamStage(self.transfer, {c.node_id: pool}, c.block_size),

@@ -36,7 +36,7 @@ from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_aio_channel
 from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.api.convert import layout_from_info
-from kvflow.stages.api.node_client import NodeClient
+from kvflow.stages.api.node_guard import NodeGuard
 from kvflow.stages.engine import ModelCard, Tokenizer
 from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import HashStage
@@ -105,6 +105,7 @@ class RouterServer:
         )
         self.failures_total = 0
         self.waits_total = 0
+        self.node_guard = NodeGuard()  # deadlines, breakers, hung-node cancellation
         self.config = settings  # default_max_tokens / max_tokens_limit for the service
 
     async def start(self, timeout_s: float = 60.0) -> None:
@@ -150,7 +151,7 @@ class RouterServer:
                     on_wait=self.count_wait,
                 ),
                 RemoteGenerateStage(
-                    NodeClient(),
+                    self.node_guard,
                     lambda: self.conductor,
                     lambda: (self.prefill, self.decode),
                     lambda: self.block_size,
@@ -220,6 +221,9 @@ class RouterServer:
                 await node.reconnect(addresses[0])
             polls.append((node, now - info.last_heartbeat < self.settings.node_dead_after_s))
         await asyncio.gather(*(self._poll(node, alive) for node, alive in polls))
+        for node, _ in polls:  # calls in flight to a node marked unhealthy: retried elsewhere
+            if not node.state.healthy:
+                self.node_guard.cancel_node(node, "marked unhealthy")
 
     @staticmethod
     async def _poll(node: RemoteNode, alive: bool) -> None:
