@@ -10,6 +10,7 @@ nodes to pin (``Node.Pin``, with the TTL).
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from kvflow.stages.serve.embedded import EmbeddedCluster
 from kvflow.stages.serve.warmup_router import RouterTarget
 from kvflow.stages.serve.warmup_targets import EmbeddedTarget, FrontendTarget
 from kvflow.stages.warmup import WarmupManager
-from kvflow.stages.warmup.store import FileJobStore
+from kvflow.stages.warmup.replicated_store import MetadataJobStore
+from kvflow.stages.warmup.store import FileJobStore, JobStore
 
 __all__ = [
     "EmbeddedTarget",
@@ -36,11 +38,18 @@ __all__ = [
 def attach_warmup(
     server: grpc.aio.Server, frontend: Any, root: Path, *, embedded: bool, auth: Any = None
 ) -> WarmupManager:
-    """Mount the warm-up service for ``frontend`` on ``server`` (before it starts); jobs are
-    kept under ``root``. Call ``await manager.start()`` once the frontend serves, and
+    """Mount the warm-up service for ``frontend`` on ``server`` (before it starts). The
+    embedded server keeps its jobs under ``root``; a router keeps them in the metadata group,
+    as owner ``<host>/<root's name>`` (``warmup-router-<port>``: a restarted router takes its
+    own jobs back at once). Call ``await manager.start()`` once the frontend serves, and
     ``await manager.stop()`` before stopping it."""
-    target = EmbeddedTarget(frontend) if embedded else RouterTarget(frontend)
-    manager = WarmupManager(target, FileJobStore(root), frontend.metrics)
+    if embedded:
+        target: FrontendTarget = EmbeddedTarget(frontend)
+        store: JobStore = FileJobStore(root)
+    else:  # a router: the jobs live in the metadata group, so any router can resume them
+        target = RouterTarget(frontend)
+        store = MetadataJobStore(frontend.metadata, owner=f"{socket.gethostname()}/{root.name}")
+    manager = WarmupManager(target, store, frontend.metrics)
     add_warmup_service(server, manager, auth)
     return manager
 
