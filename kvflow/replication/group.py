@@ -29,6 +29,7 @@ from kvflow.replication.codec import (
 )
 from kvflow.replication.config import MetadataConfig
 from kvflow.replication.errors import MetadataTimeoutError, MetadataUnavailableError
+from kvflow.replication.jobs import JobRecord, check_job_write
 from kvflow.replication.raft import (
     CLOSED,
     Pending,
@@ -277,6 +278,38 @@ class MetadataGroup:
             self._shell.cmd_reap, check_now(now), float(self._config.node_dead_after_s)
         )
         return [NodeId(node) for node in result or ()]
+
+    def job_write(
+        self,
+        op: str,
+        job_id: str,
+        owner: str,
+        now: float,
+        *,
+        doc: bytes = b"",
+        events: Sequence[bytes] = (),
+        lease_s: float = 0.0,
+    ) -> bool:
+        """One job command (``create``, ``claim``, ``append`` a batch of events, ``release``;
+        replication/jobs.py says when each is granted). One Raft entry; whether it took."""
+        check_job_write(op, job_id, owner, doc, events, lease_s, self._config.max_entry_bytes)
+        return bool(
+            self._run_one(
+                self._shell.cmd_job,
+                op,
+                job_id,
+                owner,
+                bytes(doc),
+                [bytes(e) for e in events],
+                float(lease_s),
+                check_now(now),
+            )
+        )
+
+    def job_read(self, job_id: str = "") -> tuple[list[JobRecord], float]:
+        """Every job's record (or ``job_id``'s) on this replica, and its clock (the same
+        answer as ``RemoteMetadata.job_read``)."""
+        return self._view.jobs(job_id), time.time()
 
     # ------------------------------------------------------------------ reads
 

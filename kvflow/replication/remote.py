@@ -25,6 +25,7 @@ import grpc
 from kvflow.replication.codec import check_key, check_keys, check_node, check_now, split_stored
 from kvflow.replication.endpoints import Endpoints
 from kvflow.replication.errors import MetadataTimeoutError
+from kvflow.replication.jobs import JobRecord
 from kvflow.replication.remote_view import RemoteMetadataView
 from kvflow.replication.types import NodeId, Tier
 from kvflow.replication.wire import keys_msg, pb2
@@ -190,6 +191,39 @@ class RemoteMetadata:
         reply = self._write("ReapDeadNodes", pb2.ReapDeadNodesRequest(**_now_field(now)))
         self._view.forget_all()
         return [NodeId(node) for node in reply.reaped]
+
+    def job_write(
+        self,
+        op: str,
+        job_id: str,
+        owner: str,
+        now: float | None = None,
+        *,
+        doc: bytes = b"",
+        events: Sequence[bytes] = (),
+        lease_s: float = 0.0,
+    ) -> bool:
+        """As :meth:`MetadataGroup.job_write` (``now`` None: the serving replica's clock)."""
+        request = pb2.JobWriteRequest(
+            op=op,
+            job_id=job_id,
+            owner=owner,
+            doc=doc,
+            events=list(events),
+            lease_s=lease_s,
+            **_now_field(now),
+        )
+        return bool(self._write("JobWrite", request).ok)
+
+    def job_read(self, job_id: str = "") -> tuple[list[JobRecord], float]:
+        """Every job's record (or ``job_id``'s) and the serving replica's clock."""
+        # Leader first (as a write): a follower may not have applied the latest events yet.
+        reply = self._endpoints.call("JobRead", pb2.JobReadRequest(job_id=job_id), write=True)
+        jobs = [
+            JobRecord(r.job_id, r.doc, r.created_at, r.owner, r.lease_until, tuple(r.events))
+            for r in reply.jobs
+        ]
+        return jobs, reply.now
 
     # ------------------------------------------------------------------ reads
 

@@ -123,7 +123,39 @@ class MetadataServicer(pb2_grpc.MetadataServiceServicer):  # type: ignore[misc,n
 
         return self._guard(context, call)
 
+    def JobWrite(self, request: Any, context: grpc.ServicerContext) -> Any:
+        def call() -> Any:
+            ok = self._group.job_write(
+                request.op,
+                request.job_id,
+                request.owner,
+                self._now(request),
+                doc=request.doc,
+                events=list(request.events),
+                lease_s=request.lease_s,
+            )
+            return pb2.JobWriteReply(ok=ok)
+
+        return self._guard(context, call)
+
     # ------------------------------------------------------------------ reads
+
+    def JobRead(self, request: Any, context: grpc.ServicerContext) -> Any:
+        def call() -> Any:
+            jobs = [
+                pb2.JobRecord(
+                    job_id=r.job_id,
+                    doc=r.doc,
+                    created_at=r.created_at,
+                    owner=r.owner,
+                    lease_until=r.lease_until,
+                    events=list(r.events),
+                )
+                for r in self._group.view().jobs(request.job_id)
+            ]
+            return pb2.JobReadReply(jobs=jobs, now=self._clock())
+
+        return self._guard(context, call)
 
     def Holders(self, request: Any, context: grpc.ServicerContext) -> Any:
         def call() -> Any:

@@ -93,5 +93,20 @@ class ReplicatedTable(SyncObjConsumer):  # type: ignore[misc]
         return self._apply("heartbeat", lambda t: t.apply_heartbeat(node, now))
 
     @replicated
+    def cmd_job(
+        self,
+        op: str,
+        job_id: str,
+        owner: str,
+        doc: bytes,
+        events: list[bytes],
+        lease_s: float,
+        now: float,
+    ) -> bool | None:
+        return self._apply(
+            "job", lambda t: t.apply_job(op, job_id, owner, doc, events, lease_s, now)
+        )
+
+    @replicated
     def cmd_reap(self, now: float, dead_after_s: float) -> list[str] | None:
         return self._apply("reap", lambda t: list(t.apply_reap(now, dead_after_s)))

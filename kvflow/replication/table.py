@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.replication.codec import check_key, check_keys, check_node, check_now, split_stored
+from kvflow.replication.jobs import JOB_OPS, JobTable
 from kvflow.replication.types import TIERS_BY_VALUE, NodeId, NodeInfo, Tier
 
 DEFAULT_REPLICA_TARGET = 1
@@ -53,6 +54,7 @@ class MetadataTable:
         self._members: dict[str, _Member] = {}
         self._commands_applied = 0
         self._clock = 0.0
+        self.jobs = JobTable()  # background jobs' records (jobs.py); commands via apply_job
 
     # ------------------------------------------------------------------ commands
 
@@ -266,6 +268,29 @@ class MetadataTable:
         """The largest ``now`` any applied command carried (0.0 before the first)."""
         return self._clock
 
+    def apply_job(
+        self,
+        op: str,
+        job_id: str,
+        owner: str,
+        doc: bytes,
+        events: Sequence[bytes],
+        lease_s: float,
+        now: float,
+    ) -> bool:
+        """One job command (``JOB_OPS``) on :attr:`jobs`; see :class:`JobTable`."""
+        self._advance(now)
+        self._commands_applied += 1
+        if op == "create":
+            return self.jobs.create(job_id, doc, owner, lease_s, now)
+        if op == "claim":
+            return self.jobs.claim(job_id, owner, lease_s, now)
+        if op == "append":
+            return self.jobs.append(job_id, owner, events)
+        if op == "release":
+            return self.jobs.release(job_id, owner)
+        raise ValueError(f"op: one of {JOB_OPS}, got {op!r}")
+
     # ------------------------------------------------------------------ snapshot
 
     def snapshot(self) -> dict[str, Any]:
@@ -284,6 +309,7 @@ class MetadataTable:
             },
             "commands_applied": self._commands_applied,
             "clock": self._clock,
+            "jobs": self.jobs.snapshot(),
         }
 
     def restore(self, snapshot: dict[str, Any]) -> None:
@@ -299,6 +325,8 @@ class MetadataTable:
                 self._holdings.setdefault(node, set()).add(key)
         self._commands_applied = snapshot["commands_applied"]
         self._clock = snapshot["clock"]
+        self.jobs = JobTable()
+        self.jobs.restore(snapshot.get("jobs", {}))  # absent in snapshots older than jobs
 
     # ------------------------------------------------------------------ internals
 

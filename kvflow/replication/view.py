@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvflow.replication.jobs import JobRecord
 from kvflow.replication.table import MetadataTable
 from kvflow.replication.types import NodeId, NodeInfo, Tier
 
@@ -109,6 +110,13 @@ class MetadataView:
         """How many distinct keys have at least one replica."""
         with self._lock:
             return self._table().num_blocks()
+
+    def jobs(self, job_id: str = "") -> list[JobRecord]:
+        """Every job's record (oldest first), or only ``job_id``'s (empty when unknown)."""
+        with self._lock:
+            jobs = self._table().jobs
+            ids = [job_id] if job_id else jobs.ids()
+            return [r for j in ids if (r := jobs.record(j)) is not None]
 
     def commands_applied(self) -> int:
         """How many metadata commands this replica has applied."""

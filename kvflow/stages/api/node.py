@@ -29,6 +29,7 @@ from kvflow.stages.api.convert import (
 )
 from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import namespace_for
+from kvflow.stages.runtime.pins import PinBook
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook
 from kvflow.stages.state import GenerateState, StreamTarget
 
@@ -49,6 +50,7 @@ class NodeCore(Protocol):
     layout: Any
     page_nbytes: int
     leases: LeaseBook | None
+    pins: PinBook | None
 
     def info(self) -> dict[str, Any]:
         """The InfoReply fields: identity, model, layout, addresses and load."""
@@ -96,6 +98,22 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             wall_offset_s=time.time() - time.monotonic(),
             node_id=n.node_id,
         )
+
+    async def Pin(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        pins = self._node.pins
+        if pins is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill node")
+            return None
+        if not (math.isfinite(request.ttl_s) and request.ttl_s > 0):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ttl_s must be > 0")
+            return None
+        keys = [bytes(k) for k in request.keys]
+        try:
+            n = await asyncio.to_thread(pins.pin, keys, request.ttl_s, time.monotonic())
+        except ValueError as exc:  # a malformed key
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return None
+        return node_pb2.PinReply(pinned=n)
 
     def _namespace(self, tenant: str) -> Namespace:
         return namespace_for(tenant, self._node.model_fingerprint, self._node.layout)

@@ -44,6 +44,7 @@ from kvflow.stages.reuse_load import ReuseLoadStage
 from kvflow.stages.runtime.heartbeat import Heartbeat, Member, server_clock
 from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, pool_segment_name
 from kvflow.stages.runtime.peers import RemotePeers, format_node_address
+from kvflow.stages.runtime.pins import PinBook
 from kvflow.stages.runtime.replicator import Replicator
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook, StagingArea
 from kvflow.stages.serve.build import ensure_model, kv_layout, open_engine, open_shard
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 REPLICATE_S = 1.0
+PIN_REAP_S = 0.5
 
 
 class NodeServer:
@@ -69,6 +71,7 @@ class NodeServer:
         self.node_id = config.node_id
         self.kind = config.kind
         self.leases: LeaseBook | None = None
+        self.pins: PinBook | None = None
         self._closers = Closers()
         self._tasks: list[asyncio.Task[Any]] = []
         try:
@@ -140,6 +143,7 @@ class NodeServer:
         self.instance: PrefillInstance | DecodeInstance = PrefillInstance(
             c.node_id, self.worker, self.store, self.state, load
         )
+        self.pins = PinBook(self.store.shard)
         self.replicator = Replicator(
             self.metadata.view,
             {c.node_id: self.store.shard},
@@ -238,6 +242,7 @@ class NodeServer:
         self._tasks.append(loop.create_task(self.heartbeat.run()))
         if self.kind == "prefill":
             self._tasks.append(loop.create_task(self.replicator.run(REPLICATE_S)))
+            self._tasks.append(loop.create_task(self._reap_pins()))
         else:
             self._tasks.append(loop.create_task(self._reap_leases()))
 
@@ -246,6 +251,12 @@ class NodeServer:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             self.leases.reap()
+
+    async def _reap_pins(self) -> None:
+        assert self.pins is not None
+        while True:
+            await asyncio.sleep(PIN_REAP_S)
+            self.pins.reap(time.monotonic())
 
     async def stop(self) -> None:
         for task in self._tasks:

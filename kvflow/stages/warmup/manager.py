@@ -2,7 +2,11 @@
 time (FIFO) through a JobRunner; status, list, cancel and report read and steer them. At start
 it resumes every job its store holds unfinished; at stop it interrupts the running job without
 cancelling it (the next start resumes it). Pins taken for ``pin_ttl_s`` are released when the
-TTL lapses or at stop. Every method runs on the event loop."""
+TTL lapses or at stop. Every method runs on the event loop.
+
+With a shared store (``JobStore.shared``: the metadata group, every router), the manager runs
+only the jobs it claimed, shows every router's jobs (re-read each ``ADOPT_S``), adopts a job
+whose owner's claim lapsed (a router that died), and stops a job another router took over."""
 
 from __future__ import annotations
 
@@ -18,12 +22,13 @@ from kvflow.stages.warmup.coverage import Estimate, ItemCoverage, Totals, covera
 from kvflow.stages.warmup.job import ItemState, JobOptions, JobState
 from kvflow.stages.warmup.metrics import WarmupMetrics
 from kvflow.stages.warmup.runner import JobRunner
-from kvflow.stages.warmup.store import FileJobStore, StoredJob, apply_event
+from kvflow.stages.warmup.store import JobStore, StoredJob, apply_event
 from kvflow.stages.warmup.target import WarmTarget
 
 logger = logging.getLogger(__name__)
 
 PIN_POLL_S = 0.2
+ADOPT_S = 1.0
 
 
 class JobError(ValueError):
@@ -56,7 +61,7 @@ class JobView:
 
 
 class WarmupManager:
-    def __init__(self, target: WarmTarget, store: FileJobStore, metrics: Any | None = None) -> None:
+    def __init__(self, target: WarmTarget, store: JobStore, metrics: Any | None = None) -> None:
         self._target = target
         self._store = store
         self._metrics = WarmupMetrics(metrics) if metrics is not None else None
@@ -68,17 +73,48 @@ class WarmupManager:
         self._pins: list[tuple[float, Any]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._mine: set[str] = set()  # claimed by this process: queued or running
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        for job in await asyncio.to_thread(self._store.load_all):
-            self._jobs[job.job_id] = job
-            if not job.state.final:
-                logger.info("warm-up job=%s resumes (%d items finished)", job.job_id, _done(job))
-                self._queue.put_nowait(job.job_id)
-        self._update_gauge()
+        await self._adopt()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._loop()), loop.create_task(self._expire_pins())]
+        if self._store.shared:
+            self._tasks.append(loop.create_task(self._adopt_loop()))
+
+    async def _adopt(self) -> None:
+        """Read the store: show every job; queue the unfinished ones nobody else runs."""
+        running = self._runner.job.job_id if self._runner is not None else None
+        for job in await asyncio.to_thread(self._store.load_all):
+            if job.job_id == running:
+                continue  # this process's copy is the newest
+            if job.job_id not in self._mine:
+                self._jobs[job.job_id] = job
+            if job.state.final or job.job_id in self._mine:
+                continue
+            if not self._store.claimable(job.job_id):
+                continue
+            if await asyncio.to_thread(self._store.claim, job.job_id):
+                logger.info("warm-up job=%s resumes (%d items finished)", job.job_id, _done(job))
+                self._jobs[job.job_id] = job
+                self._mine.add(job.job_id)
+                self._queue.put_nowait(job.job_id)
+        self._update_gauge()
+
+    async def _adopt_loop(self) -> None:
+        while True:
+            await asyncio.sleep(ADOPT_S)
+            runner = self._runner
+            if runner is not None and self._store.lost(runner.job.job_id):
+                logger.warning(
+                    "warm-up job=%s: taken over elsewhere; stopping here", runner.job.job_id
+                )
+                runner.cancel()
+            try:
+                await self._adopt()
+            except Exception:
+                logger.warning("warm-up: reading the job store failed", exc_info=True)
 
     async def stop(self) -> None:
         """Interrupt the running job (it resumes at the next start) and release every pin."""
@@ -91,6 +127,7 @@ class WarmupManager:
         for _, token in self._pins:
             self._target.unpin(token)
         self._pins.clear()
+        await asyncio.to_thread(self._store.close)
 
     # -- API ---------------------------------------------------------------------------------
     async def submit(
@@ -113,6 +150,7 @@ class WarmupManager:
         job = StoredJob(uuid.uuid4().hex[:12], options, items, errors, time.time())
         await asyncio.to_thread(self._store.create, job)
         self._jobs[job.job_id] = job
+        self._mine.add(job.job_id)
         if self._metrics is not None:
             self._metrics.corpus_errors(len(errors))
         self._queue.put_nowait(job.job_id)
@@ -167,6 +205,10 @@ class WarmupManager:
         changes nothing."""
         job = self._get(job_id)
         if not job.state.final:
+            if job_id not in self._mine:
+                if not await asyncio.to_thread(self._store.claim, job_id):
+                    raise JobError(f"job {job_id} runs on another router: cancel it there")
+                self._mine.add(job_id)
             self._set_state(job, JobState.CANCELLED, "cancelled")
             if self._runner is not None and self._runner.job is job:
                 self._runner.cancel()
@@ -181,13 +223,17 @@ class WarmupManager:
     async def _loop(self) -> None:
         while True:
             job = self._jobs[await self._queue.get()]
-            if job.state.final:
-                continue
-            try:
-                await self._run(job)
-            except Exception as exc:
-                logger.exception("warm-up job=%s failed", job.job_id)
-                self._set_state(job, JobState.FAILED, f"failed: {exc}")
+            if not job.state.final and not self._store.lost(job.job_id):
+                try:
+                    await self._run(job)
+                except Exception as exc:
+                    logger.exception("warm-up job=%s failed", job.job_id)
+                    self._set_state(job, JobState.FAILED, f"failed: {exc}")
+            if self._stopping:
+                continue  # stop() gives every job up
+            if job.state.final or self._store.lost(job.job_id):
+                self._mine.discard(job.job_id)
+                await asyncio.to_thread(self._store.release, job.job_id)
 
     async def _run(self, job: StoredJob) -> None:
         self._record(job, {"kind": "run"})
@@ -202,7 +248,7 @@ class WarmupManager:
             await runner.run()
         finally:
             self._runner = None
-        if self._stopping or job.state is JobState.CANCELLED:
+        if self._stopping or job.state is JobState.CANCELLED or self._store.lost(job.job_id):
             return  # an interrupted job resumes at the next start; a cancelled one is final
         self._set_state(job, JobState.DONE, runner.stop_reason)
         logger.info("warm-up job=%s done: %s", job.job_id, self.view(job.job_id).by_state)

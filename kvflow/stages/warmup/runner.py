@@ -8,7 +8,15 @@ computed in segments of ``segment_blocks`` blocks. A segment is an ordinary pref
 the prefill instance (cached prefix, queue), reuse-load loads what earlier segments stored,
 prefill stores the new blocks. Before every segment the runner waits until no online request
 is running or queued (``WarmTarget.online_busy``), and at most ``prefill_slots()`` segments
-run at once, so an online request waits behind at most one segment per instance.
+run at once. **Preemption:** while segments run, a watcher cancels them as soon as an online
+request enters the pipeline (the engine aborts them at its next step; blocks of the chunks
+they finished stay stored), and they are retried, from what is cached, once the pipeline is
+quiet again — a preempted try does not count against ``max_attempts``. So an online request
+waits at most for the engine step already running.
+
+**Verify:** when every item is finished, the items counted as cached are checked again
+(``cached_blocks``); an item whose blocks were lost meanwhile (a node died) is computed again,
+up to ``VERIFY_PASSES`` times.
 
 Cancel: ``cancel()`` cancels the in-flight segments (their pages and bookings are released by
 the stages' cleanup) and stops within a second; blocks stored so far stay cached.
@@ -37,10 +45,16 @@ logger = logging.getLogger(__name__)
 
 GATE_POLL_S = 0.005
 SETTLE_S = 3.0  # how long to wait for the metadata to show blocks a segment stored
+VERIFY_PASSES = 2
+COVERED = (ItemState.WARMED, ItemState.CACHED, ItemState.TRUNCATED)
 
 
 class BudgetReached(Exception):
     """The budget is spent and ``on_limit`` is ``stop``."""
+
+
+class Preempted(Exception):
+    """A segment was cancelled to let an online request run; it is tried again."""
 
 
 class JobRunner:
@@ -65,9 +79,12 @@ class JobRunner:
         self._limit = job.options.budget.limit_blocks(target.block_nbytes)
         self._used = sum(r.blocks_warmed for r in job.results.values())
         self._handles: set[Any] = set()
+        self._preempted: set[Any] = set()
         self._cancelled = asyncio.Event()
         self.stop_reason = ""
         self.tokens_prefilled = 0
+        self.preemptions = 0
+        self.redone = 0
 
     # -- control ---------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -80,11 +97,35 @@ class JobRunner:
         return self._cancelled.is_set()
 
     async def run(self) -> None:
+        pending = [
+            item
+            for item in self.job.items
+            if (r := self.job.results.get(item.index)) is None or not r.state.finished
+        ]
+        watcher = asyncio.create_task(self._watch())
+        try:
+            await self._pass(pending)
+            for _ in range(VERIFY_PASSES):
+                if self.cancelled or self.stop_reason:
+                    break
+                lost = await self._lost()
+                if not lost:
+                    break
+                self.redone += len(lost)
+                logger.warning(
+                    "job=%s: %d finished items lost blocks; computing them again",
+                    self.job.job_id,
+                    len(lost),
+                )
+                await self._pass(lost)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    async def _pass(self, items: list[CorpusItem]) -> None:
         queue: asyncio.Queue[CorpusItem] = asyncio.Queue()
-        for item in self.job.items:
-            result = self.job.results.get(item.index)
-            if result is None or not result.state.finished:
-                queue.put_nowait(item)
+        for item in items:
+            queue.put_nowait(item)
         workers = [
             asyncio.create_task(self._worker(queue)) for _ in range(self._target.prefill_slots())
         ]
@@ -94,6 +135,36 @@ class JobRunner:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _lost(self) -> list[CorpusItem]:
+        """Finished items counted as cached whose leading blocks are no longer all cached;
+        their budget is given back (the new result replaces the old)."""
+        lost = []
+        for item in self.job.items:
+            r = self.job.results.get(item.index)
+            if r is None or r.state not in COVERED:
+                continue
+            try:
+                keys = block_keys(self._ns, self._mat.tokens(item))
+            except ItemError:
+                continue
+            goal = r.blocks_cached_before + r.blocks_warmed
+            if r.state is not ItemState.TRUNCATED:
+                goal = len(keys)
+            if await asyncio.to_thread(self._target.cached_blocks, keys[:goal]) < goal:
+                self._used -= r.blocks_warmed
+                lost.append(item)
+        return lost
+
+    async def _watch(self) -> None:
+        """Preempt running segments while an online request is in the pipeline."""
+        while True:
+            await asyncio.sleep(GATE_POLL_S)
+            if self._handles and self._target.online_busy(len(self._handles)):
+                for handle in list(self._handles):
+                    if handle not in self._preempted:
+                        self._preempted.add(handle)
+                        handle.cancel("warm-up segment preempted by an online request")
 
     async def _worker(self, queue: asyncio.Queue[CorpusItem]) -> None:
         while not self.cancelled and not self.stop_reason:
@@ -189,21 +260,27 @@ class JobRunner:
         bs, seg = self._target.block_size, self._opts.segment_blocks
         ends = [*range(r.blocks_cached_before + seg, goal, seg), goal]
         for n, end in enumerate(ends):
-            for attempt in range(self._opts.max_attempts):
+            attempt = tries = 0
+            while True:
                 if not await self._gate():
                     return None
-                rid = f"warmup-{self.job.job_id}-{item.index}-{n}-{attempt}"
+                tries += 1
+                rid = f"warmup-{self.job.job_id}-{item.index}-{n}-{tries}"
                 try:
                     r.instance = await self._segment(rid, tokens[: end * bs])
                     start = ends[n - 1] if n else r.blocks_cached_before
                     self.tokens_prefilled += (end - start) * bs
                     break
+                except Preempted:
+                    self.preemptions += 1
+                    logger.debug("job=%s %s preempted", self.job.job_id, rid)
                 except Exception as exc:
                     if self.cancelled:
                         return None
+                    attempt += 1
                     logger.warning("job=%s %s failed: %s", self.job.job_id, rid, exc)
-                    if attempt + 1 == self._opts.max_attempts:
-                        _error(r, f"segment {n} failed {attempt + 1} times: {exc}")
+                    if attempt == self._opts.max_attempts:
+                        _error(r, f"segment {n} failed {attempt} times: {exc}")
                         return False
         return True
 
@@ -227,8 +304,13 @@ class JobRunner:
         self._handles.add(handle)
         try:
             ctx: RequestContext[Any] = await handle.result()
+        except Exception as exc:
+            if handle in self._preempted and not self.cancelled:
+                raise Preempted(request_id) from exc
+            raise
         finally:
             self._handles.discard(handle)
+            self._preempted.discard(handle)
         decision = ctx.state.decision
         return "" if decision is None else str(decision.prefill_id)
 
@@ -247,7 +329,10 @@ class JobRunner:
             await asyncio.to_thread(self._target.set_replica_target, keys, self._opts.replicas)
         if self._opts.pin_ttl_s > 0 and self._on_pins is not None:
             try:
-                self._on_pins(self._target.pin(self._ns, keys))
+                token = await asyncio.to_thread(
+                    self._target.pin, self._ns, keys, self._opts.pin_ttl_s
+                )
+                self._on_pins(token)
             except Exception:
                 logger.warning(
                     "job=%s: pinning %d blocks failed", self.job.job_id, len(keys), exc_info=True

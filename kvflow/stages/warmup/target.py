@@ -38,8 +38,10 @@ class WarmTarget(Protocol):
         """Blocking: one metadata write per key."""
         ...
 
-    def pin(self, namespace: Namespace, keys: Sequence[bytes]) -> Any:
-        """Pin ``keys`` where they are held; returns what ``unpin`` takes."""
+    def pin(self, namespace: Namespace, keys: Sequence[bytes], ttl_s: float) -> Any:
+        """Blocking. Pin ``keys`` where they are held for ``ttl_s``; returns what ``unpin``
+        takes (the manager calls it when the TTL lapses or at stop; a target whose pins
+        expire by themselves makes it a no-op)."""
         ...
 
     def unpin(self, token: Any) -> None: ...
