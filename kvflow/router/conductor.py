@@ -81,6 +81,7 @@ class Conductor:
     ) -> None:
         self.config = config
         self._index = prefix_index
+        self._prefill_model = prefill_model
         self._decode_scorer = DecodeScorer(decode_model)
         self._scorer = PrefillScorer(
             prefill_model,

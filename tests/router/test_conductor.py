@@ -205,3 +205,27 @@ def test_instance_kind_checked_on_states():
         InstanceState("x", "mixed")
     state = InstanceState("x", InstanceKind.DECODE)
     assert state.kind is InstanceKind.DECODE
+
+
+def test_predict_prefill_s_is_the_prefill_models_prediction() -> None:
+    """The warm-up report's "prefill time saved" reads this (a merge once lost the model)."""
+    from kvflow.router import (
+        Conductor,
+        DecodeTimeModel,
+        LocalPrefixIndex,
+        PrefillTimeModel,
+        RouterConfig,
+        TransferEstimator,
+    )
+
+    model = PrefillTimeModel.default()
+    c = Conductor(
+        RouterConfig(block_size=16, block_nbytes=1024),
+        LocalPrefixIndex(),
+        model,
+        DecodeTimeModel.default(),
+        TransferEstimator(1e9),
+    )
+    assert c.predict_prefill_s(2048, 0) == model.predict(2048, 0)
+    assert c.predict_prefill_s(2048, 4096) == model.predict(2048, 2048)
+    assert c.predict_prefill_s(2048, 1024) < c.predict_prefill_s(2048, 0)
