@@ -21,18 +21,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
 
 from kvflow.router.estimators import DecodeTimeModel
 
-
-@dataclass
-class _Member:
-    request_id: str
-    prompt_len: int
-    output_len: int
-    joined_s: float
-    joined_v: float
+_Member = tuple[int, int, float, float]
+"""A batch member: (prompt_len, output_len, joined_s, joined_v); a tuple, not an object per
+request."""
 
 
 class DecodeInstance:
@@ -83,19 +77,23 @@ class DecodeInstance:
         return self._admit(now)
 
     def _admit(self, now: float) -> list[str]:
-        joined = []
-        while self._waiting:
-            request_id, prompt_len, output_len, _ = self._waiting[0]
+        joined: list[str] = []
+        waiting = self._waiting
+        capacity = self.capacity_tokens
+        v = self._v
+        while waiting:
+            request_id, prompt_len, output_len, _ = waiting[0]
             need = prompt_len + output_len
-            if self.capacity_tokens is not None and self.used_tokens + need > self.capacity_tokens:
+            if capacity is not None and self.used_tokens + need > capacity:
                 break
-            self._waiting.popleft()
-            self._members[request_id] = _Member(request_id, prompt_len, output_len, now, self._v)
-            heapq.heappush(self._leave, (self._v + output_len, request_id))
+            waiting.popleft()
+            self._members[request_id] = (prompt_len, output_len, now, v)
+            heapq.heappush(self._leave, (v + output_len, request_id))
             self._prompt_tokens += prompt_len
-            self._joined_v_sum += self._v
+            self._joined_v_sum += v
             self.used_tokens += need
-            self.peak_tokens = max(self.peak_tokens, self.used_tokens)
+            if self.used_tokens > self.peak_tokens:
+                self.peak_tokens = self.used_tokens
             joined.append(request_id)
             self._joined.append((request_id, now))
         if joined:
@@ -109,7 +107,12 @@ class DecodeInstance:
 
     def _restep(self) -> None:
         n = len(self._members)
-        self._step_s = self._model.predict(n, self.context_tokens()) if n else 0.0
+        if n:
+            generated = int(n * self._v - self._joined_v_sum)  # context_tokens(), inline
+            context = self._prompt_tokens + (generated if generated > 0 else 0)
+            self._step_s = self._model.predict(n, context)
+        else:
+            self._step_s = 0.0
 
     def next_departure(self) -> float | None:
         """When the next member finishes, or None with an empty batch."""
@@ -122,21 +125,29 @@ class DecodeInstance:
         """Run the batch up to ``now``: ``(request_id, joined_s, finished_s)`` of every member
         that finished, in order; waiting requests join as memory frees."""
         done: list[tuple[str, float, float]] = []
-        while self._leave:
-            leave_v, request_id = self._leave[0]
-            at = self._t + max(0.0, leave_v - self._v) * self._step_s
+        leave = self._leave
+        members = self._members
+        while leave:
+            leave_v, request_id = leave[0]
+            dv = leave_v - self._v
+            at = self._t + (dv if dv > 0.0 else 0.0) * self._step_s  # max(0.0, dv), no call
             if at > now:
                 break
-            heapq.heappop(self._leave)
-            self._move_to(at, leave_v)
-            member = self._members.pop(request_id)
-            self._prompt_tokens -= member.prompt_len
-            self._joined_v_sum -= member.joined_v
-            self.used_tokens -= member.prompt_len + member.output_len
+            heapq.heappop(leave)
+            # _move_to(at, leave_v) inline: members is not empty, leave_v is finite (a finite
+            # clock plus an int) and at >= self._t (a step is never negative)
+            self.busy_s += at - self._t
+            self._t = at
+            self._v = leave_v
+            prompt_len, output_len, joined_s, joined_v = members.pop(request_id)
+            self._prompt_tokens -= prompt_len
+            self._joined_v_sum -= joined_v
+            self.used_tokens -= prompt_len + output_len
             self.served += 1
-            done.append((request_id, member.joined_s, at))
+            done.append((request_id, joined_s, at))
             self._restep()
-            self._admit(at)
+            if self._waiting:
+                self._admit(at)
         if now > self._t:
             v = self._v + ((now - self._t) / self._step_s if self._step_s > 0 else 0.0)
             self._move_to(now, v)

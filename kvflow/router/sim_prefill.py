@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvflow.router.estimators import PrefillTimeModel
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillJob:
     """A routed request on its prefill instance; ``done`` counts computed tokens (reused
     tokens count as done from the start)."""
@@ -87,11 +87,18 @@ class PrefillInstance:
         chunks: list[tuple[PrefillJob, int]] = []
         cost = c0
         wake: float | None = None
+        chunk = self._chunk
         for job in self._queue:
             if job.ready_at > now:
-                wake = job.ready_at if wake is None else min(wake, job.ready_at)
+                if wake is None or job.ready_at < wake:
+                    wake = job.ready_at
                 continue
-            take = min(self._chunk, job.prompt_len - job.done, budget)
+            # take = min(chunk, left, budget), without the call (ints: the same value)
+            take = job.prompt_len - job.done
+            if chunk < take:
+                take = chunk
+            if budget < take:
+                take = budget
             if take <= 0 and job.prompt_len > job.done:
                 break
             a = job.done
@@ -106,7 +113,7 @@ class PrefillInstance:
                 break
         if not chunks:
             return wake
-        duration = max(0.0, cost)
+        duration = cost if cost > 0.0 else 0.0  # max(0.0, cost)
         self._step = chunks
         self._step_end = now + duration
         self.busy_s += duration

@@ -133,20 +133,24 @@ class _Cluster:
     # --- events -------------------------------------------------------------------------------
     def schedule(self, kind: int, idx: int, time: float | None) -> None:
         """(Re)schedule instance ``idx``'s next event; an older pending one becomes stale."""
-        self.versions[kind][idx] += 1
+        versions = self.versions[kind]
+        version = versions[idx] = versions[idx] + 1
         if time is not None:
-            self.seq += 1
-            heapq.heappush(self.events, (time, self.seq, kind, idx, self.versions[kind][idx]))
+            self.seq = seq = self.seq + 1
+            heapq.heappush(self.events, (time, seq, kind, idx, version))
 
     def drain(self, until: float | None) -> None:
         """Apply every event due at or before ``until`` (all of them when None)."""
         events = self.events
+        versions = self.versions
+        pop = heapq.heappop
+        engines = self.engines
         while events and (until is None or events[0][0] <= until):
-            time, _, kind, idx, version = heapq.heappop(events)
-            if version != self.versions[kind][idx]:
+            time, _, kind, idx, version = pop(events)
+            if version != versions[kind][idx]:
                 continue
             if kind == PREFILL:
-                self.schedule(PREFILL, idx, self.engines[idx].poke(time))
+                self.schedule(PREFILL, idx, engines[idx].poke(time))
             else:
                 self.decode_tick(idx, time)
 
@@ -254,9 +258,11 @@ def simulate(
     cluster = _Cluster(config, reference)
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
     t0 = ordered[0].timestamp_ms if ordered else 0
+    events = cluster.events
     for i, record in enumerate(ordered):
         now = (record.timestamp_ms - t0) / 1000.0 * config.time_scale
-        cluster.drain(now)
+        if events and events[0][0] <= now:  # the check drain() starts with, without a call
+            cluster.drain(now)
         cluster.arrive(f"r{i}", record, now)
         if progress is not None and i % PROGRESS_EVERY == PROGRESS_EVERY - 1:
             progress(i + 1, len(ordered))
