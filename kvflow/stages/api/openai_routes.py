@@ -20,11 +20,13 @@ from kvflow.stages.api.http_io import (
     TokenText,
     caller_tenant,
     check_text,
+    collect,
     parse,
     primed,
     read_json,
     sse,
     sse_stream,
+    unless_disconnected,
 )
 from kvflow.stages.api.openai_schema import ChatBody, CompletionBody
 from kvflow.stages.engine import TokenLogprob
@@ -109,7 +111,7 @@ class OpenAIApi:
             return StreamingResponse(
                 sse_stream(events()), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        parts = [c async for c in gen.chunks()]
+        parts = await unless_disconnected(request, collect(gen.chunks()))
         text = "".join(c.text for c in parts)
         lps = (
             self._completion_logprobs([lp for c in parts for lp in c.logprobs], 0)
@@ -178,7 +180,7 @@ class OpenAIApi:
             return StreamingResponse(
                 sse_stream(events()), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        parts = [c async for c in gen.chunks()]
+        parts = await unless_disconnected(request, collect(gen.chunks()))
         lps = None
         if body.logprobs:
             lps = self._chat_logprobs([lp for c in parts for lp in c.logprobs], body.top_logprobs)
