@@ -95,6 +95,27 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+class SseTemplate:
+    """Server-Sent Events that differ only in one string: ``SseTemplate(obj)`` with SLOT as
+    that string's value in ``obj`` (exactly once); ``template(text)`` is ``sse(obj)`` with
+    ``text`` in the slot, byte for byte, but only ``text`` is encoded per event (a streamed
+    token's event was a dict copy and a full ``json.dumps`` on the pipeline's loop)."""
+
+    SLOT = "\x00kvflow-slot\x00"
+
+    def __init__(self, obj: Any) -> None:
+        encoded = json.dumps(obj, ensure_ascii=False).encode()
+        slot = json.dumps(self.SLOT).encode()
+        if encoded.count(slot) != 1:
+            raise ValueError("the template must hold SseTemplate.SLOT exactly once")
+        head, self._tail = encoded.split(slot)
+        self._head = b"data: " + head
+        self._tail += b"\n\n"
+
+    def __call__(self, text: str) -> bytes:
+        return self._head + json.dumps(text, ensure_ascii=False).encode() + self._tail
+
+
 async def sse_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """``events`` then ``data: [DONE]``; an error after the stream started (the status is
     sent) becomes one last event with the error JSON."""
