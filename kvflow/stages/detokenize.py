@@ -3,8 +3,9 @@
 Text comes from tokenizers' DecodeStream (`Tokenizer.decode_stream`), so each token costs a
 constant amount of work (a 4096-token answer is a few milliseconds, not a quadratic re-decode),
 and it comes out in whole characters: a token that ends inside a multi-byte UTF-8 character is
-held until the character completes, so a stop string can never split one. Special tokens are
-left out of the text unless `skip_special_tokens=False`.
+held until the character completes, so a stop string can never split one; at the end of
+the stream `flush()` gives the bytes of an unfinished character as U+FFFD, as `decode` does.
+Special tokens are left out of the text unless `skip_special_tokens=False`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class IncrementalDetokenizer:
     before it (plus the stop string itself with `include_stop`) is the last delta, `stopped`
     names the stop string, `num_tokens` counts the ids up to the one that completed it, and
     later ids are ignored; the caller ends (aborts) the request with finish_reason "stop".
-    `flush()` returns what is still held back once generation ended.
+    `flush()` returns what is still held back once generation ended (U+FFFD for the bytes of an
+    unfinished character, so no byte the model produced vanishes from the text).
     Not thread-safe (one per request)."""
 
     def __init__(
@@ -59,9 +61,14 @@ class IncrementalDetokenizer:
         return self._send(len(self._pending) - hold)
 
     def flush(self) -> str:
-        """The text held back (generation ended without completing a stop string)."""
+        """Everything still held once generation ended: text held back as a possible stop
+        string, and the ids of an unfinished or invalid trailing UTF-8 sequence, decoded
+        with U+FFFD as `Tokenizer.decode` would. Cut at a stop string it completes."""
         if self.stopped is not None:
             return ""
+        self._pending += self._stream.flush()
+        if self._stops:
+            self._cut_at_stop()
         return self._send(len(self._pending))
 
     @property

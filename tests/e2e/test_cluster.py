@@ -332,6 +332,35 @@ def test_each_router_routes_on_the_load_the_other_sent(cluster):
     assert sum(len(m.token_ids) for m in rest) == 1999
 
 
+def test_flush_cache_on_a_router_empties_every_node_but_the_pinned_blocks(cluster):
+    """POST /flush_cache on a router (400 before): Node.FlushCache on every node; the
+    metadata follows, and a repeated prompt is computed again."""
+    import http.client
+
+    for seed in (70, 71):  # blocks on both prefill nodes (round-robin) and the decode nodes
+        generate(cluster, prompt(64, seed=seed), max_tokens=20)
+    nodes = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+    deadline = time.monotonic() + 10
+    while sum(blocks_held(cluster, n) for n in nodes) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = {n: blocks_held(cluster, n) for n in nodes}
+    assert sum(held.values()) >= 8, held
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_ports[0], timeout=60)
+    conn.request("POST", "/flush_cache")
+    reply = conn.getresponse()
+    text = reply.read().decode()
+    conn.close()
+    assert reply.status == 200, text
+    removed = int(text.split("Cache flushed: ")[1].split(" ")[0])
+    assert removed >= sum(held.values()) > 0
+    deadline = time.monotonic() + 10
+    while any(blocks_held(cluster, n) for n in nodes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {n: blocks_held(cluster, n) for n in nodes} == dict.fromkeys(nodes, 0)
+    ids, usage = generate(cluster, prompt(64, seed=70), max_tokens=4)
+    assert len(ids) == 4 and usage.cached_tokens == 0  # recomputed: nothing was left
+
+
 def test_a_router_killed_mid_answer_is_resumed_by_the_client_on_the_other(cluster, tiny_model):
     ids = prompt(40, seed=40)
     with InferenceClient(cluster.addresses) as client:

@@ -69,3 +69,31 @@ def test_bad_stop_arguments(tok: Tokenizer) -> None:
         IncrementalDetokenizer(tok, stop="abc")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         IncrementalDetokenizer(tok, stop=[""])
+
+
+@pytest.mark.parametrize("text", ["end 🙂", "a 中", "café"])
+def test_truncated_character_at_the_end_flushes_as_replacement(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)[:-1]  # the last character loses its last byte
+    expected = tok.decode(ids)
+    assert expected.endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add([i]) for i in ids]
+    assert "\ufffd" not in "".join(deltas)  # held mid-stream: the character might complete
+    assert detok.flush() == "\ufffd"
+    assert detok.text == expected
+    assert detok.flush() == ""
+
+
+def test_invalid_byte_mid_stream_comes_out_with_the_next_text(tok: Tokenizer) -> None:
+    lone = tok.encode("中")[:1]  # a lead byte with no continuation
+    ids = [*tok.encode("x"), *lone, *tok.encode("yz"), *lone]
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(_stream(detok, ids)) == tok.decode(ids) == "x\ufffdyz\ufffd"
+
+
+def test_flushed_tail_still_stops_at_a_stop_string(tok: Tokenizer) -> None:
+    ids = [*tok.encode("ab"), *tok.encode("中")[:1]]
+    detok = IncrementalDetokenizer(tok, stop=["b\ufffd"])
+    assert detok.add(ids) == "a"  # "b" held as a possible stop start, the byte held too
+    assert detok.flush() == "" and detok.stopped == "b\ufffd"
+    assert detok.text == "a"

@@ -20,7 +20,9 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvflow.pipeline import PipelineError
 from kvflow.stages.api.auth import Authenticator, Unauthenticated
@@ -44,21 +46,8 @@ def create_app(
     route but OPEN_PATHS needs ``Authorization: Bearer KEY`` (401), ADMIN_PATHS an admin key
     (403); the key decides the caller's tenant (``http_io.caller_tenant``)."""
     app = FastAPI(title="kvflow", docs_url=None, redoc_url=None, openapi_url=None)
-    gate = auth if auth is not None and not auth.open else None
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Any:
-        if gate is None or request.url.path in OPEN_PATHS:
-            return await call_next(request)
-        try:
-            identity = gate.identify_bearer(request.headers.get("authorization"))
-        except Unauthenticated as exc:
-            return HttpError(401, str(exc)).response()
-        if request.url.path in ADMIN_PATHS and not identity.admin:
-            return HttpError(403, f"{request.url.path} needs an admin key").response()
-        request.state.identity = identity
-        return await call_next(request)
-
+    if auth is not None and not auth.open:
+        app.add_middleware(_Authenticate, gate=auth)
     app.include_router(OpenAIApi(frontend, max_body_bytes).router())
     app.include_router(SGLangApi(frontend, max_body_bytes, max_batch).router())
 
@@ -78,6 +67,32 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, starlette_error)
     app.add_exception_handler(Exception, unexpected)
     return app
+
+
+class _Authenticate:
+    """ASGI middleware deciding the caller from ``Authorization: Bearer KEY`` (401 without a
+    valid key, 403 for ADMIN_PATHS without an admin key) and putting its identity in the
+    request's state (``http_io.caller_tenant`` reads it). A plain ASGI callable, not
+    Starlette's BaseHTTPMiddleware: that one runs every request in a task group of its own
+    and passes every streamed event through a memory stream, a loop iteration per event."""
+
+    def __init__(self, app: ASGIApp, gate: Authenticator) -> None:
+        self._app = app
+        self._gate = gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS:
+            return await self._app(scope, receive, send)
+        try:
+            identity = self._gate.identify_bearer(Headers(scope=scope).get("authorization"))
+        except Unauthenticated as exc:
+            return await HttpError(401, str(exc)).response()(scope, receive, send)
+        if path in ADMIN_PATHS and not identity.admin:
+            error = HttpError(403, f"{path} needs an admin key")
+            return await error.response()(scope, receive, send)
+        scope.setdefault("state", {})["identity"] = identity
+        await self._app(scope, receive, send)
 
 
 class _LoopServer(uvicorn.Server):

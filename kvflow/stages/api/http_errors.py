@@ -12,6 +12,7 @@ a request's error to an HTTP status.
 | the conductor rejects it (TTFT/TBT SLO) | 429 with Retry-After |
 | overloaded (first queue full), no capacity, shutting down | 503 with Retry-After |
 | deadline exceeded | 504 |
+| the client went away before a non-streaming answer (nobody reads it) | 499 |
 | anything else (a stage failed) | 500 |
 """
 
@@ -31,6 +32,7 @@ _TYPES = {
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_closed_request",
     500: "internal_server_error",
     503: "service_unavailable",
     504: "timeout_error",

@@ -1,11 +1,13 @@
 """What every HTTP route shares: reading a JSON body under a size limit, validating it into a
-pydantic model with 400s that name the field, Server-Sent Events, the caller's tenant, and
-the text of a token for logprobs."""
+pydantic model with 400s that name the field, Server-Sent Events, the caller's tenant, the
+text of a token for logprobs, and a non-streaming answer cancelled when its client goes away."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -16,7 +18,13 @@ from kvflow.stages.api.http_errors import HttpError
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
+logger = logging.getLogger(__name__)
+
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+# nginx's "client closed request": the answer nobody reads, for the logs and metrics.
+CLIENT_CLOSED = 499
 
 
 class Body(BaseModel):
@@ -87,6 +95,27 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+class SseTemplate:
+    """Server-Sent Events that differ only in one string: ``SseTemplate(obj)`` with SLOT as
+    that string's value in ``obj`` (exactly once); ``template(text)`` is ``sse(obj)`` with
+    ``text`` in the slot, byte for byte, but only ``text`` is encoded per event (a streamed
+    token's event was a dict copy and a full ``json.dumps`` on the pipeline's loop)."""
+
+    SLOT = "\x00kvflow-slot\x00"
+
+    def __init__(self, obj: Any) -> None:
+        encoded = json.dumps(obj, ensure_ascii=False).encode()
+        slot = json.dumps(self.SLOT).encode()
+        if encoded.count(slot) != 1:
+            raise ValueError("the template must hold SseTemplate.SLOT exactly once")
+        head, self._tail = encoded.split(slot)
+        self._head = b"data: " + head
+        self._tail += b"\n\n"
+
+    def __call__(self, text: str) -> bytes:
+        return self._head + json.dumps(text, ensure_ascii=False).encode() + self._tail
+
+
 async def sse_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """``events`` then ``data: [DONE]``; an error after the stream started (the status is
     sent) becomes one last event with the error JSON."""
@@ -145,3 +174,40 @@ async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
             yield item
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+async def collect(items: AsyncIterator[T]) -> list[T]:
+    """Every item of ``items``, in order."""
+    return [item async for item in items]
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns once the client's connection is gone. Call it only after the body was read:
+    the ASGI server then has nothing left to give but ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """The result of ``work`` (a non-streaming answer being computed), run as a task that is
+    cancelled when the client disconnects first; the cancel reaches the request's
+    ``Generation.chunks`` (the request is ended and every page, pin and booking freed)
+    before this raises HttpError(499). A streaming answer needs none of this: Starlette
+    closes the stream. Errors of ``work`` propagate as they are."""
+
+    async def run() -> T:  # a Task of our own: cancelled() says the cancel reached it
+        return await work
+
+    task = asyncio.ensure_future(run())
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its cleanup has run
+    if task.cancelled():
+        logger.info("%s %s: client went away, request cancelled", request.method, request.url.path)
+        raise HttpError(CLIENT_CLOSED, "client closed the request")
+    return task.result()

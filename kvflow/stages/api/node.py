@@ -29,6 +29,7 @@ from kvflow.stages.api.convert import (
 )
 from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import namespace_for
+from kvflow.stages.runtime.flush import remove_unpinned
 from kvflow.stages.runtime.pins import PinBook
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook
 from kvflow.stages.state import GenerateState, StreamTarget
@@ -114,6 +115,10 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return None
         return node_pb2.PinReply(pinned=n)
+
+    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        result = await asyncio.to_thread(remove_unpinned, self._node.instance.store.shard)
+        return node_pb2.FlushCacheReply(removed=result.removed, pinned=result.pinned)
 
     def _namespace(self, tenant: str) -> Namespace:
         return namespace_for(tenant, self._node.model_fingerprint, self._node.layout)

@@ -17,14 +17,17 @@ from kvflow.stages.api.generation import GenerateInput, Generation, Usage
 from kvflow.stages.api.http_errors import HttpError
 from kvflow.stages.api.http_io import (
     SSE_HEADERS,
+    SseTemplate,
     TokenText,
     caller_tenant,
     check_text,
+    collect,
     parse,
     primed,
     read_json,
     sse,
     sse_stream,
+    unless_disconnected,
 )
 from kvflow.stages.api.openai_schema import ChatBody, CompletionBody
 from kvflow.stages.engine import TokenLogprob
@@ -96,10 +99,15 @@ class OpenAIApi:
             chunks = await primed(gen.chunks())
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+            text_event = SseTemplate({**base, "choices": [_choice(SseTemplate.SLOT, None, None)]})
+
             async def events() -> AsyncIterator[bytes]:
                 offset = 0
                 async for c in chunks:
-                    lps = self._completion_logprobs(c.logprobs, offset) if want_lps else None
+                    if not want_lps:
+                        yield text_event(c.text)
+                        continue
+                    lps = self._completion_logprobs(c.logprobs, offset)
                     offset += len(c.text)
                     yield sse({**base, "choices": [_choice(c.text, lps, None)]})
                 yield sse({**base, "choices": [_choice("", None, gen.finish_reason)]})
@@ -109,7 +117,7 @@ class OpenAIApi:
             return StreamingResponse(
                 sse_stream(events()), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        parts = [c async for c in gen.chunks()]
+        parts = await unless_disconnected(request, collect(gen.chunks()))
         text = "".join(c.text for c in parts)
         lps = (
             self._completion_logprobs([lp for c in parts for lp in c.logprobs], 0)
@@ -161,15 +169,17 @@ class OpenAIApi:
                 "model": body.model,
             }
 
+            slot = {"content": SseTemplate.SLOT}
+            text_event = SseTemplate({**base, "choices": [_delta(slot, None, None)]})
+
             async def events() -> AsyncIterator[bytes]:
                 role = {"role": "assistant", "content": ""}
                 yield sse({**base, "choices": [_delta(role, None, None)]})
                 async for c in chunks:
-                    lps = (
-                        self._chat_logprobs(c.logprobs, body.top_logprobs)
-                        if body.logprobs
-                        else None
-                    )
+                    if not body.logprobs:
+                        yield text_event(c.text)
+                        continue
+                    lps = self._chat_logprobs(c.logprobs, body.top_logprobs)
                     yield sse({**base, "choices": [_delta({"content": c.text}, lps, None)]})
                 yield sse({**base, "choices": [_delta({}, None, gen.finish_reason)]})
                 if include_usage:
@@ -178,7 +188,7 @@ class OpenAIApi:
             return StreamingResponse(
                 sse_stream(events()), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        parts = [c async for c in gen.chunks()]
+        parts = await unless_disconnected(request, collect(gen.chunks()))
         lps = None
         if body.logprobs:
             lps = self._chat_logprobs([lp for c in parts for lp in c.logprobs], body.top_logprobs)

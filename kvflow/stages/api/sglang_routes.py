@@ -31,6 +31,7 @@ from kvflow.stages.api.http_io import (
     read_json,
     sse,
     sse_stream,
+    unless_disconnected,
 )
 from kvflow.stages.engine import TokenLogprob
 
@@ -180,8 +181,9 @@ class SGLangApi:
             return StreamingResponse(
                 sse_stream(events), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        outs = await asyncio.gather(
-            *(self._collect(body, g, sp) for g, sp in runs), return_exceptions=True
+        outs = await unless_disconnected(
+            request,
+            asyncio.gather(*(self._collect(body, g, sp) for g, sp in runs), return_exceptions=True),
         )
         for out in outs:
             if isinstance(out, BaseException):

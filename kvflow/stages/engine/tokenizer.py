@@ -71,12 +71,42 @@ class TokenStream:
     """Streaming detokenization of one sequence through tokenizers' DecodeStream: each id
     costs a decode of a few ids, never of the whole text. Text comes out in whole
     characters only: an id that ends inside a multi-byte UTF-8 character yields "" until the
-    character completes. Not thread-safe (one per request)."""
+    character completes (an invalid byte followed by more text comes out as U+FFFD with that
+    text, as DecodeStream does). `flush()` gives what is still held at the end of the
+    sequence: the bytes of a truncated or invalid trailing character decode to U+FFFD, as
+    `Tokenizer.decode` would, instead of vanishing. Not thread-safe (one per request)."""
 
     def __init__(self, inner: HFTokenizer, skip_special_tokens: bool) -> None:
         self._inner = inner
+        self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._context: list[int] = []  # the ids of the last text given out (decode context)
+        self._held: list[int] = []  # ids stepped since then, their text not yet given out
 
     def step(self, token_id: int) -> str:
         """The text that `token_id` completes ("" when none yet)."""
-        return self._stream.step(self._inner, int(token_id)) or ""
+        token_id = int(token_id)
+        self._held.append(token_id)
+        text = self._stream.step(self._inner, token_id) or ""
+        if text:
+            self._context, self._held = self._held, []
+        return text
+
+    def flush(self) -> str:
+        """The text of the ids still held (U+FFFD for bytes that form no character), then
+        "" until more ids are stepped. Decoded after the last given-out ids, so a decoder
+        that treats the first token of a text specially (a leading space) sees the same
+        context DecodeStream did."""
+        if not self._held:
+            return ""
+        skip = self._skip_special_tokens
+        prefix = self._inner.decode(self._context, skip_special_tokens=skip)
+        full = self._inner.decode(self._context + self._held, skip_special_tokens=skip)
+        text = (
+            full[len(prefix) :]
+            if full.startswith(prefix)
+            else self._inner.decode(self._held, skip_special_tokens=skip)
+        )
+        self._context, self._held = self._held, []
+        self._stream = DecodeStream(skip_special_tokens=skip)  # its held ids are given out
+        return str(text)

@@ -38,7 +38,6 @@ from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.api.convert import layout_from_info
 from kvflow.stages.api.node_guard import NodeGuard
 from kvflow.stages.engine import ModelCard, Tokenizer
-from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import HashStage
 from kvflow.stages.remote_generate import RemoteGenerateStage
 from kvflow.stages.route import RouteStage
@@ -49,6 +48,13 @@ from kvflow.stages.serve.metrics import ServingMetrics
 from kvflow.stages.tokenize import TokenizeStage
 
 logger = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 30.0  # one node's FlushCache (a shard's removals, DRAM and SSD)
+
+
+class NodeFlushError(Exception):
+    """Some nodes did not flush their cache (the message names them)."""
+
 
 REFRESH_S = 1.0
 TCP_BYTES_PER_S = 1.5e9
@@ -329,8 +335,35 @@ class RouterServer:
         return {"router": router, "instances": instances}
 
     async def flush_cache(self) -> int:
-        """Not on a router: its nodes hold the blocks (``kvflow kvdb`` manages them)."""
-        raise InvalidArgument("flush_cache is served by the embedded server, not a router")
+        """Every node's unpinned blocks removed (``Node.FlushCache`` on every prefill and
+        decode node, at once); returns the blocks removed. Requests may run meanwhile: the
+        blocks they pinned stay. A node that fails or does not answer within FLUSH_TIMEOUT_S
+        is logged, and ``NodeFlushError`` names it once the others are flushed."""
+        nodes = [*self.prefill.values(), *self.decode.values()]
+        replies = await asyncio.gather(
+            *(
+                n.stub.FlushCache(node_pb2.FlushCacheRequest(), timeout=FLUSH_TIMEOUT_S)
+                for n in nodes
+            ),
+            return_exceptions=True,
+        )
+        removed, failed = 0, []
+        for node, reply in zip(nodes, replies, strict=True):
+            if isinstance(reply, BaseException):
+                detail = reply.details() if isinstance(reply, grpc.aio.AioRpcError) else reply
+                logger.warning("flush_cache: node=%s failed: %s", node.instance_id, detail)
+                failed.append(node.instance_id)
+            else:
+                removed += reply.removed
+                logger.info(
+                    "flush_cache: node=%s removed=%s pinned=%s",
+                    node.instance_id,
+                    reply.removed,
+                    reply.pinned,
+                )
+        if failed:
+            raise NodeFlushError(f"{removed} blocks removed; not flushed: {', '.join(failed)}")
+        return removed
 
     def admin_source(self) -> StaticAdminSource:
         return StaticAdminSource({}, self.metadata.view())

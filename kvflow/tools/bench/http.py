@@ -2,10 +2,13 @@
 (OpenAI /v1/completions with ``stream: true``), one run, one server: time to first token and
 time per output token, p50 and p99, at 1 and 16 concurrent clients.
 
-Both clients run in threads of this process (a blocking gRPC stub over one channel;
-http.client reading SSE over one keep-alive connection per client thread); the server is a
-BackgroundServer (its own event-loop thread) with the HTTP front on. The cache is flushed
-before each pass, so both APIs see the same cold prompts.
+The clients are threads (a blocking gRPC stub over one channel; http.client reading SSE over
+one keep-alive connection per client thread) of a separate client process by default
+(``--clients process``), or of this process (``--clients thread``: they then share the GIL
+with the server's event loop, and the HTTP client's per-event Python work — reading a line,
+``json.loads`` — slows the server it measures); the server is a BackgroundServer (its own
+event-loop thread) with the HTTP front on. The cache is flushed before each pass, so both
+APIs see the same cold prompts.
 
 Seeded; prints one summary line; ``--json PATH`` writes every number.
 
@@ -19,6 +22,7 @@ import argparse
 import http.client
 import json
 import logging
+import multiprocessing
 import os
 import platform
 import random
@@ -26,13 +30,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
-from kvflow.stages.api import pb2
+from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.stages.engine import write_demo_model
 from kvflow.stages.serve.background import BackgroundServer
 from kvflow.stages.serve.config import HttpConfig, ServeConfig
@@ -41,12 +47,12 @@ Timing = tuple[float, list[float]]  # (start, arrival time of each token)
 _local = threading.local()
 
 
-def grpc_request(server: BackgroundServer, tokens: list[int], max_tokens: int) -> Timing:
+def grpc_request(stub: Any, tokens: list[int], max_tokens: int) -> Timing:
     req = pb2.GenerateRequest(max_tokens=max_tokens)
     req.sampling.ignore_eos = True
     req.token_ids.ids.extend(tokens)
     start, arrivals = time.perf_counter(), []
-    for msg in server.stub.Generate(req, timeout=600):
+    for msg in stub.Generate(req, timeout=600):
         now = time.perf_counter()
         arrivals.extend(now for _ in msg.token_ids)
     return start, arrivals
@@ -103,6 +109,18 @@ def run_pass(
         return list(pool.map(fn, prompts))
 
 
+def client_pass(
+    api: str, grpc_address: str, http_port: int, model: str, job: tuple[list[list[int]], int, int]
+) -> list[Timing]:
+    """One pass run by client threads of the calling process (the client process's entry)."""
+    prompts, clients, max_tokens = job
+    if api == "http":
+        return run_pass(lambda t: http_request(http_port, model, t, max_tokens), prompts, clients)
+    with grpc.insecure_channel(grpc_address) as channel:
+        stub = pb2_grpc.InferenceStub(channel)
+        return run_pass(lambda t: grpc_request(stub, t, max_tokens), prompts, clients)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
@@ -111,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32, help="per API and concurrency")
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--clients", default="process", choices=["process", "thread"], help="where they run"
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -129,27 +150,38 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
         server = BackgroundServer(config, http=HttpConfig(port=0))
+        pool = (
+            ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            if args.clients == "process"
+            else None
+        )
         try:
             assert server.http is not None
             port, name = server.http.port, server.cluster.model_name
             vocab = server.cluster.vocab_size
             results: dict[str, Any] = {}
+
+            def one_pass(api: str, prompts: list[list[int]], clients: int, n: int) -> list[Timing]:
+                call = partial(client_pass, api, server.address, port, name)
+                if pool is None:
+                    return call((prompts, clients, n))
+                return pool.submit(call, (prompts, clients, n)).result()
+
             warm = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(4)]
-            for prompt in warm:  # warm-up both paths (allocations, first compiles)
-                grpc_request(server, prompt, 4)
-                http_request(port, name, prompt, 4)
+            for api in ("grpc", "http"):  # warm-up both paths (allocations, first compiles)
+                one_pass(api, warm, 1, 4)
             for clients in levels:
                 prompts = [
                     [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
                     for _ in range(args.requests)
                 ]
-                for api, fn in (
-                    ("grpc", lambda t: grpc_request(server, t, args.max_tokens)),
-                    ("http", lambda t: http_request(port, name, t, args.max_tokens)),
-                ):
+                for api in ("grpc", "http"):
                     server.call(server.cluster.flush_cache)
-                    results[f"{api}_c{clients}"] = summarize(run_pass(fn, prompts, clients))
+                    timings = one_pass(api, prompts, clients, args.max_tokens)
+                    results[f"{api}_c{clients}"] = summarize(timings)
         finally:
+            if pool is not None:
+                pool.shutdown()
             server.close()
     load = os.getloadavg()
     doc = {
@@ -159,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "requests": args.requests,
         "seed": args.seed,
+        "clients_in": args.clients,
         "results": results,
         "load_avg": load,
         "cpus": os.cpu_count(),
@@ -176,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"bench http ({args.preset}, {args.prompt_tokens}+{args.max_tokens} tokens, "
-        f"{args.requests} req): " + "; ".join(parts) + f"; load avg {load[0]:.2f}",
+        f"{args.requests} req, clients in a {args.clients}): "
+        + "; ".join(parts)
+        + f"; load avg {load[0]:.2f}",
         flush=True,
     )
     return 0

@@ -12,6 +12,8 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
+import pytest
+
 from tests.e2e.conftest import ServerThread, assert_no_leaks
 from tests.stages.api.conftest import BODY_LIMIT
 
@@ -148,5 +150,49 @@ def test_client_gone_mid_stream_frees_everything(make_http_server: Any) -> None:
     while cancelled._value.get() == before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cancelled._value.get() == before + 1
+    assert_no_leaks(server)
+    assert post(server, "/v1/completions", json.dumps(GOOD).encode())[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/completions",
+            {"model": "tiny-chat", "prompt": "hello", "max_tokens": 4000, "ignore_eos": True},
+        ),
+        (
+            "/generate",
+            {
+                "text": ["hello", "world"],
+                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+            },
+        ),
+    ],
+)
+def test_client_gone_before_a_non_streaming_answer_cancels_it(
+    make_http_server: Any, path: str, body: dict[str, Any]
+) -> None:
+    server = make_http_server(max_tokens_limit=4000)
+    metrics = server.cluster.serving_metrics.requests
+    cancelled, ok = metrics.labels(outcome="cancelled"), metrics.labels(outcome="ok")
+    before, ok_before = cancelled._value.get(), ok._value.get()
+    n = len(body["text"]) if "text" in body else 1
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.http.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data)
+        )
+        deadline = time.monotonic() + 20
+        while server.cluster.pipeline.in_flight() < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.cluster.pipeline.in_flight() == n  # generating, nothing sent yet
+    # closed: the server sees the disconnect while it waits and cancels every prompt
+    deadline = time.monotonic() + 20
+    while cancelled._value.get() < before + n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled._value.get() == before + n
+    assert ok._value.get() == ok_before  # none ran to its end
     assert_no_leaks(server)
     assert post(server, "/v1/completions", json.dumps(GOOD).encode())[0] == 200
