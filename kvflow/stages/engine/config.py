@@ -28,6 +28,7 @@ GREEDY_BELOW = 1e-5
 MAX_SEED = 2**64 - 1
 """The largest seed: what torch.Generator.manual_seed takes (and gRPC's uint64)."""
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an engine runs a model.
