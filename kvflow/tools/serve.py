@@ -79,6 +79,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tbt-slo-ms", type=float, help="reject requests predicted to miss it")
     p.add_argument("--balancing-threshold", type=float, default=2.0)
     p.add_argument("--max-tokens-limit", type=int, default=4096)
+    limits = p.add_argument_group("limits per request and tenant (embedded, router)")
+    limits.add_argument("--max-prompt-bytes", type=int, default=1 << 20)
+    limits.add_argument(
+        "--tenant-max-concurrency", type=int, help="requests in flight per tenant (default: any)"
+    )
+    limits.add_argument(
+        "--tenant-rate", type=float, help="requests a second per tenant (token bucket)"
+    )
+    limits.add_argument("--tenant-burst", type=int, help="the bucket's size (default: the rate)")
     cluster = p.add_argument_group("--role node / router")
     cluster.add_argument("--meta", default="", help="metadata replicas' gRPC HOST:PORT, comma list")
     cluster.add_argument("--node-id", default="", help="this node's name (--role node)")
@@ -108,6 +117,10 @@ def _routing(args: argparse.Namespace) -> dict[str, Any]:
         "balancing_threshold": args.balancing_threshold,
         "max_tokens_limit": args.max_tokens_limit,
         "default_max_tokens": min(64, args.max_tokens_limit),
+        "max_prompt_bytes": args.max_prompt_bytes,
+        "tenant_max_concurrency": args.tenant_max_concurrency,
+        "tenant_rate_per_s": args.tenant_rate,
+        "tenant_burst": args.tenant_burst,
     }
 
 
