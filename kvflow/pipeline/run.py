@@ -251,6 +251,11 @@ class RequestHandle:
     def done(self) -> bool:
         return self._run.done.done()
 
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` on the event loop once the request has ended, whatever the ending
+        (at once, soon, if it already has). For releasing what was taken for the request."""
+        self._run.done.add_done_callback(lambda _: fn())
+
     @property
     def error(self) -> PipelineError | None:
         """The error the request ended with (None while running or on success)."""

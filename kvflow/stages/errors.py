@@ -25,6 +25,17 @@ class NoCapacity(FinalError):
     RESOURCE_EXHAUSTED."""
 
 
+class RateLimited(FinalError):
+    """The tenant is over one of its limits (``limit``: the config field's name, e.g.
+    ``tenant_max_concurrency``): RESOURCE_EXHAUSTED, HTTP 429 with Retry-After
+    (``retry_after_s``, when it could be admitted again)."""
+
+    def __init__(self, message: str, limit: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+
 def engine_error(exc: BaseException, instance_id: str) -> BaseException:
     """Map an engine's refusal of a request to the error the caller should see."""
     from kvflow.stages.engine import InvalidRequestError, OutOfPagesError

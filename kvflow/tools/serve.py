@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from kvflow.router import policy_names
@@ -79,6 +81,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tbt-slo-ms", type=float, help="reject requests predicted to miss it")
     p.add_argument("--balancing-threshold", type=float, default=2.0)
     p.add_argument("--max-tokens-limit", type=int, default=4096)
+    limits = p.add_argument_group("limits per request and tenant (embedded, router)")
+    limits.add_argument("--max-prompt-bytes", type=int, default=1 << 20)
+    limits.add_argument(
+        "--tenant-max-concurrency", type=int, help="requests in flight per tenant (default: any)"
+    )
+    limits.add_argument(
+        "--tenant-rate", type=float, help="requests a second per tenant (token bucket)"
+    )
+    limits.add_argument("--tenant-burst", type=int, help="the bucket's size (default: the rate)")
     cluster = p.add_argument_group("--role node / router")
     cluster.add_argument("--meta", default="", help="metadata replicas' gRPC HOST:PORT, comma list")
     cluster.add_argument("--node-id", default="", help="this node's name (--role node)")
@@ -108,6 +119,10 @@ def _routing(args: argparse.Namespace) -> dict[str, Any]:
         "balancing_threshold": args.balancing_threshold,
         "max_tokens_limit": args.max_tokens_limit,
         "default_max_tokens": min(64, args.max_tokens_limit),
+        "max_prompt_bytes": args.max_prompt_bytes,
+        "tenant_max_concurrency": args.tenant_max_concurrency,
+        "tenant_rate_per_s": args.tenant_rate,
+        "tenant_burst": args.tenant_burst,
     }
 
 
@@ -133,15 +148,18 @@ def http_config(args: argparse.Namespace) -> Any:
     return HttpConfig(port=args.http_port, max_body_bytes=args.max_body_bytes)
 
 
-async def _start_http(frontend: Any, host: str, config: Any, auth: Any = None) -> Any:
-    """The HTTP front on ``host`` in this event loop (behind the same API keys as gRPC), or
-    None when it is off."""
+async def _start_http(
+    frontend: Any, host: str, config: Any, auth: Any, stack: contextlib.AsyncExitStack
+) -> Any:
+    """The HTTP front on ``host`` in this event loop (behind the same API keys as gRPC;
+    stopped by ``stack``), or None when it is off."""
     if config is None:
         return None
     from kvflow.stages.api.http_app import HttpServer
 
     server = HttpServer(frontend, host, config, auth=auth)
     await server.start()
+    stack.push_async_callback(server.stop)
     return server
 
 
@@ -149,7 +167,35 @@ def _http_line(http: Any) -> str:
     return f"; HTTP (OpenAI, SGLang) on {http.url}" if http is not None else ""
 
 
-async def _until_signal(stop: Callable[[], Awaitable[None]]) -> None:
+@contextlib.contextmanager
+def _interruptible_startup() -> Iterator[None]:
+    """While start-up runs, SIGINT (Ctrl-C) and SIGTERM raise KeyboardInterrupt at once,
+    wherever the main thread is (a model loading synchronously included); the exit stack of
+    the caller then stops what already started. asyncio.run's own handler only cancels the
+    main task at its next await: a Ctrl-C 5 s into a 9 s start-up used to wait 4-7 s for
+    start-up to end, then exit without stopping what it had started (once with SIGSEGV)."""
+
+    signalled: list[str] = []
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        signalled.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt(signalled[-1])
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, interrupt) for sig in sigs}
+    try:
+        yield
+    except Exception as exc:
+        if signalled:  # native code (safetensors) turns the interrupt into its own error
+            raise KeyboardInterrupt(signalled[0]) from exc
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def _until_signal() -> None:
+    """Serve until SIGINT or SIGTERM; the caller's exit stack then stops everything."""
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -157,14 +203,20 @@ async def _until_signal(stop: Callable[[], Awaitable[None]]) -> None:
     try:
         await done.wait()
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         print("kvflow: shutting down", flush=True)
-        await stop()
 
 
-def _metrics(registry: Any, host: str, port: int) -> Any:
+def _metrics(registry: Any, host: str, port: int, stack: contextlib.AsyncExitStack) -> Any:
+    """The metrics endpoint (closed by ``stack``), or None when ``port`` is 0."""
     from kvflow.pipeline import serve_metrics
 
-    return serve_metrics(registry, host, port) if port else None
+    if not port:
+        return None
+    metrics = serve_metrics(registry, host, port)
+    stack.callback(metrics.close)
+    return metrics
 
 
 async def serve_embedded(
@@ -179,34 +231,30 @@ async def serve_embedded(
     from kvflow.stages.serve.embedded import EmbeddedCluster
     from kvflow.stages.serve.warmup import attach_warmup
 
-    cluster = EmbeddedCluster(config)
-    await cluster.start()
-    server, bound = create_server(cluster, host, port, auth)
-    warmup = attach_warmup(
-        server, cluster, config.data_dir / "warmup", embedded=True, auth=auth
-    )
-    await server.start()
-    await warmup.start()
-    http_server = await _start_http(cluster, host, http, auth)
-    metrics = _metrics(cluster.metrics, host, metrics_port)
-    print(
-        f"kvflow serving {cluster.model_name} ({cluster.model_dir}) on {host}:{bound} "
-        f"({config.num_prefill} prefill, {config.num_decode} decode, policy {config.policy})"
-        + _http_line(http_server)
-        + (f"; metrics on {metrics.url}" if metrics else ""),
-        flush=True,
-    )
-
-    async def stop() -> None:
-        await warmup.stop()
-        if http_server is not None:
-            await http_server.stop()
-        await server.stop(grace=2.0)
-        if metrics is not None:
-            metrics.close()
-        await cluster.stop()
-
-    await _until_signal(stop)
+    async with contextlib.AsyncExitStack() as stack:  # stops, in reverse, what started
+        with _interruptible_startup():
+            cluster = EmbeddedCluster(config)
+            stack.push_async_callback(cluster.stop)
+            await cluster.start()
+            server, bound = create_server(cluster, host, port, auth)
+            warmup = attach_warmup(
+                server, cluster, config.data_dir / "warmup", embedded=True, auth=auth
+            )
+            await server.start()
+            stack.push_async_callback(server.stop, 2.0)
+            await warmup.start()
+            stack.push_async_callback(warmup.stop)
+            http_server = await _start_http(cluster, host, http, auth, stack)
+            metrics = _metrics(cluster.metrics, host, metrics_port, stack)
+        print(
+            f"kvflow serving {cluster.model_name} ({cluster.model_dir}) on {host}:{bound} "
+            f"({config.num_prefill} prefill, {config.num_decode} decode, policy "
+            f"{config.policy})"
+            + _http_line(http_server)
+            + (f"; metrics on {metrics.url}" if metrics else ""),
+            flush=True,
+        )
+        await _until_signal()
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -229,22 +277,19 @@ def run_node(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> None:
-        node = NodeServer(config)
-        await node.start()
-        metrics = _metrics(node.metrics, args.host, args.metrics_port)
-        print(
-            f"kvflow node {config.node_id} ({config.kind}) on {node.address}, "
-            f"transfer {node.transfer_address}"
-            + (f"; metrics on {metrics.url}" if metrics else ""),
-            flush=True,
-        )
-
-        async def stop() -> None:
-            if metrics is not None:
-                metrics.close()
-            await node.stop()
-
-        await _until_signal(stop)
+        async with contextlib.AsyncExitStack() as stack:
+            with _interruptible_startup():
+                node = NodeServer(config)
+                stack.push_async_callback(node.stop)
+                await node.start()
+                metrics = _metrics(node.metrics, args.host, args.metrics_port, stack)
+            print(
+                f"kvflow node {config.node_id} ({config.kind}) on {node.address}, "
+                f"transfer {node.transfer_address}"
+                + (f"; metrics on {metrics.url}" if metrics else ""),
+                flush=True,
+            )
+            await _until_signal()
 
     asyncio.run(main())
     return 0
@@ -276,33 +321,28 @@ def run_router(args: argparse.Namespace) -> int:
         return 2
 
     async def main() -> None:
-        router = RouterServer(settings)
-        await router.start()
-        server, port = create_server(router, args.host, args.port, auth)
-        jobs_dir = Path(args.data_dir) / f"warmup-router-{args.port or port}"
-        warmup = attach_warmup(server, router, jobs_dir, embedded=False, auth=auth)
-        await server.start()
-        await warmup.start()
-        http_server = await _start_http(router, args.host, http, auth)
-        metrics = _metrics(router.metrics, args.host, args.metrics_port)
-        print(
-            f"kvflow router on {args.host}:{port} ({len(router.prefill)} prefill, "
-            f"{len(router.decode)} decode nodes)"
-            + _http_line(http_server)
-            + (f"; metrics on {metrics.url}" if metrics else ""),
-            flush=True,
-        )
-
-        async def stop() -> None:
-            await warmup.stop()
-            if http_server is not None:
-                await http_server.stop()
-            await server.stop(1.0)
-            if metrics is not None:
-                metrics.close()
-            await router.stop()
-
-        await _until_signal(stop)
+        async with contextlib.AsyncExitStack() as stack:
+            with _interruptible_startup():
+                router = RouterServer(settings)
+                stack.push_async_callback(router.stop)
+                await router.start()
+                server, port = create_server(router, args.host, args.port, auth)
+                jobs_dir = Path(args.data_dir) / f"warmup-router-{args.port or port}"
+                warmup = attach_warmup(server, router, jobs_dir, embedded=False, auth=auth)
+                await server.start()
+                stack.push_async_callback(server.stop, 1.0)
+                await warmup.start()
+                stack.push_async_callback(warmup.stop)
+                http_server = await _start_http(router, args.host, http, auth, stack)
+                metrics = _metrics(router.metrics, args.host, args.metrics_port, stack)
+            print(
+                f"kvflow router on {args.host}:{port} ({len(router.prefill)} prefill, "
+                f"{len(router.decode)} decode nodes)"
+                + _http_line(http_server)
+                + (f"; metrics on {metrics.url}" if metrics else ""),
+                flush=True,
+            )
+            await _until_signal()
 
     asyncio.run(main())
     return 0

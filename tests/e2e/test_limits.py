@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kvflow.stages.api import pb2
-from kvflow.stages.api.limits import MAX_PROMPT_BYTES
 from kvflow.stages.engine import SamplingParams
 from kvflow.stages.engine.sampler import sample
 from tests.e2e.conftest import assert_no_leaks
@@ -27,7 +26,7 @@ def code_and_details(call) -> tuple[grpc.StatusCode, str]:
 
 
 def test_an_oversized_prompt_is_refused_before_tokenizing(server) -> None:
-    big = "kv " * (MAX_PROMPT_BYTES // 3 + 10)
+    big = "kv " * (server.config.max_prompt_bytes // 3 + 10)
     started = time.monotonic()
     code, details = code_and_details(
         lambda: list(server.stub.Generate(pb2.GenerateRequest(prompt=big), timeout=30))

@@ -20,7 +20,7 @@ from kvflow.pipeline import (
 from kvflow.router import PullPlan
 from kvflow.stages.api import node_pb2
 from kvflow.stages.engine import SamplingParams, TokenLogprob
-from kvflow.stages.errors import InvalidArgument, NoCapacity, Rejected
+from kvflow.stages.errors import InvalidArgument, NoCapacity, RateLimited, Rejected
 
 # gRPC metadata key of the trace context: "<request id>/<parent span name>".
 TRACE_PARENT = "kvflow-trace-parent"
@@ -30,7 +30,7 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and details for the error a request ended with."""
     if isinstance(error, InvalidArgument):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, Rejected | NoCapacity | Overloaded):
+    if isinstance(error, Rejected | NoCapacity | Overloaded | RateLimited):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, DeadlineExceeded):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)

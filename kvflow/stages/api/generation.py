@@ -110,7 +110,7 @@ def _check_stop(stop: tuple[str, ...]) -> None:
 
 def build_state(inp: GenerateInput, config: Any) -> GenerateState:
     """The pipeline state of ``inp``; InvalidArgument naming what is wrong. ``config`` has
-    ``default_max_tokens`` and ``max_tokens_limit``."""
+    ``default_max_tokens``, ``max_tokens_limit`` and ``max_prompt_bytes``."""
     max_tokens = config.default_max_tokens if inp.max_tokens is None else inp.max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise InvalidArgument(f"max_tokens must be an integer, got {max_tokens!r}")
@@ -128,7 +128,7 @@ def build_state(inp: GenerateInput, config: Any) -> GenerateState:
     if (inp.prompt_text is None) == (inp.prompt_ids is None):
         raise InvalidArgument("give a prompt or token ids (exactly one)")
     if inp.prompt_text is not None:
-        check_prompt_bytes(inp.prompt_text)  # before any tokenizing
+        check_prompt_bytes(inp.prompt_text, config.max_prompt_bytes)  # before any tokenizing
     state = GenerateState(
         tenant=inp.tenant,
         max_tokens=max_tokens,
@@ -148,7 +148,9 @@ def build_state(inp: GenerateInput, config: Any) -> GenerateState:
 class Generation:
     """One request on ``frontend``'s pipeline, submitted at construction.
 
-    Construction raises InvalidArgument (bad input), Overloaded or PipelineClosed (not
+    Construction raises InvalidArgument (bad input), RateLimited (the tenant is over a
+    limit of ``frontend.tenant_limits``: checked after validation, before submitting; the
+    permit is given back when the request ends), Overloaded or PipelineClosed (not
     admitted). Iterate ``chunks()`` once; it raises the request's error (a FinalError, a
     StageError...) and ends the request if the caller stops iterating early (a client that
     went away: every page, pin and booking is freed by the stages' cleanup). After it:
@@ -170,9 +172,15 @@ class Generation:
         self.finish_reason: str | None = None
         self.num_tokens = 0
         self.text = ""
-        self.handle = frontend.pipeline.try_submit(
-            RequestContext(self.request_id, state=self.state)
-        )
+        permit = frontend.tenant_limits.admit(inp.tenant or "default")
+        try:
+            self.handle = frontend.pipeline.try_submit(
+                RequestContext(self.request_id, state=self.state)
+            )
+        except BaseException:
+            permit.release()
+            raise
+        self.handle.add_done_callback(permit.release)
 
     @property
     def stopped(self) -> str | None:

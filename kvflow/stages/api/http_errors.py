@@ -10,6 +10,7 @@ a request's error to an HTTP status.
 | unknown model or route | 404 |
 | body over the limit | 413 |
 | the conductor rejects it (TTFT/TBT SLO) | 429 with Retry-After |
+| the tenant is over a limit (RateLimited: concurrency, rate) | 429 with Retry-After |
 | overloaded (first queue full), no capacity, shutting down | 503 with Retry-After |
 | deadline exceeded | 504 |
 | the client went away before a non-streaming answer (nobody reads it) | 499 |
@@ -24,7 +25,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from kvflow.pipeline import DeadlineExceeded, Overloaded, PipelineClosed, StageError
-from kvflow.stages.errors import InvalidArgument, NoCapacity, Rejected
+from kvflow.stages.errors import InvalidArgument, NoCapacity, RateLimited, Rejected
 
 _TYPES = {
     400: "invalid_request_error",
@@ -87,6 +88,9 @@ def http_error_for(error: BaseException) -> HttpError:
         return HttpError(400, str(error))
     if isinstance(error, Rejected):
         return HttpError(429, str(error), headers={"Retry-After": _retry_after(error)})
+    if isinstance(error, RateLimited):
+        retry = str(max(1, math.ceil(error.retry_after_s)))
+        return HttpError(429, str(error), headers={"Retry-After": retry})
     if isinstance(error, Overloaded | NoCapacity | PipelineClosed):
         return HttpError(503, str(error), headers={"Retry-After": "1"})
     if isinstance(error, DeadlineExceeded):

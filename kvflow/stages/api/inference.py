@@ -26,7 +26,7 @@ from kvflow.stages.api.auth import (
 from kvflow.stages.api.convert import logprobs_to_msgs, sampling_fields, status_for
 from kvflow.stages.api.generation import GenerateInput, Generation, Usage, request_id_of
 from kvflow.stages.api.limits import TokenizerPool, check_prompt_bytes
-from kvflow.stages.errors import InvalidArgument, NoCapacity
+from kvflow.stages.errors import InvalidArgument, NoCapacity, RateLimited
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,14 @@ class Frontend(Protocol):
     """What the inference APIs (gRPC here, HTTP in http_app) serve: a pipeline of the seven
     stages (or the router's part of it), the tokenizer, the model's identity (``model_name``:
     the served name; ``card``: its ModelCard), and introspection. ``config`` has
-    ``default_max_tokens`` and ``max_tokens_limit``; ``prefill``/``decode`` map instance ids."""
+    ``default_max_tokens``, ``max_tokens_limit`` and ``max_prompt_bytes``; ``prefill``/``decode``
+    map instance ids; ``tenant_limits`` (api/limits.py) admits each tenant's requests."""
 
     config: Any
     pipeline: Any
     tokenizer: Any
     serving_metrics: Any
+    tenant_limits: Any
     conductor: Any
     model_dir: Any
     model_name: str
@@ -119,7 +121,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             if request.WhichOneof("input") is None:
                 raise InvalidArgument("give a prompt or token_ids")
             gen = Generation(self._cluster, self._input(request, tenant, rid))
-        except (InvalidArgument, Overloaded, PipelineClosed) as exc:
+        except (InvalidArgument, RateLimited, Overloaded, PipelineClosed) as exc:
             code, details = status_for(exc)
             await context.abort(code, details)
             return
@@ -148,7 +150,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            check_prompt_bytes(request.text)  # Tokenize had no limit at all
+            check_prompt_bytes(request.text, self._cluster.config.max_prompt_bytes)
             ids = await self._tokenizer.encode(request.text)
         except (InvalidArgument, NoCapacity) as exc:
             await context.abort(*status_for(exc))

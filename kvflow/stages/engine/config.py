@@ -25,6 +25,9 @@ MAX_TEMPERATURE = 100.0
 """The largest temperature accepted (beyond it sampling is uniform noise)."""
 GREEDY_BELOW = 1e-5
 """A temperature below this samples greedily (as vLLM's _SAMPLING_EPS)."""
+MAX_SEED = 2**64 - 1
+"""The largest seed: what torch.Generator.manual_seed takes (and gRPC's uint64)."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -85,8 +88,8 @@ class SamplingParams:
         temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
         top_k: keep the k most likely tokens before sampling; 0 keeps all.
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p.
-        seed: seeds this request's sampling generator; None derives one from the
-            engine seed and the request id (stable across runs).
+        seed: seeds this request's sampling generator, in [0, 2**64); None derives one from
+            the engine seed and the request id (stable across runs).
         stop_token_ids: extra tokens that end generation (finish_reason "stop").
         ignore_eos: do not stop on the model's EOS token(s).
         repetition_penalty: > 0; 1 is off. Every token seen so far (prompt and output) has a
@@ -129,9 +132,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        bad_seed = isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        if self.seed is not None and bad_seed:
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        seed = self.seed
+        bad_seed = isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
+        if seed is not None and bad_seed:  # 2**64 used to overflow torch's manual_seed (a 500)
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
         stops = tuple(self.stop_token_ids)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")

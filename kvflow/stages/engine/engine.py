@@ -184,6 +184,7 @@ class Engine:
         # KV is computed for the prompt and every generated token but the last.
         longest = max(len(tokens), self.max_model_len - 1)
         kv_tokens = min(len(tokens) + sampling.max_tokens - 1, longest)
+        generator = self._generator(request_id, sampling)  # may raise: before any page is taken
         page_ids = self._pool.allocate(-(-kv_tokens // bs))
         self._pool.write_pages(page_ids[: len(pages)], pages)
         self._seqs[request_id] = Sequence(
@@ -197,7 +198,7 @@ class Engine:
             max_len=self.max_model_len,
             retain_pages=retain_pages,
             arrival=self._arrivals,
-            generator=self._generator(request_id, sampling),
+            generator=generator,
         )
         self._arrivals += 1
         logger.debug("req=%s added: %d tokens, %d imported", request_id, len(tokens), n_prefix)

@@ -116,6 +116,13 @@ class RoutingConfig:
         seed: seeds the router's random choices.
         served_model_name: the model's name in the APIs (/v1/models, Health); None: the
             model card's (the directory's name).
+        max_prompt_bytes: the largest prompt text accepted, in UTF-8 bytes, checked before it
+            is tokenized (Generate, Tokenize and the HTTP routes alike).
+        tenant_max_concurrency: requests one tenant may have in flight at once (None: no
+            limit); the next is refused at once (RESOURCE_EXHAUSTED / HTTP 429).
+        tenant_rate_per_s / tenant_burst: a token bucket per tenant: requests admitted per
+            second on average, and at most ``tenant_burst`` at once (None: the rate rounded
+            up, at least 1); None rate: no limit. Decided in ``api/limits.py:TenantLimits``.
     """
 
     policy: str = "cache-aware"
@@ -127,11 +134,29 @@ class RoutingConfig:
     trace_capacity: int = 1024
     seed: int = 0
     served_model_name: str | None = None
+    max_prompt_bytes: int = 1 << 20
+    tenant_max_concurrency: int | None = None
+    tenant_rate_per_s: float | None = None
+    tenant_burst: int | None = None
 
     def __post_init__(self) -> None:
         _model_name(self.served_model_name)
-        for name in ("default_max_tokens", "max_tokens_limit", "trace_capacity"):
+        for name in (
+            "default_max_tokens",
+            "max_tokens_limit",
+            "trace_capacity",
+            "max_prompt_bytes",
+        ):
             _positive_int(name, getattr(self, name))
+        for name in ("tenant_max_concurrency", "tenant_burst"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        rate = self.tenant_rate_per_s
+        bad_rate = isinstance(rate, bool) or not isinstance(rate, int | float)
+        if rate is not None and (bad_rate or not 0 < rate < float("inf")):
+            raise ValueError(f"tenant_rate_per_s must be a finite number > 0 or None, got {rate!r}")
+        if self.tenant_burst is not None and rate is None:
+            raise ValueError("tenant_burst needs tenant_rate_per_s")
         _positive_or_none("ttft_slo_s", self.ttft_slo_s)
         _positive_or_none("tbt_slo_s", self.tbt_slo_s)
         if not self.balancing_threshold >= 1.0:

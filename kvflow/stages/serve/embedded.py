@@ -18,6 +18,7 @@ from kvflow.kvdb import Namespace, Shard, ShardRef, StaticAdminSource
 from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, Tracer
 from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
 from kvflow.router import InstanceState, Rejection, RouterConfig
+from kvflow.stages.api.limits import TenantLimits
 from kvflow.stages.decode import DecodeStage
 from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import HashStage, namespace_for
@@ -124,6 +125,7 @@ class EmbeddedCluster:
         self.tracer = Tracer(c.trace_capacity)
         self.metrics = Metrics()
         self.serving_metrics = ServingMetrics(self.metrics)
+        self.tenant_limits = TenantLimits.from_config(c)  # every front's admission
         self.serving_metrics.track_hit_rates(
             {pid: shard_hit_rates(inst.store.shard) for pid, inst in self.prefill.items()}
         )

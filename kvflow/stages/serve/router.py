@@ -36,6 +36,7 @@ from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_aio_channel
 from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.api.convert import layout_from_info
+from kvflow.stages.api.limits import TenantLimits
 from kvflow.stages.api.node_guard import NodeGuard
 from kvflow.stages.engine import ModelCard, Tokenizer
 from kvflow.stages.hash import HashStage
@@ -103,6 +104,7 @@ class RouterServer:
         self.tracer = Tracer(settings.trace_capacity)
         self.metrics = Metrics()
         self.serving_metrics = ServingMetrics(self.metrics)
+        self.tenant_limits = TenantLimits.from_config(settings)  # every front's admission
         self._node_failures = self.metrics.counter(
             "node_failures", "Calls to a node that failed (the request was routed again)", ["node"]
         )

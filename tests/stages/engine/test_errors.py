@@ -162,6 +162,17 @@ def test_bad_requests_leave_engine_serving(busy: Engine, tiny_dir: Path) -> None
     assert busy.num_free_pages == busy.num_pages
 
 
+def test_a_failing_generator_takes_no_pages(busy: Engine) -> None:
+    """The generator is built before pages are taken: a seed torch refuses (2**64, past the
+    validation here) used to raise after the allocation and leak the request's pages."""
+    sampling = SamplingParams(max_tokens=3, temperature=1.0)
+    object.__setattr__(sampling, "seed", 2**64)
+    free = busy.num_free_pages
+    with pytest.raises((RuntimeError, ValueError, OverflowError)):
+        busy.add_request("bad-seed", [3, 4, 5], sampling)
+    assert busy.num_free_pages == free
+
+
 def test_unknown_ids_and_release_rules(busy: Engine) -> None:
     with pytest.raises(UnknownRequestError, match="nope"):
         busy.release("nope")

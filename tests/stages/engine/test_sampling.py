@@ -21,6 +21,8 @@ from tests.stages.engine.conftest import open_engine
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"seed": "x"}, "seed"),
+        ({"seed": 2**64}, "seed"),  # overflowed torch's manual_seed deep in a step (a 500)
+        ({"seed": -1}, "seed"),
         ({"stop_token_ids": (1, -2)}, "stop_token_ids"),
     ],
 )
