@@ -14,9 +14,8 @@ per instance (the difference between ~1 ms and ~20 ms per decision at 64 instanc
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import filterfalse
 from typing import Protocol, runtime_checkable
 
 
@@ -187,26 +186,24 @@ class LocalPrefixIndex:
         Returns the number of blocks evicted to stay within capacity. If ``keys`` alone exceed
         the capacity, only its leading ``capacity`` blocks are kept (the useful part of a chain).
         """
-        chain = keys if isinstance(keys, tuple | list) else list(keys)
-        if self._capacity is not None and len(chain) > self._capacity:
+        chain = list(keys)
+        if self._capacity is not None:
             chain = chain[: self._capacity]
         with self._lock:
             held = self._blocks.setdefault(instance_id, OrderedDict())
             holders = self._holders
-            # Every key of the chain ends at the MRU end in last-to-first order, whether it was
-            # held (moved) or new (appended): so add the new ones anywhere, then move the whole
-            # chain in C (same final order, evictions and holder sets as a per-key loop).
-            new = list(filterfalse(held.__contains__, chain))  # C-level: a probe per key
-            if new:
-                owners_of = holders.get
-                for key in new:
+            owners_of = holders.get
+            refresh = held.move_to_end
+            for key in reversed(chain):
+                if key in held:
+                    refresh(key)
+                else:
                     held[key] = None
                     owners = owners_of(key)
                     if owners is None:
                         holders[key] = {instance_id}
                     else:
                         owners.add(instance_id)
-            deque(map(held.move_to_end, reversed(chain)), maxlen=0)
             evicted = 0 if self._capacity is None else max(0, len(held) - self._capacity)
             for _ in range(evicted):  # the least recently inserted first
                 key, _ = held.popitem(last=False)
