@@ -316,3 +316,79 @@ class InstanceState:
             f"InstanceState({s.instance_id!r}, {s.kind.value}, healthy={s.healthy}, "
             f"queued={s.queued_requests}/{s.queued_seconds:.3f}s, decode={s.decode_batch_size})"
         )
+
+
+class UnlockedInstanceState(InstanceState):
+    """An :class:`InstanceState` for a single-threaded owner (the simulator): the hot mutations
+    and :meth:`load_terms` take no lock and notify watchers inline, with the same effects,
+    checks and errors as the locked methods. Not thread-safe; servers use
+    :class:`InstanceState`. Methods not overridden here still lock (harmless: one thread)."""
+
+    def enqueue(self, request_id: str, predicted_s: float) -> None:
+        if not (math.isfinite(predicted_s) and predicted_s >= 0):
+            raise ValueError(f"predicted_s must be finite and >= 0, got {predicted_s}")
+        self._notify()
+        if request_id in self._queue:
+            raise ValueError(f"request_id {request_id!r} already queued on {self.instance_id}")
+        self._queue[request_id] = _Queued(predicted_s)
+        self._waiting_s += predicted_s
+        self._waiting += 1
+
+    def start(self, request_id: str, now: float) -> None:
+        self._notify()
+        entry = self._queue.get(request_id)
+        if entry is None:
+            raise UnknownInstanceError(f"request {request_id!r} not queued on {self.instance_id}")
+        if entry.started_at is None:
+            self._unwait(entry)
+            self._running[request_id] = entry
+        entry.started_at = now
+
+    def finish(self, request_id: str) -> None:
+        self._notify()
+        entry = self._queue.pop(request_id, None)
+        if entry is None:
+            raise UnknownInstanceError(f"request {request_id!r} not queued on {self.instance_id}")
+        if entry.started_at is None:
+            self._unwait(entry)
+        else:
+            del self._running[request_id]
+
+    def add_decode(self, request_id: str, context_tokens: int) -> None:
+        if context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
+        self._notify()
+        if request_id in self._decode:
+            raise ValueError(f"request_id {request_id!r} already decoding on {self.instance_id}")
+        self._decode[request_id] = context_tokens
+        self._decode_tokens += context_tokens
+
+    def remove_decode(self, request_id: str) -> None:
+        self._notify()
+        tokens = self._decode.pop(request_id, None)
+        if tokens is None:
+            raise UnknownInstanceError(f"request {request_id!r} not decoding on {self.instance_id}")
+        self._decode_tokens -= tokens
+
+    def _notify(self) -> None:
+        """:meth:`InstanceState._changed` for the live watchers, without a call per watcher
+        (a dead one sends it to the general path, which forgets it)."""
+        self._snap = None
+        for ref in self._watchers:
+            changed = ref()
+            if changed is None:
+                self._changed()
+                return
+            changed.add(self)
+
+    def load_terms(self) -> LoadTerms:
+        ext_s, ext_batch, ext_ctx = self._external
+        running = (
+            tuple([(e.predicted_s, e.started_at) for e in self._running.values()])
+            if self._running
+            else ()
+        )
+        return LoadTerms(
+            self._healthy, len(self._queue), self._waiting_s, running, ext_s,
+            len(self._decode) + ext_batch, self._decode_tokens + ext_ctx,
+        )  # fmt: skip

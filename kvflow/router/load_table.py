@@ -150,8 +150,13 @@ class LoadTable:
             return self._queued_seconds_numpy(now)
         seconds = self._static.copy()
         for row, (total, running, external) in self._running.items():
-            for predicted, started in running:  # InstanceState.snapshot's sum, term for term
-                total += predicted if now is None else max(0.0, predicted - (now - started))
+            if now is None:
+                for predicted, _ in running:
+                    total += predicted
+            else:  # InstanceState.snapshot's sum, term for term; max(0.0, left) without a call
+                for predicted, started in running:
+                    left = predicted - (now - started)
+                    total += left if left > 0.0 else 0.0
             seconds[row] = total + external
         return seconds
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from kvflow.router.conductor import Conductor
 from kvflow.router.estimators import TransferEstimator
 from kvflow.router.index import LocalPrefixIndex
-from kvflow.router.instances import InstanceKind, InstanceState
+from kvflow.router.instances import InstanceKind, UnlockedInstanceState
 from kvflow.router.reference import ReferenceConductor
 from kvflow.router.sim_config import SimulationConfig
 from kvflow.router.sim_decode import DecodeInstance
@@ -90,12 +90,15 @@ class _Cluster:
 
     def __init__(self, config: SimulationConfig, reference: bool = False) -> None:
         self.config = config
-        # tuples: the conductor recognises the same instances without comparing them one by one
+        # tuples: the conductor recognises the same instances without comparing them one by one;
+        # unlocked: this run is single-threaded (servers keep the locked InstanceState)
         self.prefill = tuple(
-            InstanceState(f"prefill-{i}", InstanceKind.PREFILL) for i in range(config.num_prefill)
+            UnlockedInstanceState(f"prefill-{i}", InstanceKind.PREFILL)
+            for i in range(config.num_prefill)
         )
         self.decode = tuple(
-            InstanceState(f"decode-{i}", InstanceKind.DECODE) for i in range(config.num_decode)
+            UnlockedInstanceState(f"decode-{i}", InstanceKind.DECODE)
+            for i in range(config.num_decode)
         )
         self.prefill_at = {s.instance_id: i for i, s in enumerate(self.prefill)}
         self.decode_at = {s.instance_id: i for i, s in enumerate(self.decode)}

@@ -89,3 +89,45 @@ def test_reported_load_adds_what_other_routers_booked():
         with pytest.raises(ValueError):
             s.set_reported_load(*bad)
     assert s.external_load == (0.0, 0, 0)
+
+
+def test_unlocked_state_matches_locked_op_for_op():
+    """The simulator's lock-free variant: same terms, snapshots, change notices and errors."""
+    from kvflow.router.instances import ChangeSet, UnlockedInstanceState
+
+    pairs = [
+        (InstanceState(f"{k}", k), UnlockedInstanceState(f"{k}", k)) for k in ("prefill", "decode")
+    ]
+    changed = [ChangeSet(), ChangeSet()]
+    for locked, unlocked in pairs:
+        locked.watch(changed[0])
+        unlocked.watch(changed[1])
+
+    def both(state_pair, op, *args):
+        results = []
+        for state in state_pair:
+            try:
+                getattr(state, op)(*args)
+                results.append(None)
+            except Exception as e:  # compared below
+                results.append((type(e), str(e)))
+        assert results[0] == results[1], (op, args)
+        assert [s.instance_id for s in changed[0]] == [s.instance_id for s in changed[1]]
+        changed[0].clear()
+        changed[1].clear()
+        assert state_pair[0].load_terms() == state_pair[1].load_terms()
+        for now in (None, 10.5, 99.0):
+            assert state_pair[0].snapshot(now) == state_pair[1].snapshot(now)
+
+    prefill, decode = pairs
+    for op, args in [
+        ("enqueue", ("a", 1.0)), ("enqueue", ("b", 0.5)), ("enqueue", ("a", 2.0)),
+        ("enqueue", ("c", -1.0)), ("start", ("a", 10.0)), ("start", ("zz", 10.0)),
+        ("start", ("a", 11.0)), ("finish", ("b",)), ("finish", ("b",)), ("finish", ("a",)),
+    ]:  # fmt: skip
+        both(prefill, op, *args)
+    for op, args in [
+        ("add_decode", ("x", 100)), ("add_decode", ("x", 5)), ("add_decode", ("y", -1)),
+        ("add_decode", ("y", 7)), ("remove_decode", ("x",)), ("remove_decode", ("x",)),
+    ]:  # fmt: skip
+        both(decode, op, *args)
