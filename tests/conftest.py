@@ -1,19 +1,35 @@
-"""Shared fixtures: free loopback ports and seeded randomness."""
+"""Shared fixtures: free loopback ports, seeded randomness, and the demo models (written once
+per session): ``tiny_model`` for plumbing, ``small_model`` where a check needs output that
+depends on the KV cache (the tiny model's barely does)."""
 
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from kvflow.stages.serve.ports import free_port as _free_port
 
 
 def pick_free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return _free_port("127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvflow.stages.engine import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvflow.stages.engine import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("models") / "small", preset="small", seed=0)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from kvflow.stages.engine import write_demo_model
 from kvflow.stages.serve.background import BackgroundServer
 from kvflow.stages.serve.config import ServeConfig
 
@@ -29,11 +28,6 @@ class ServerThread(BackgroundServer):
         return ids, msgs[-1].usage, "".join(m.text for m in msgs)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    write_demo_model(path, preset="tiny", seed=0)
-    return path
 
 
 def base_config(model: Path, data_dir: Path, **overrides: Any) -> ServeConfig:

@@ -23,7 +23,7 @@ from kvflow.router import (
     RouterConfig,
     TransferEstimator,
 )
-from kvflow.stages.engine import SamplingParams, write_demo_model
+from kvflow.stages.engine import SamplingParams
 from kvflow.stages.hash import namespace_for
 from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, pool_segment_name
 from kvflow.stages.runtime.prefix_index import ShardPrefixIndex
@@ -37,15 +37,8 @@ from kvflow.transfer import TransferConfig, TransferEngine
 BLOCK = 16
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_demo_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
 
 
-@pytest.fixture(scope="session")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model whose output depends on its KV cache (the tiny one's barely does)."""
-    return write_demo_model(tmp_path_factory.mktemp("models") / "small", preset="small", seed=0)
 
 
 class Rig:

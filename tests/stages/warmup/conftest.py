@@ -3,7 +3,6 @@ helpers to submit a corpus and wait for the job over real gRPC."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -14,42 +13,19 @@ import grpc
 import pytest
 
 from kvflow.stages.api.warmup import warmup_pb2, warmup_pb2_grpc
-from kvflow.stages.engine import write_demo_model
 from kvflow.stages.serve.config import ServeConfig
 from kvflow.stages.serve.warmup import WarmupBackgroundServer
+from tests.e2e.conftest import base_config
 
 BLOCK = 16
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    write_demo_model(path, preset="tiny", seed=0)
-    return path
 
 
-@pytest.fixture(scope="session")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "small"
-    write_demo_model(path, preset="small", seed=0)
-    return path
 
 
 def config(model: Path, data_dir: Path, **overrides: Any) -> ServeConfig:
-    base = ServeConfig(
-        model_dir=model,
-        data_dir=data_dir,
-        block_size=BLOCK,
-        num_pages=256,
-        staging_pages=256,
-        prefill_chunk=64,
-        dram_capacity_bytes=64 << 20,
-        ssd_capacity_bytes=256 << 20,
-        default_max_tokens=8,
-        max_tokens_limit=64,
-        trace_capacity=64,
-    )
-    return dataclasses.replace(base, **overrides)
+    return base_config(model, data_dir, **{"trace_capacity": 64, **overrides})
 
 
 class Warm:
