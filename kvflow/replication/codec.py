@@ -94,6 +94,8 @@ def unpack_keys(width: int, blob: bytes) -> list[bytes]:
     keys: list[bytes] = []
     pos = 0
     while pos < len(blob):
+        if pos + _LEN.size > len(blob):
+            raise ValueError("blob: truncated variable-width key length")
         (size,) = _LEN.unpack_from(blob, pos)
         end = pos + 2 + size
         if end > len(blob):

@@ -31,6 +31,10 @@ def test_malformed_blobs_are_rejected() -> None:
         unpack_keys(16, b"x" * 17)
     with pytest.raises(ValueError, match="truncated"):
         unpack_keys(0, b"\x05\x00ab")
+    with pytest.raises(ValueError, match="truncated variable-width key length"):
+        unpack_keys(0, b"\x00")  # half a length prefix (was a struct.error: UNKNOWN on the wire)
+    with pytest.raises(ValueError, match="truncated variable-width key length"):
+        unpack_keys(0, b"\x01\x00a\x07")
 
 
 def test_chunk_bounds_respects_byte_budget() -> None:

@@ -92,10 +92,16 @@ class Usage:
 
 
 def request_id_of(given: str) -> str:
-    rid = given or uuid.uuid4().hex[:16]
-    if len(rid) > MAX_REQUEST_ID or not rid.isprintable() or "/" in rid:
+    """``given``, or a fresh id when it is empty; see :func:`check_request_id`."""
+    return check_request_id(given or uuid.uuid4().hex[:16])
+
+
+def check_request_id(rid: str) -> str:
+    """``rid`` when it is a request id: 1 to MAX_REQUEST_ID printable characters without '/'.
+    InvalidArgument names the rule otherwise."""
+    if not rid or len(rid) > MAX_REQUEST_ID or not rid.isprintable() or "/" in rid:
         raise InvalidArgument(
-            f"request_id must be at most {MAX_REQUEST_ID} printable characters without '/'"
+            f"request_id must be 1 to {MAX_REQUEST_ID} printable characters without '/'"
         )
     return rid
 

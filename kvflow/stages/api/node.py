@@ -27,12 +27,20 @@ from kvflow.stages.api.convert import (
     status_for,
     trace_parent,
 )
+from kvflow.stages.api.generation import check_request_id
 from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.hash import namespace_for
 from kvflow.stages.runtime.flush import remove_unpinned
 from kvflow.stages.runtime.pins import PinBook
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook
 from kvflow.stages.state import GenerateState, StreamTarget
+from kvflow.transfer import (
+    LOCAL_PEER,
+    SegmentHandle,
+    TransferEngine,
+    TransferError,
+    UnknownSegmentError,
+)
 
 
 class NodeCore(Protocol):
@@ -74,6 +82,37 @@ async def _relay(
             raise
         code, details = status_for(exc)
         await context.abort(code, details)
+
+
+def _open_target(transfer: TransferEngine, address: str, segment: str) -> SegmentHandle:
+    """The staging segment a Prefill streams into: another node's transfer server
+    (``host:port``), never this process's own memory. InvalidArgument names a missing or
+    malformed target; the transfer engine's errors are left to :func:`_target_status`."""
+    if not address or not segment:
+        raise InvalidArgument(
+            "target_transfer_address and target_segment are required (a decode node's staging "
+            "lease, from its Reserve reply)"
+        )
+    if ":" not in address or address == LOCAL_PEER or address.startswith("shm://"):
+        raise InvalidArgument(
+            f"target_transfer_address must be a node's host:port, got {address[:100]!r}"
+        )
+    try:
+        return transfer.open_segment(address, segment)
+    except UnknownSegmentError:
+        raise
+    except ValueError as exc:
+        raise InvalidArgument(f"target_transfer_address: {exc}") from exc
+
+
+def _target_status(error: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status of a stream target that could not be opened: NOT_FOUND for a segment the
+    peer does not have, UNAVAILABLE for a peer that does not answer."""
+    if isinstance(error, UnknownSegmentError):
+        return grpc.StatusCode.NOT_FOUND, f"stream target: {error}"
+    if isinstance(error, TransferError):
+        return grpc.StatusCode.UNAVAILABLE, f"stream target: {error}"
+    return None
 
 
 def _context(request_id: str, state: GenerateState, context: grpc.aio.ServicerContext) -> Any:
@@ -129,11 +168,12 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill node")
         state: GenerateState | None = None
         try:
+            check_request_id(request.request_id)
             ids = list(request.token_ids)
             ns = self._namespace(request.tenant)
             pull = pull_from_msg(request)
             segment = await asyncio.to_thread(
-                n.transfer.open_segment, request.target_transfer_address, request.target_segment
+                _open_target, n.transfer, request.target_transfer_address, request.target_segment
             )
             state = GenerateState(
                 tenant=ns.tenant,
@@ -149,9 +189,14 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             state.pull, state.pulls_decided = pull, bool(request.pulls_decided)
             if request.HasField("max_reuse_tokens"):
                 state.max_reuse_tokens = int(request.max_reuse_tokens)
-            state.stream_target = StreamTarget(
-                segment, [int(o) for o in request.target_offsets], n.page_nbytes
-            )
+            offsets = [int(o) for o in request.target_offsets]
+            pages = -(-len(ids) // n.layout.block_size)
+            if len(offsets) < pages:  # decided before the prefill runs, not after
+                raise InvalidArgument(
+                    f"target_offsets has {len(offsets)} slots; the prompt of {len(ids)} tokens "
+                    f"needs {pages} pages"
+                )
+            state.stream_target = StreamTarget(segment, offsets, n.page_nbytes)
             predicted = request.predicted_prefill_s
             state.booking.book_prefill(
                 n.state, max(0.0, predicted) if math.isfinite(predicted) else 0.0
@@ -160,7 +205,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
         except Exception as exc:
             if state is not None:  # not admitted: off the books again
                 state.booking.release()
-            code, details = status_for(exc)
+            code, details = _target_status(exc) or status_for(exc)
             await context.abort(code, details)
             return
 
@@ -198,6 +243,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
             return None
         try:
+            check_request_id(request.request_id)
             lease_id, lease = leases.lease(request.request_id, int(request.num_pages))
         except Exception as exc:
             code, details = status_for(exc)
@@ -229,6 +275,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
         ids = list(request.token_ids)
         state: GenerateState | None = None
         try:
+            check_request_id(request.request_id)
             ns = self._namespace(request.tenant)
             if len(ids) < 2 or request.num_prefix_tokens != len(ids) - 1:
                 raise InvalidArgument("token_ids must be the prompt followed by the first token")
