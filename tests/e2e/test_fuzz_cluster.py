@@ -376,6 +376,58 @@ def test_fuzz_metadata_reads(
         assert code in REFUSALS, (code, width, len(blob), node, limit, job)
 
 
+@FUZZ
+@given(
+    node=st.one_of(st.just("fuzz-node"), TEXT.map(lambda t: "fuzz-" + t)),
+    width=st.one_of(st.just(16), st.integers(0, 64)),
+    blob=st.binary(max_size=200),
+    tiers=st.binary(max_size=14),
+    now=st.one_of(st.none(), DOUBLES),
+    target=U32,
+    op=st.one_of(st.sampled_from(["create", "claim", "append", "release"]), TEXT),
+    doc=st.binary(max_size=64),
+    lease_s=DOUBLES,
+)
+def test_fuzz_metadata_writes(
+    cluster: Cluster,
+    node: str,
+    width: int,
+    blob: bytes,
+    tiers: bytes,
+    now: float | None,
+    target: int,
+    op: str,
+    doc: bytes,
+    lease_s: float,
+) -> None:
+    """Writes under node and job names no real process uses, so the cluster keeps serving."""
+    keys = meta_pb2.Keys(width=width, blob=blob)
+    when = {} if now is None else {"now": now}
+    calls = [
+        lambda: cluster.meta.RecordBatch(
+            meta_pb2.RecordBatchRequest(node=node, stored=keys, stored_tiers=tiers, **when),
+            timeout=10,
+        ),
+        lambda: cluster.meta.ReplaceHoldings(
+            meta_pb2.ReplaceHoldingsRequest(node=node, holdings=keys, tiers=tiers, **when),
+            timeout=10,
+        ),
+        lambda: cluster.meta.Heartbeat(meta_pb2.HeartbeatRequest(node=node, **when), timeout=10),
+        lambda: cluster.meta.SetReplicaTarget(
+            meta_pb2.SetReplicaTargetRequest(key=blob[:40], target=target, **when), timeout=10
+        ),
+        lambda: cluster.meta.JobWrite(
+            meta_pb2.JobWriteRequest(
+                op=op, job_id=node, owner=node, doc=doc, events=[doc], lease_s=lease_s, **when
+            ),
+            timeout=10,
+        ),
+    ]
+    for call in calls:
+        code = code_of(call)
+        assert code in REFUSALS, (code, node, width, len(blob), tiers, now, target, op)
+
+
 # -- afterwards ---------------------------------------------------------------------------
 def test_cluster_whole_after_fuzz(cluster: Cluster) -> None:
     baseline = cluster.baseline
