@@ -28,6 +28,13 @@ from .test_grpc_auth import KINDS, handlers, sync_call
 SECRET = ClusterSecret(b"s" * 32)
 
 
+def refusal(channel: grpc.Channel) -> grpc.RpcError:
+    """The error of one unary call on ``channel`` (which must fail)."""
+    with channel, pytest.raises(grpc.RpcError) as info:
+        sync_call(channel, "UU")
+    return info.value
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> LocalCertFiles:
     return generate_local_certs(tmp_path_factory.mktemp("tls"))
@@ -62,30 +69,25 @@ def test_tls_client_with_the_ca_and_the_secret_gets_through(tls_server, certs, h
 
 def test_tls_without_the_secret_is_still_unauthenticated(tls_server, certs) -> None:
     port, calls = tls_server
-    with cluster_channel(f"127.0.0.1:{port}", None, (), TlsSettings(ca_file=certs.ca_file)) as ch:
-        with pytest.raises(grpc.RpcError) as info:
-            sync_call(ch, "UU")
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    tls = TlsSettings(ca_file=certs.ca_file)
+    error = refusal(cluster_channel(f"127.0.0.1:{port}", None, (), tls))
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
     assert calls == []
 
 
 def test_plaintext_client_to_a_tls_port_is_unavailable(tls_server) -> None:
     port, calls = tls_server
-    with cluster_channel(f"127.0.0.1:{port}", SECRET, (), PLAINTEXT) as ch:
-        with pytest.raises(grpc.RpcError) as info:
-            sync_call(ch, "UU")
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    error = refusal(cluster_channel(f"127.0.0.1:{port}", SECRET, (), PLAINTEXT))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert calls == []
     assert "--tls-ca" in unavailable_hint(PLAINTEXT)
 
 
 def test_client_with_another_ca_is_unavailable(tls_server, other_ca) -> None:
     port, calls = tls_server
-    with cluster_channel(f"127.0.0.1:{port}", SECRET, (), TlsSettings(ca_file=other_ca)) as ch:
-        with pytest.raises(grpc.RpcError) as info:
-            sync_call(ch, "UU")
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "CERTIFICATE_VERIFY_FAILED" in (info.value.details() or "")
+    error = refusal(cluster_channel(f"127.0.0.1:{port}", SECRET, (), TlsSettings(ca_file=other_ca)))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "CERTIFICATE_VERIFY_FAILED" in (error.details() or "")
     assert calls == []
 
 
@@ -97,10 +99,8 @@ def test_tls_client_to_a_plaintext_port_is_unavailable(certs) -> None:
     server.start()
     try:
         tls = TlsSettings(ca_file=certs.ca_file)
-        with cluster_channel(f"127.0.0.1:{port}", SECRET, (), tls) as ch:
-            with pytest.raises(grpc.RpcError) as info:
-                sync_call(ch, "UU")
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        error = refusal(cluster_channel(f"127.0.0.1:{port}", SECRET, (), tls))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
         assert calls == []
     finally:
         server.stop(0)
