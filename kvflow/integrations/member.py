@@ -42,6 +42,7 @@ from kvflow.kvdb import (
 from kvflow.replication import NodeId, RemoteMetadata
 from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_interceptors
+from kvflow.security.tls import add_port
 from kvflow.transfer import TransferConfig, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class ClusterMember:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
             interceptors=cluster_interceptors(process_secret()),
         )
-        port = self.server.add_insecure_port(f"{c.host}:{c.port}")
+        port = add_port(self.server, f"{c.host}:{c.port}", None)  # TLS when configured
         if port == 0:
             raise OSError(f"port: cannot listen on {c.host}:{c.port}")
         self.address = format_member_address(f"{c.host}:{port}", f"{host}:{tport}")

@@ -49,6 +49,7 @@ from kvflow.replication.wire import (
 )
 from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_interceptors
+from kvflow.security.tls import add_port
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +283,7 @@ def create_meta_server(
     servicer = MetadataServicer(group)
     pb2_grpc.add_MetadataServiceServicer_to_server(servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", None)  # TLS when configured
     if bound == 0:
         raise MetadataUnavailableError(f"cannot bind the metadata service at {host}:{port}")
     servicer.grpc_address = f"{host}:{bound}"

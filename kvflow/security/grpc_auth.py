@@ -5,8 +5,9 @@ password, the transfer engine for its handshake), so a token derived from it cos
 no CA, no per-node certificates to issue, rotate or revoke — and one metadata comparison per
 call (the benchmark ``kvflow.tools.bench.auth`` measures it). The token is sent in clear over
 an insecure channel: on 127.0.0.1, the threat model of the README (a local user without root),
-nobody can read loopback traffic. A cluster spread over an untrusted network needs TLS on top
-(gRPC ``ssl_channel_credentials`` carry the same metadata); that is not built here.
+nobody can read loopback traffic. A cluster spread over an untrusted network adds TLS under
+the token (``security/tls.py``: ``--tls-cert/--tls-key`` on servers, ``--tls-ca`` on
+clients); the channels below carry the same metadata over it.
 
 ``CLUSTER_TOKEN_KEY`` carries the token; servers built with :func:`cluster_interceptors` answer
 UNAUTHENTICATED, before the servicer runs, to a call without the right one. Clients open
@@ -24,6 +25,7 @@ from grpc import aio
 
 from kvflow.security.grpc_input import AioInputInterceptor, InputInterceptor
 from kvflow.security.secret import ClusterSecret
+from kvflow.security.tls import TlsSettings, aio_channel, channel
 
 CLUSTER_TOKEN_KEY = "x-kvflow-cluster-token"
 """The metadata key of the cluster token (lower case, as gRPC requires)."""
@@ -225,20 +227,27 @@ class _AioStreamStream(_AioToken, aio.StreamStreamClientInterceptor):
 
 
 def cluster_channel(
-    address: str, secret: ClusterSecret | None, options: Sequence[tuple[str, Any]] = ()
+    address: str,
+    secret: ClusterSecret | None,
+    options: Sequence[tuple[str, Any]] = (),
+    tls: TlsSettings | None = None,
 ) -> grpc.Channel:
     """A synchronous channel to another kvflow process, sending the cluster token on every
-    call (a plain channel when ``secret`` is None). The caller closes it."""
-    channel = grpc.insecure_channel(address, options=list(options))
+    call (no token when ``secret`` is None), over TLS when ``tls`` (None: this process's
+    ``KVFLOW_TLS_*``) has a CA. The caller closes it."""
+    plain = channel(address, options, tls)
     if secret is None:
-        return channel
-    return grpc.intercept_channel(channel, _SyncToken(secret.grpc_token()))
+        return plain
+    return grpc.intercept_channel(plain, _SyncToken(secret.grpc_token()))
 
 
 def cluster_aio_channel(
-    address: str, secret: ClusterSecret | None, options: Sequence[tuple[str, Any]] = ()
+    address: str,
+    secret: ClusterSecret | None,
+    options: Sequence[tuple[str, Any]] = (),
+    tls: TlsSettings | None = None,
 ) -> aio.Channel:
     """The ``grpc.aio`` twin of :func:`cluster_channel`."""
     kinds = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
     interceptors = [] if secret is None else [kind(secret.grpc_token()) for kind in kinds]
-    return aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    return aio_channel(address, options, tls, interceptors)

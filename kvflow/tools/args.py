@@ -62,6 +62,37 @@ def add_security_flags(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument(
         "--api-key-file", type=Path, help="keys of clients: lines 'KEY TENANT user|admin'"
     )
+    add_tls_flags(p, server=True)
+
+
+def add_tls_flags(p: argparse.ArgumentParser | Any, *, server: bool) -> None:
+    """TLS (``kvflow/security/tls.py``): ``--tls-ca`` for a client; with ``server``, the
+    certificate and key its own ports serve with too."""
+    if server:
+        p.add_argument(
+            "--tls-cert", type=Path, help="serve gRPC and HTTP with TLS: this certificate (PEM)"
+        )
+        p.add_argument("--tls-key", type=Path, help="the private key of --tls-cert (PEM)")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        help="connect to kvflow servers with TLS, verified against this CA (PEM); "
+        "default: $KVFLOW_TLS_CA_FILE",
+    )
+
+
+def apply_tls(args: argparse.Namespace) -> None:
+    """Make the ``add_tls_flags`` files this process's TLS settings (the environment
+    variables ``kvflow.security.tls.process_tls`` reads, inherited by children); ValueError
+    naming a file that is missing, unreadable or not PEM."""
+    from kvflow.security.tls import TlsSettings, process_tls
+
+    given = TlsSettings(
+        getattr(args, "tls_cert", None), getattr(args, "tls_key", None), args.tls_ca
+    )
+    given.check()
+    os.environ.update(given.env())
+    process_tls().check()  # the variables set before this process started, too
 
 
 def apply_cluster_secret(args: argparse.Namespace) -> None:

@@ -1,13 +1,15 @@
 """`kvflow cluster`: start and supervise a multi-process cluster on this machine.
 
     kvflow cluster --meta 3 --prefill 2 --decode 1 [--routers 2] [--model DIR] [--port 50051]
-                   [--data-dir DIR]
+                   [--data-dir DIR] [--tls]
 
 starts 3 metadata replicas, the prefill and decode nodes and the routers (the first listening
 on --port, the next ones on the ports after it), each as its own `kvflow serve --role ...`
 process on 127.0.0.1, restarts any process that dies, and stops them all on Ctrl-C. The
 supervisor itself is ``kvflow.tools.supervise.LocalCluster`` (also used by the benchmarks and
 tests). Clients that list every router (`kvflow generate --server A,B`) fail over when one dies.
+``--tls``: every gRPC and HTTP port serves TLS (a local CA in DATA_DIR/tls; clients pass
+``--tls-ca DATA_DIR/tls/ca.pem``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--data-dir", type=Path, default=Path("data/cluster"))
     p.add_argument("--policy", default="cache-aware")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS on every gRPC and HTTP port: a local CA and a certificate for "
+        "127.0.0.1/localhost, generated into DATA_DIR/tls (clients: --tls-ca DATA_DIR/tls/ca.pem)",
+    )
     p.set_defaults(func=run)
 
 
@@ -49,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         router_extra=("--policy", args.policy),
         routers=args.routers,
+        tls=args.tls,
     )
     stop = {"now": False}
 
@@ -65,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             f"{','.join(cluster.meta_addresses)}; logs in {cluster.data_dir}",
             flush=True,
         )
-        print(f"  try: kvflow generate --server {routers} --prompt 'Hello'", flush=True)
+        ca = f" --tls-ca {cluster.client_tls.ca_file}" if args.tls else ""
+        print(f"  try: kvflow generate --server {routers}{ca} --prompt 'Hello'", flush=True)
         print(f"  HTTP (OpenAI, SGLang APIs): {', '.join(cluster.http_urls)}", flush=True)
         for name, port in cluster.node_ports.items():
             print(f"  {name}: 127.0.0.1:{port}   (kvflow kvdb --server 127.0.0.1:{port} shards)")

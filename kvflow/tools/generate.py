@@ -10,8 +10,10 @@ from typing import Any
 
 import grpc
 
+from kvflow.security.tls import unavailable_hint
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient, parse_servers
+from kvflow.tools.args import add_tls_flags, apply_tls
 
 
 def register(subparsers: Any) -> None:
@@ -33,6 +35,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_tls_flags(p, server=False)
     p.set_defaults(func=run)
 
 
@@ -93,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         servers = parse_servers(args.server)
     except ValueError as exc:
         raise SystemExit(f"kvflow generate: --server: {exc}") from exc
+    try:
+        apply_tls(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvflow generate: {exc}") from exc
     with InferenceClient(servers) as client:
         try:
             for msg in client.generate(req, timeout=args.timeout):
@@ -106,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
                     usage = msg.usage
         except grpc.RpcError as err:
             code = err.code().name if err.code() else "UNKNOWN"
-            print(f"kvflow generate: {code}: {err.details()}", file=sys.stderr)
+            hint = unavailable_hint() if err.code() == grpc.StatusCode.UNAVAILABLE else ""
+            print(f"kvflow generate: {code}: {err.details()}{hint}", file=sys.stderr)
             return 1
         except TimeoutError as exc:
             print(f"kvflow generate: {exc}", file=sys.stderr)

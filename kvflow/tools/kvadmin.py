@@ -23,6 +23,7 @@ from kvflow.kvdb.admin import MAX_HOT, TIER_NAMES, parse_key
 from kvflow.kvdb.proto import pb2, pb2_grpc
 from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_channel
+from kvflow.tools.args import add_tls_flags, apply_tls
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -261,6 +262,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the admin service")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_tls_flags(p, server=False)
     # --json after the subcommand too; SUPPRESS keeps the sub-parser from resetting it
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
@@ -286,6 +288,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     command = COMMANDS[args.kvdb_command]
+    try:
+        apply_tls(args)
+    except ValueError as exc:
+        print(f"kvflow kvdb: {exc}", file=sys.stderr)
+        return 2
     with cluster_channel(args.server, process_secret()) as channel:
         stub = pb2_grpc.KVAdminStub(channel)
         try:

@@ -25,6 +25,7 @@ from kvflow.pipeline import Metrics, MetricsServer, serve_metrics
 from kvflow.replication import MetadataConfig, MetadataGroup, ReplicationError
 from kvflow.replication.journal_guard import JournalClaim, claim_journal_dir
 from kvflow.replication.service import create_meta_server
+from kvflow.tools.args import add_tls_flags, apply_tls
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     add_meta_arguments(parser)
+    add_tls_flags(parser, server=True)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        apply_tls(args)
+    except ValueError as exc:
+        print(f"kvflow meta: {exc}")
+        return 2
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -24,6 +24,7 @@ from kvflow.tools.args import (
     add_security_flags,
     address_list,
     apply_cluster_secret,
+    apply_tls,
     authenticator_from_args,
     engine_store_values,
 )
@@ -360,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
         args.metrics_port = METRICS_PORTS[args.role]
     try:
         apply_cluster_secret(args)  # light: a meta replica starts without torch
+        apply_tls(args)
     except (OSError, ValueError) as exc:
         print(f"kvflow serve: {exc}")
         return 2

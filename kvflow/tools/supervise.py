@@ -32,7 +32,10 @@ from kvflow.security import (
     generate_secret_file,
     load_secret_file,
 )
+from kvflow.security.certs import local_certs
 from kvflow.security.grpc_auth import cluster_channel
+from kvflow.security.tls import ENV_NAMES as TLS_ENV_NAMES
+from kvflow.security.tls import PLAINTEXT, TlsSettings
 from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.tools.args import free_port
 
@@ -63,6 +66,7 @@ def cluster_secret_file(data_dir: Path) -> Path:
     load_secret_file(path)  # refuse a short or world-readable file now, not in every child
     return path
 
+
 # A process that ran this long before it died is restarted at once; one that dies sooner is
 # crash-looping (a port in use, a bad flag): its restarts back off, doubling up to MAX.
 STABLE_AFTER_S = 10.0
@@ -87,15 +91,18 @@ class Proc:
     backoff_s: float = 0.0
     restart_at: float | None = None  # when a dead process is due to start again
     secret_file: Path | None = None  # the cluster secret, passed by path in the environment
+    tls: TlsSettings = PLAINTEXT  # the TLS files, passed by path in the environment
 
     def start(self) -> None:
         self.started_at = time.monotonic()
         self.restart_at = None
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ)
-        env.pop(SECRET_FILE_ENV, None)
+        for name in (SECRET_FILE_ENV, *TLS_ENV_NAMES):  # the cluster's, not this process's
+            env.pop(name, None)
         if self.secret_file is not None:
             env[SECRET_FILE_ENV] = str(self.secret_file)
+        env.update(self.tls.env())
         self.popen = subprocess.Popen(
             [sys.executable, "-m", *self.module, *self.args],
             stdout=self.log,
@@ -130,7 +137,11 @@ class LocalCluster:
     127.0.0.1. ``address`` is the first router's, ``addresses`` every router's.
 
     ``secure`` (default): every process gets the cluster secret ``secret_file``
-    (``cluster_secret_file``) by path; ``secret`` is it, for this process's own calls."""
+    (``cluster_secret_file``) by path; ``secret`` is it, for this process's own calls.
+    ``tls``: every gRPC and HTTP port serves TLS with a certificate for 127.0.0.1/localhost
+    signed by a local CA (``<data_dir>/tls/``, ``security.certs.local_certs``) and every
+    process verifies its peers with that CA; ``client_tls`` is what a client of this cluster
+    needs (the CA), ``http_urls`` are https."""
 
     def __init__(
         self,
@@ -144,6 +155,7 @@ class LocalCluster:
         router_extra: tuple[str, ...] = (),
         routers: int = 1,
         secure: bool = True,
+        tls: bool = False,
     ) -> None:
         if min(meta, prefill, decode, routers) < 1:
             raise ValueError("a cluster needs at least one of each: meta, prefill, decode, router")
@@ -153,6 +165,11 @@ class LocalCluster:
         self.secret: ClusterSecret | None = (
             None if self.secret_file is None else load_secret_file(self.secret_file)
         )
+        self.tls = PLAINTEXT
+        if tls:
+            certs = local_certs(self.data_dir / "tls")
+            self.tls = TlsSettings(certs.cert_file, certs.key_file, certs.ca_file)
+        self.client_tls = TlsSettings(ca_file=self.tls.ca_file)
         rafts = [f"127.0.0.1:{free_port()}" for _ in range(meta)]
         grpcs = [free_port() for _ in range(meta)]
         self.meta_addresses = [f"127.0.0.1:{p}" for p in grpcs]
@@ -212,7 +229,8 @@ class LocalCluster:
         self.address = self.addresses[0]
         # Each router's HTTP front (OpenAI, SGLang APIs) on a free port of its own.
         self.http_ports = [free_port() for _ in range(routers)]
-        self.http_urls = [f"http://127.0.0.1:{p}" for p in self.http_ports]
+        scheme = "https" if tls else "http"
+        self.http_urls = [f"{scheme}://127.0.0.1:{p}" for p in self.http_ports]
         for i, router_port in enumerate(self.router_ports):
             self._add(
                 f"router-{i}",
@@ -236,7 +254,11 @@ class LocalCluster:
         self.metrics_ports[name] = free_port()
         args = [*args, "--metrics-port", str(self.metrics_ports[name])]
         self.procs[name] = Proc(
-            name, args, self.data_dir / f"{name}.log", secret_file=self.secret_file
+            name,
+            args,
+            self.data_dir / f"{name}.log",
+            secret_file=self.secret_file,
+            tls=self.tls,
         )
 
     def start(self, timeout_s: float = 120.0) -> None:
@@ -253,7 +275,7 @@ class LocalCluster:
     def wait_serving(self, timeout_s: float, address: str | None = None) -> None:
         """Until the router at ``address`` (the first) knows every node and all are healthy."""
         deadline = time.monotonic() + timeout_s
-        with cluster_channel(address or self.address, self.secret) as channel:
+        with cluster_channel(address or self.address, self.secret, (), self.client_tls) as channel:
             stub = pb2_grpc.InferenceStub(channel)
             while True:
                 try:
@@ -295,7 +317,7 @@ class LocalCluster:
         for i, address in enumerate(self.meta_addresses):
             if not self.procs[f"meta-{i}"].alive():
                 continue
-            with cluster_channel(address, self.secret) as channel:
+            with cluster_channel(address, self.secret, (), self.client_tls) as channel:
                 stub = meta_pb2_grpc.MetadataServiceStub(channel)
                 try:
                     if stub.Status(meta_pb2.StatusRequest(), timeout=5).is_leader:

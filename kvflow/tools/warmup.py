@@ -19,6 +19,8 @@ from typing import Any
 import grpc
 
 from kvflow.grpc_proto import load_proto
+from kvflow.security.tls import channel as tls_channel
+from kvflow.tools.args import add_tls_flags, apply_tls
 
 FINAL = ("done", "cancelled", "failed")
 
@@ -26,6 +28,7 @@ FINAL = ("done", "cancelled", "failed")
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("warmup", help="offline cache warm-up jobs (submit, status, ...)")
     p.add_argument("--server", default="127.0.0.1:50051", help="host:port of a server/router")
+    add_tls_flags(p, server=False)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser(
@@ -71,7 +74,12 @@ def read_corpus(paths: list[str]) -> list[tuple[str, bytes]]:
 
 def run(args: argparse.Namespace) -> int:
     pb2, pb2_grpc = _proto()
-    with grpc.insecure_channel(args.server) as channel:
+    try:
+        apply_tls(args)
+    except ValueError as exc:
+        print(f"kvflow warmup: {exc}", file=sys.stderr)
+        return 2
+    with tls_channel(args.server) as channel:
         stub = pb2_grpc.WarmupStub(channel)
         try:
             return _ACTIONS[args.action](args, stub, pb2)

@@ -23,6 +23,8 @@ from typing import Any
 
 import grpc
 
+from kvflow.security.tls import TlsSettings
+from kvflow.security.tls import channel as channel_to
 from kvflow.stages.api import pb2, pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ class InferenceClient:
     round (a short pause before each new round, doubling up to 2 s), for as long as
     ``retry_for_s`` passes without a token coming back — long enough for a supervisor to
     restart the only router. ``max_attempts`` caps the sends of one request (None: no cap).
-    Thread-safe for concurrent ``generate`` calls (one gRPC channel per server, shared)."""
+    Thread-safe for concurrent ``generate`` calls (one gRPC channel per server, shared).
+    ``tls``: TLS to the routers (a CA to verify them); None: this process's ``KVFLOW_TLS_*``."""
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class InferenceClient:
         backoff_s: float = 0.25,
         retry_for_s: float = 15.0,
         seed: int | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         if not servers:
             raise ValueError("InferenceClient needs at least one server address")
@@ -72,6 +76,7 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.retry_for_s = retry_for_s
         self._rng = random.Random(seed)
+        self._tls = tls
         self._channels: dict[str, grpc.Channel] = {}
         self._retired: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -82,7 +87,7 @@ class InferenceClient:
         with self._lock:
             channel = self._channels.get(server)
             if channel is None:
-                channel = self._channels[server] = grpc.insecure_channel(server)
+                channel = self._channels[server] = channel_to(server, (), self._tls)
         return pb2_grpc.InferenceStub(channel)
 
     def _forget(self, server: str) -> None:

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvflow.pipeline import PipelineError
+from kvflow.security.tls import TlsSettings, uvicorn_ssl
 from kvflow.stages.api.auth import Authenticator, Unauthenticated
 from kvflow.stages.api.http_errors import HttpError, http_error_for
 from kvflow.stages.api.openai_routes import OpenAIApi
@@ -116,8 +117,10 @@ class HttpServer:
         config: Any,
         grace_s: float = 2.0,
         auth: Authenticator | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         self._app = create_app(frontend, config.max_body_bytes, config.max_batch, auth)
+        self._ssl = uvicorn_ssl(tls)  # HTTPS when this process serves TLS (tls None: its env)
         self._host = host
         self._port = config.port
         self._grace_s = grace_s
@@ -143,6 +146,7 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=int(max(1, self._grace_s)),
+            **self._ssl,  # type: ignore[arg-type]
         )
         self._server = _LoopServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
@@ -156,7 +160,8 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self._ssl else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     async def stop(self) -> None:
         """Idempotent."""

@@ -15,6 +15,7 @@ from kvflow.kvdb import ADMIN_SERVICE_NAME, add_admin_service
 from kvflow.pipeline import Overloaded, PipelineClosed
 from kvflow.security import process_secret
 from kvflow.security.grpc_input import AioInputInterceptor
+from kvflow.security.tls import add_port
 from kvflow.stages.api import SERVICE_NAME, pb2, pb2_grpc
 from kvflow.stages.api.auth import (
     Authenticator,
@@ -225,7 +226,7 @@ def create_server(
     reflection.enable_server_reflection(
         (SERVICE_NAME, ADMIN_SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", None)  # TLS when this process serves it
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return server, bound

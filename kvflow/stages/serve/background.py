@@ -12,8 +12,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import grpc
-
+from kvflow.security.tls import channel as tls_channel
 from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.stages.api.http_app import HttpServer
 from kvflow.stages.api.inference import create_server
@@ -52,7 +51,7 @@ class BackgroundServer:
             self._stop_loop()
             raise
         self.address = f"{host}:{self.port}"
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = tls_channel(self.address)  # TLS when this process connects with it
         self.stub = pb2_grpc.InferenceStub(self.channel)
 
     async def _start(self, host: str, port: int) -> EmbeddedCluster:

@@ -35,6 +35,7 @@ from kvflow.replication import NodeId, RemoteMetadata
 from kvflow.router import InstanceState
 from kvflow.security import process_secret
 from kvflow.security.grpc_auth import aio_cluster_interceptors
+from kvflow.security.tls import add_port
 from kvflow.stages.api import NODE_SERVICE_NAME, node_pb2_grpc
 from kvflow.stages.api.node import NodeServicer
 from kvflow.stages.decode import DecodeStage
@@ -107,9 +108,7 @@ class NodeServer:
         address = format_node_address(self.address, self.transfer_address)
         self.metadata.register_node(NodeId(c.node_id), address, c.kind)
         self.store = open_shard(c, c.node_id, engine, self.metadata, self._closers)
-        ServingMetrics(self.metrics).track_hit_rates(
-            {c.node_id: shard_hit_rates(self.store.shard)}
-        )
+        ServingMetrics(self.metrics).track_hit_rates({c.node_id: shard_hit_rates(self.store.shard)})
         self.heartbeat = Heartbeat(
             self.metadata,
             [Member(c.node_id, address, c.kind, self.store.shard)],
@@ -235,7 +234,7 @@ class NodeServer:
             (NODE_SERVICE_NAME, ADMIN_SERVICE_NAME, BLOCK_SERVICE_NAME, reflection.SERVICE_NAME),
             self.server,
         )
-        if self.server.add_insecure_port(self.address) == 0:
+        if add_port(self.server, self.address, None) == 0:  # TLS when configured
             raise OSError(f"cannot listen on {self.address}")
         await self.server.start()
         loop = asyncio.get_running_loop()
