@@ -16,6 +16,7 @@ from kvflow.kvdb.client import EmbeddedClient, KVClient
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.entry import BlockInfo
 from kvflow.kvdb.errors import (
+    AccessDeniedError,
     BlockPinnedError,
     ChecksumError,
     IncompatibleDataDirError,
@@ -53,12 +54,14 @@ from kvflow.kvdb.replicas import LocalReplicas, MetadataReplicas, ReplicaCounter
 from kvflow.kvdb.shard import Shard
 from kvflow.kvdb.stats import StoreStats, TenantUsage, TierStats
 from kvflow.kvdb.store import Store, open_store, single_replica_metadata
+from kvflow.kvdb.viewer import Viewer
 from kvflow.replication import NodeId, Tier
 
 __all__ = [
     "ADMIN_SERVICE_NAME",
     "BLOCK_SERVICE_NAME",
     "DEFAULT_TENANT",
+    "AccessDeniedError",
     "AdminSource",
     "BlockEvent",
     "BlockInfo",
@@ -108,6 +111,7 @@ __all__ = [
     "TierStats",
     "UnknownShardError",
     "ValueSizeError",
+    "Viewer",
     "add_admin_service",
     "add_block_service",
     "block_keys",
