@@ -186,10 +186,11 @@ class ClusterMember:
             self.peers.register_destination(buffer)
 
     def put(self, key: bytes, value: Any, parent: bytes | None = None) -> bool:
-        """Store ``value`` (copied) in this member's shard; True if it is held (already or
-        now), False if no tier had room. Raises ValueSizeError / InvalidBufferError."""
+        """Store ``value`` (copied) in this member's shard, owned by the tenant of its
+        namespace; True if it is held (already or now), False if no tier had room. Raises
+        ValueSizeError / InvalidBufferError."""
         try:
-            tier = self.store.shard.put(key, value, parent)
+            tier = self.store.shard.put(key, value, parent, self.namespace.tenant)
         except StoreFullError:
             tier = None
         with self._lock:

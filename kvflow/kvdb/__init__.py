@@ -14,7 +14,9 @@ from kvflow.kvdb.admin import (
 )
 from kvflow.kvdb.client import EmbeddedClient, KVClient
 from kvflow.kvdb.config import StoreConfig
+from kvflow.kvdb.entry import BlockInfo
 from kvflow.kvdb.errors import (
+    AccessDeniedError,
     BlockPinnedError,
     ChecksumError,
     IncompatibleDataDirError,
@@ -32,7 +34,15 @@ from kvflow.kvdb.errors import (
     ValueSizeError,
 )
 from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored
-from kvflow.kvdb.keys import BlockKey, KVLayout, Namespace, block_keys, next_key
+from kvflow.kvdb.keys import (
+    DEFAULT_TENANT,
+    BlockKey,
+    KVLayout,
+    Namespace,
+    block_keys,
+    check_tenant,
+    next_key,
+)
 from kvflow.kvdb.metadata_sync import MetadataSync
 from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, BLOCK_SERVICE_NAME
 from kvflow.kvdb.remote.config import BlockServiceConfig, RemoteClientConfig
@@ -42,15 +52,19 @@ from kvflow.kvdb.remote.server import BlockServer, add_block_service, segment_na
 from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.replicas import LocalReplicas, MetadataReplicas, ReplicaCounter
 from kvflow.kvdb.shard import Shard
-from kvflow.kvdb.stats import StoreStats, TierStats
+from kvflow.kvdb.stats import StoreStats, TenantUsage, TierStats
 from kvflow.kvdb.store import Store, open_store, single_replica_metadata
+from kvflow.kvdb.viewer import Viewer
 from kvflow.replication import NodeId, Tier
 
 __all__ = [
     "ADMIN_SERVICE_NAME",
     "BLOCK_SERVICE_NAME",
+    "DEFAULT_TENANT",
+    "AccessDeniedError",
     "AdminSource",
     "BlockEvent",
+    "BlockInfo",
     "BlockKey",
     "BlockPinnedError",
     "BlockRemoved",
@@ -92,13 +106,16 @@ __all__ = [
     "StoreConfig",
     "StoreFullError",
     "StoreStats",
+    "TenantUsage",
     "Tier",
     "TierStats",
     "UnknownShardError",
     "ValueSizeError",
+    "Viewer",
     "add_admin_service",
     "add_block_service",
     "block_keys",
+    "check_tenant",
     "next_key",
     "open_store",
     "segment_name",

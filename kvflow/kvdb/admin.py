@@ -6,6 +6,12 @@ A server describes what it holds with an ``AdminSource``: its shards by id (each
 ``add_admin_service(server, source)`` mounts ``KVAdmin`` on a grpc.Server or grpc.aio.Server;
 ``ADMIN_SERVICE_NAME`` is the name to list for server reflection.
 
+Who calls: every RPC takes the caller's ``Viewer`` (viewer.py; ADMIN unless the server says
+otherwise). A user sees only its tenant's blocks in Hot, Replicas and Stats and is refused the
+cluster-wide RPCs (AccessDeniedError, PERMISSION_DENIED); the owner is each block's recorded
+tenant. On a server with no local shards (a router over the metadata, which records no owner)
+a user therefore sees no blocks.
+
 Thread-safety: the servicer keeps no state of its own; every call reads the shards (each
 thread-safe) and the metadata view (thread-safe) afresh. Bad input raises InvalidRequestError
 (INVALID_ARGUMENT) or UnknownShardError (NOT_FOUND) before anything is changed.
@@ -21,12 +27,13 @@ from typing import Any, NamedTuple, Protocol
 import grpc
 
 from kvflow.kvdb.errors import InvalidRequestError, UnknownShardError
-from kvflow.kvdb.grpc_mount import method_names, servicer_for
+from kvflow.kvdb.grpc_mount import Metadata, method_names, servicer_for
 from kvflow.kvdb.keys import KEY_BYTES
 from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, pb2, pb2_grpc
 from kvflow.kvdb.shard import Shard
-from kvflow.kvdb.stats import StoreStats, TierStats
-from kvflow.replication import NodeId, NodeInfo, Tier
+from kvflow.kvdb.stats import StoreStats, TenantUsage, TierStats
+from kvflow.kvdb.viewer import ADMIN, Viewer
+from kvflow.replication import DEFAULT_REPLICA_TARGET, NodeId, NodeInfo, Tier
 
 MAX_HOT = 10_000
 """The largest ``n`` a Hot request may ask for."""
@@ -125,6 +132,19 @@ def _shard_stats(shard: str, node: str, s: StoreStats) -> Any:
     )
 
 
+def _tenant_stats(shard: str, node: str, u: TenantUsage) -> Any:
+    return pb2.TenantStats(
+        shard=shard,
+        node=node,
+        tenant=u.tenant,
+        blocks=u.blocks,
+        dram_blocks=u.dram_blocks,
+        ssd_blocks=u.ssd_blocks,
+        bytes=u.nbytes,
+        hits=u.hits,
+    )
+
+
 _SUMMED = ("puts", "rejected_puts", "gets", "hits", "dram_hits", "ssd_hits", "misses")
 _SUMMED += ("corruptions", "bytes_read", "bytes_written", "events_dropped")
 
@@ -162,7 +182,8 @@ class KVAdmin:
 
     # ----------------------------------------------------------------- RPCs
 
-    def Nodes(self, request: Any) -> Any:
+    def Nodes(self, request: Any, viewer: Viewer = ADMIN) -> Any:
+        viewer.require_admin("Nodes")
         meta = self._source.metadata
         if meta is None:
             rows = []
@@ -196,7 +217,8 @@ class KVAdmin:
         ]
         return pb2.NodesResponse(nodes=rows, total_blocks=meta.num_blocks())
 
-    def Shards(self, request: Any) -> Any:
+    def Shards(self, request: Any, viewer: Viewer = ADMIN) -> Any:
+        viewer.require_admin("Shards")
         rows = []
         for sid, ref in self._shards():
             shard = ref.shard
@@ -217,7 +239,8 @@ class KVAdmin:
             )
         return pb2.ShardsResponse(shards=rows)
 
-    def Tiers(self, request: Any) -> Any:
+    def Tiers(self, request: Any, viewer: Viewer = ADMIN) -> Any:
+        viewer.require_admin("Tiers")
         rows = []
         for sid, ref in self._shards(request.shard):
             s = ref.shard.stats()
@@ -243,11 +266,18 @@ class KVAdmin:
                 )
         return pb2.TiersResponse(tiers=rows)
 
-    def Replicas(self, request: Any) -> Any:
+    def Replicas(self, request: Any, viewer: Viewer = ADMIN) -> Any:
         key = parse_key(request.key)
         rows = []
         meta = self._source.metadata
         target = 0
+        if not viewer.admin and not self._owns(viewer.tenant, key):
+            # the answer for a key nobody holds: another tenant's key is not even confirmed
+            return pb2.ReplicasResponse(
+                key=key.hex(),
+                replica_target=0 if meta is None else DEFAULT_REPLICA_TARGET,
+                has_metadata=meta is not None,
+            )
         if meta is not None:
             target = meta.replica_target(key)
             for node, tier in sorted(meta.replicas(key).items()):
@@ -262,13 +292,14 @@ class KVAdmin:
             key=key.hex(), replicas=rows, replica_target=target, has_metadata=meta is not None
         )
 
-    def Hot(self, request: Any) -> Any:
+    def Hot(self, request: Any, viewer: Viewer = ADMIN) -> Any:
         n = request.n
         if not 1 <= n <= MAX_HOT:
             raise InvalidRequestError(f"n must be in [1, {MAX_HOT}], got {n}")
+        tenant = viewer.scope(request.tenant)
         rows = []
         for sid, ref in self._shards(request.shard):
-            for b in ref.shard.hot(n):
+            for b in ref.shard.hot(n, tenant):
                 rows.append(
                     pb2.HotBlock(
                         key=b.key.hex(),
@@ -278,24 +309,36 @@ class KVAdmin:
                         node=ref.node,
                         nbytes=b.nbytes,
                         pins=b.pins,
+                        tenant=b.tenant,
                     )
                 )
         rows.sort(key=lambda r: -r.hits)  # stable: a shard's own order breaks ties
         return pb2.HotResponse(blocks=rows[:n])
 
-    def Stats(self, request: Any) -> Any:
+    def Stats(self, request: Any, viewer: Viewer = ADMIN) -> Any:
+        tenant = viewer.scope(request.tenant)
+        if request.reset:
+            viewer.require_admin("Stats with reset")
+        shards = self._shards(request.shard)
+        tenants = []
+        if tenant is not None:
+            tenants = [
+                _tenant_stats(sid, ref.node, ref.shard.tenant_usage(tenant)) for sid, ref in shards
+            ]
+        if not viewer.admin:  # shard-wide counters (puts, misses...) have no owner
+            return pb2.StatsResponse(total=pb2.ShardStats(shard="total"), tenants=tenants)
         rows = [
-            _shard_stats(sid, ref.node, ref.shard.stats(reset=request.reset))
-            for sid, ref in self._shards(request.shard)
+            _shard_stats(sid, ref.node, ref.shard.stats(reset=request.reset)) for sid, ref in shards
         ]
         total = pb2.ShardStats(shard="total")
         for name in _SUMMED:
             setattr(total, name, sum(getattr(r, name) for r in rows))
         if total.hits + total.misses:
             total.hit_rate = total.hits / (total.hits + total.misses)
-        return pb2.StatsResponse(shards=rows, total=total)
+        return pb2.StatsResponse(shards=rows, total=total, tenants=tenants)
 
-    def Evict(self, request: Any) -> Any:
+    def Evict(self, request: Any, viewer: Viewer = ADMIN) -> Any:
+        viewer.require_admin("Evict")
         if not request.shard:
             raise InvalidRequestError("shard is required (see the Shards RPC for the ids)")
         tier = parse_tier(request.tier)
@@ -310,6 +353,14 @@ class KVAdmin:
             blocks_evicted=evicted, before=_usage(pick(before)), after=_usage(pick(after))
         )
 
+    def _owns(self, tenant: str | None, key: bytes) -> bool:
+        """Whether a local shard holds ``key`` as a block of ``tenant``."""
+        for _, ref in self._shards():
+            info = ref.shard.info(key)
+            if info is not None and info.tenant == tenant:
+                return True
+        return False
+
 
 def add_admin_service(
     server: grpc.Server | grpc.aio.Server,
@@ -317,12 +368,17 @@ def add_admin_service(
     *,
     clock: Callable[[], float] = time.time,
     dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+    viewer_of: Callable[[Metadata], Viewer] | None = None,
 ) -> KVAdmin:
     """Register the KVAdmin service for ``source`` on ``server`` (before it starts) and return
-    its logic object. Add ``ADMIN_SERVICE_NAME`` to the server's reflection names."""
+    its logic object. Add ``ADMIN_SERVICE_NAME`` to the server's reflection names.
+    ``viewer_of``: the caller of each call from its metadata (None: every caller is ADMIN)."""
     core = KVAdmin(source, clock=clock, dead_after_s=dead_after_s)
     descriptor = pb2.DESCRIPTOR.services_by_name["KVAdmin"]
-    servicer = servicer_for(server, core, pb2_grpc.KVAdminServicer, method_names(descriptor))
+    caller = viewer_of or (lambda _metadata: ADMIN)
+    servicer = servicer_for(
+        server, core, pb2_grpc.KVAdminServicer, method_names(descriptor), caller
+    )
     pb2_grpc.add_KVAdminServicer_to_server(servicer, server)
     return core
 
@@ -334,6 +390,7 @@ __all__ = [
     "MetadataReader",
     "ShardRef",
     "StaticAdminSource",
+    "Viewer",
     "add_admin_service",
     "parse_key",
     "parse_tier",

@@ -158,9 +158,10 @@ class EmbeddedClient(KVClient):
             )
 
     def put(self, key: bytes, value: Any, parent: bytes | None = None) -> Tier | None:
+        """The block is owned by this client's namespace's tenant."""
         src = readable_bytes(value)
         self._check(src.shape[0], "value")
-        return self._shard.put(key, src, parent)
+        return self._shard.put(key, src, parent, self._namespace.tenant)
 
     def get(self, key: bytes) -> bytes | None:
         return self._shard.get(key)

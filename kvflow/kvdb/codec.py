@@ -1,17 +1,20 @@
 """Record codec: checksums, the SSD record header, zstd with byte-shuffling.
 
-An SSD record is a 48-byte header followed by the payload:
+An SSD record is a 49-byte header, the owner tenant and the payload:
 
     magic "KVDB" | version u8 | codec u8 | shuffle u8 | flags u8 |
-    raw_len u64 | payload_len u64 | checksum u64 | parent key 16 bytes
+    raw_len u64 | payload_len u64 | checksum u64 | parent key 16 bytes | tenant_len u8 |
+    tenant (tenant_len ASCII bytes, 1-64) | payload
 
 The checksum is a *block checksum*: xxh3_64 of the RAW value (before compression) seeded with
 xxh3_64(key ‖ parent key), so it covers which block the bytes are, not only the bytes: a valid
 value found under another key (or with another parent) fails it like a flipped bit. The same
 checksum follows a block from DRAM to SSD and back and to a remote reader, and is verified at
-every read, end to end. Version 1 records checksummed the value alone; this build refuses them
-(the data dir's manifest version says so before any record is read). Functions here are pure
-and thread-safe (compressor objects are per thread).
+every read, end to end. Version 1 records checksummed the value alone and version 2 records
+carried no owner tenant; this build refuses both (the data dir's manifest version says so
+before any record is read). The tenant is not covered by the checksum: a record whose tenant
+bytes are not a valid tenant name is corrupt (ChecksumError) like any malformed header.
+Functions here are pure and thread-safe (compressor objects are per thread).
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ import xxhash
 import zstandard
 
 from kvflow.kvdb.errors import ChecksumError
-from kvflow.kvdb.keys import KEY_BYTES, BlockKey
+from kvflow.kvdb.keys import KEY_BYTES, BlockKey, check_tenant
 
 MAGIC = b"KVDB"
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 CODEC_NONE = 0
 CODEC_ZSTD = 1
 _FLAG_PARENT = 1
-_HEADER = struct.Struct("<4sBBBBQQQ16s")
+_HEADER = struct.Struct("<4sBBBBQQQ16sB")
 HEADER_BYTES = _HEADER.size
+"""The fixed part of a header; the tenant's bytes follow it."""
 _NO_PARENT = bytes(KEY_BYTES)
 
 _local = threading.local()
@@ -84,6 +88,8 @@ class RecordHeader(NamedTuple):
     payload_len: int
     checksum: int
     parent: BlockKey | None
+    tenant: str
+    payload_offset: int  # HEADER_BYTES + the tenant's length
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -116,11 +122,14 @@ def encode_record(
     raw_checksum: int,
     parent: BlockKey | None,
     *,
+    tenant: str,
     compress: bool,
     level: int,
     shuffle_width: int,
 ) -> bytes:
-    """Header + payload for the raw uint8 value ``raw`` (not modified)."""
+    """Header + tenant + payload for the raw uint8 value ``raw`` (not modified), owned by
+    ``tenant`` (ValueError if it is not a valid tenant name)."""
+    owner = check_tenant(tenant).encode("ascii")
     codec = CODEC_NONE
     width = 1
     payload: bytes | memoryview = memoryview(raw)
@@ -146,26 +155,30 @@ def encode_record(
         len(payload),
         raw_checksum,
         parent if parent is not None else _NO_PARENT,
+        len(owner),
     )
-    return b"".join((header, payload))
+    return b"".join((header, owner, payload))
 
 
 def decode_header(record: bytes | memoryview) -> RecordHeader:
     """Parse and sanity-check a record's header. Raises ChecksumError if malformed/truncated."""
     if len(record) < HEADER_BYTES:
         raise ChecksumError(f"record truncated: {len(record)} bytes < header {HEADER_BYTES}")
-    magic, version, codec, width, flags, raw_len, payload_len, csum, parent = _HEADER.unpack_from(
-        record
-    )
+    fields = _HEADER.unpack_from(record)
+    magic, version, codec, width, flags, raw_len, payload_len, csum, parent, owner_len = fields
     if magic != MAGIC or version != RECORD_VERSION:
         raise ChecksumError(f"bad record magic/version {magic!r}/{version}")
     if codec not in (CODEC_NONE, CODEC_ZSTD) or width not in (1, 2, 4, 8):
         raise ChecksumError(f"bad record codec {codec} / shuffle {width}")
-    if len(record) != HEADER_BYTES + payload_len:
+    offset = HEADER_BYTES + owner_len
+    if len(record) != offset + payload_len:
         raise ChecksumError(
-            f"record truncated: {len(record) - HEADER_BYTES} payload bytes, header says "
-            f"{payload_len}"
+            f"record truncated: {len(record) - offset} payload bytes, header says {payload_len}"
         )
+    try:
+        tenant = check_tenant(bytes(record[HEADER_BYTES:offset]).decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ChecksumError(f"bad record owner tenant: {exc}") from None
     if codec == CODEC_NONE and payload_len != raw_len:
         raise ChecksumError("uncompressed record with payload_len != raw_len")
     return RecordHeader(
@@ -175,6 +188,8 @@ def decode_header(record: bytes | memoryview) -> RecordHeader:
         payload_len=payload_len,
         checksum=csum,
         parent=BlockKey(bytes(parent)) if flags & _FLAG_PARENT else None,
+        tenant=tenant,
+        payload_offset=offset,
     )
 
 
@@ -190,7 +205,7 @@ def decode_record_into(record: bytes | memoryview, dst: np.ndarray, key: bytes) 
     seed = key_seed(key, header.parent)
     if dst.shape[0] != header.raw_len:
         raise ValueError(f"destination has {dst.shape[0]} bytes, record holds {header.raw_len}")
-    payload = np.frombuffer(record, dtype=np.uint8, offset=HEADER_BYTES)
+    payload = np.frombuffer(record, dtype=np.uint8, offset=header.payload_offset)
     if header.codec == CODEC_NONE:
         # copy first, then hash the copy while it is in cache: from an mmap'ed engine (LMDB)
         # this is ~1.8x faster than hashing the mapped source first (measured)

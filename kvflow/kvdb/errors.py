@@ -60,6 +60,11 @@ class InvalidRequestError(KVDBError, ValueError):
     tier name...); the gRPC services answer INVALID_ARGUMENT."""
 
 
+class AccessDeniedError(KVDBError):
+    """An admin request that the caller's identity does not allow (a user key asking for a
+    cluster-wide RPC or another tenant's view); the gRPC services answer PERMISSION_DENIED."""
+
+
 class UnknownShardError(KVDBError, LookupError):
     """A request names a shard this server does not hold; the gRPC services answer NOT_FOUND."""
 

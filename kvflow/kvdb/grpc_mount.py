@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from kvflow.kvdb.errors import (
+    AccessDeniedError,
     BlockPinnedError,
     InvalidRequestError,
     StoreClosedError,
@@ -26,13 +27,19 @@ from kvflow.kvdb.errors import (
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Any], Any]
+Handler = Callable[..., Any]
+Metadata = Sequence[tuple[str, Any]] | None
+CallerOf = Callable[[Metadata], Any]
+"""The caller of one call from its invocation metadata (passed to the handler after the
+request); AccessDeniedError refuses the call."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and details for an error raised by a handler."""
     if isinstance(exc, UnknownShardError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, AccessDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, InvalidRequestError | ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, StoreClosedError):
@@ -51,10 +58,14 @@ def _log(name: str, code: grpc.StatusCode, exc: BaseException) -> None:
         logger.info("rpc=%s rejected: %s %s", name, code.name, exc)
 
 
-def _sync_method(name: str, fn: Handler) -> Callable[[Any, Any, grpc.ServicerContext], Any]:
+def _sync_method(
+    name: str, fn: Handler, caller: CallerOf | None
+) -> Callable[[Any, Any, grpc.ServicerContext], Any]:
     def method(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return fn(request)
+            if caller is None:
+                return fn(request)
+            return fn(request, caller(context.invocation_metadata()))
         except Exception as exc:
             code, details = status_for(exc)
             _log(name, code, exc)
@@ -64,10 +75,15 @@ def _sync_method(name: str, fn: Handler) -> Callable[[Any, Any, grpc.ServicerCon
     return method
 
 
-def _aio_method(name: str, fn: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Any]:
+def _aio_method(
+    name: str, fn: Handler, caller: CallerOf | None
+) -> Callable[[Any, Any, grpc.aio.ServicerContext], Any]:
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await asyncio.to_thread(fn, request)
+            if caller is None:
+                return await asyncio.to_thread(fn, request)
+            who = caller(context.invocation_metadata())
+            return await asyncio.to_thread(fn, request, who)
         except Exception as exc:
             code, details = status_for(exc)
             _log(name, code, exc)
@@ -78,12 +94,17 @@ def _aio_method(name: str, fn: Handler) -> Callable[[Any, Any, grpc.aio.Servicer
 
 
 def servicer_for(
-    server: grpc.Server | grpc.aio.Server, core: object, base: type, methods: Sequence[str]
+    server: grpc.Server | grpc.aio.Server,
+    core: object,
+    base: type,
+    methods: Sequence[str],
+    caller: CallerOf | None = None,
 ) -> Any:
     """An instance of a subclass of the generated servicer ``base`` whose RPC ``methods``
-    call ``core.<method>(request)``, in the style ``server`` needs (sync or asyncio)."""
+    call ``core.<method>(request)`` (with ``caller``: ``core.<method>(request,
+    caller(metadata))``), in the style ``server`` needs (sync or asyncio)."""
     wrap = _aio_method if isinstance(server, grpc.aio.Server) else _sync_method
-    attrs = {name: wrap(name, getattr(core, name)) for name in methods}
+    attrs = {name: wrap(name, getattr(core, name), caller) for name in methods}
     return type(f"{type(core).__name__}Servicer", (base,), attrs)()
 
 

@@ -43,9 +43,19 @@ DTYPE_SIZES: dict[str, int] = {
 }
 """KV dtypes a layout may name, with their element size in bytes."""
 
+DEFAULT_TENANT = "default"
+"""The tenant of a request (or a block) that names none."""
+
 _TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _FINGERPRINT_RE = re.compile(r"[A-Za-z0-9_.:/+=-]{1,256}")
 _ENCODING_TAG = b"kvflow.namespace.v1"
+
+
+def check_tenant(tenant: str, what: str = "tenant") -> str:
+    """``tenant`` if it is 1-64 characters of ``[A-Za-z0-9_.-]``; ValueError naming ``what``."""
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+        raise ValueError(f"{what} must be 1-64 characters of [A-Za-z0-9_.-], got {tenant!r:.80}")
+    return tenant
 
 
 def _digest(data: bytes) -> BlockKey:
@@ -118,10 +128,7 @@ class Namespace:
     layout: KVLayout
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tenant, str) or not _TENANT_RE.fullmatch(self.tenant):
-            raise ValueError(
-                f"Namespace.tenant must be 1-64 characters of [A-Za-z0-9_.-], got {self.tenant!r}"
-            )
+        check_tenant(self.tenant, "Namespace.tenant")
         if not isinstance(self.model_fingerprint, str) or not _FINGERPRINT_RE.fullmatch(
             self.model_fingerprint
         ):

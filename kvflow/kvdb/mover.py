@@ -150,7 +150,7 @@ class TierMover:
         s = self.s
         assert s.ssd is not None and s.dram is not None
         records = [
-            (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent))
+            (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent, e.tenant))
             for e in entries
             if e.dram is not None
         ]
@@ -232,18 +232,19 @@ class TierMover:
         return True
 
     def put_ssd(
-        self, key: BlockKey, src: np.ndarray, parent: BlockKey | None, now: int
+        self, key: BlockKey, src: np.ndarray, parent: BlockKey | None, now: int, tenant: str
     ) -> Tier | None:
-        """Store a new block straight on SSD (DRAM had no room). None if SSD cannot take it."""
+        """Store a new block of ``tenant`` straight on SSD (DRAM had no room). None if SSD
+        cannot take it."""
         s = self.s
         if s.ssd is None:
             return None
         csum = block_checksum(key, parent, src)
-        record = s.ssd.encode(src, csum, parent)
+        record = s.ssd.encode(src, csum, parent, tenant)
         if not self.make_ssd_room(len(record)):
             return None
         s.ssd.write_many([(key, record)])
-        e = Entry(key, src.shape[0], csum, parent, now)
+        e = Entry(key, src.shape[0], csum, parent, now, tenant)
         e.on_ssd = True
         s.index[key] = e
         s.ssd_counters.bytes_written += len(record)
@@ -293,7 +294,7 @@ class TierMover:
         adopted = 0
         for record in s.ssd.adopt():
             header = record.header
-            e = Entry(record.key, header.raw_len, header.checksum, header.parent, 0)
+            e = Entry(record.key, header.raw_len, header.checksum, header.parent, 0, header.tenant)
             e.on_ssd = True
             s.index[record.key] = e
             adopted += 1
@@ -320,7 +321,7 @@ class TierMover:
                 chunk.append(pending.pop(0))
                 size += chunk[-1].nbytes
             records = [
-                (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent))
+                (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent, e.tenant))
                 for e in chunk
                 if e.dram is not None
             ]

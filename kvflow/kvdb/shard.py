@@ -7,6 +7,8 @@ extent or record alive while it is copied), so concurrent readers copy in parall
 
 Keys are 16-byte ``BlockKey``s; values are raw bytes (any contiguous buffer). A key names its
 content (a chained hash), so a put of a key already held is a no-op that refreshes its recency.
+Every block records its owner tenant (the namespace it was put under; kept in its SSD record,
+so it survives a restart): the admin views filter on it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kvflow.kvdb.codec import copy_and_checksum, key_seed, verified_copy
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.dram import DramTier
 from kvflow.kvdb.engines import ENGINES, StorageEngine
-from kvflow.kvdb.entry import Entry
+from kvflow.kvdb.entry import BlockInfo, Entry
 from kvflow.kvdb.errors import (
     BlockPinnedError,
     ChecksumError,
@@ -35,7 +37,7 @@ from kvflow.kvdb.errors import (
 )
 from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored, Outbox
 from kvflow.kvdb.eviction import POLICIES
-from kvflow.kvdb.keys import KEY_BYTES, BlockKey
+from kvflow.kvdb.keys import DEFAULT_TENANT, KEY_BYTES, BlockKey, check_tenant
 from kvflow.kvdb.mover import ShardState, TierMover
 from kvflow.kvdb.remote.dram_lease import (
     HotBlock,
@@ -46,7 +48,7 @@ from kvflow.kvdb.remote.dram_lease import (
 )
 from kvflow.kvdb.replicas import LocalReplicas, ReplicaCounter
 from kvflow.kvdb.ssd import SsdTier
-from kvflow.kvdb.stats import StoreStats, TierCounters, snapshot
+from kvflow.kvdb.stats import StoreStats, TenantUsage, TierCounters, snapshot, tenant_usage
 from kvflow.replication import NodeId, Tier
 
 logger = logging.getLogger(__name__)
@@ -170,17 +172,26 @@ class Shard:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, key: bytes, value: Any, parent: bytes | None = None) -> Tier | None:
-        """Store ``value`` (bytes-like, numpy or torch CPU; copied, the caller keeps it).
+    def put(
+        self,
+        key: bytes,
+        value: Any,
+        parent: bytes | None = None,
+        tenant: str = DEFAULT_TENANT,
+    ) -> Tier | None:
+        """Store ``value`` (bytes-like, numpy or torch CPU; copied, the caller keeps it) as a
+        block owned by ``tenant`` (the tenant of the namespace its key was made in).
 
         Returns the tier it landed in (DRAM unless DRAM cannot make room), the current tier if
-        the key is already held (no write), or None if no tier could take it (counted in
-        ``rejected_puts``). Raises InvalidKeyError, ValueSizeError, InvalidBufferError,
-        StoreFullError (the device is full: the block is not stored, nothing else is lost).
+        the key is already held (no write; the owner stays the first put's), or None if no tier
+        could take it (counted in ``rejected_puts``). Raises InvalidKeyError, ValueSizeError,
+        InvalidBufferError, ValueError (a malformed tenant), StoreFullError (the device is
+        full: the block is not stored, nothing else is lost).
         """
         key = check_key(key)
         if parent is not None:
             parent = check_key(parent)
+        check_tenant(tenant)
         src = readable_bytes(value)
         self._check_value_size(src.shape[0])
         nbytes = src.shape[0]
@@ -196,7 +207,7 @@ class Shard:
             offset = self._mover.reserve_dram(nbytes)
             if offset is None:
                 tier = self._mover.put_ssd(
-                    key, src, BlockKey(parent) if parent else None, self._tick()
+                    key, src, BlockKey(parent) if parent else None, self._tick(), tenant
                 )
                 self._rejected += tier is None
                 return tier
@@ -214,7 +225,8 @@ class Shard:
             raise
         with self._lock:  # publish and release together: close() cannot slip in between
             self._writing.discard(key)
-            e = Entry(key, nbytes, csum, BlockKey(parent) if parent else None, self._tick())
+            parent_key = BlockKey(parent) if parent else None
+            e = Entry(key, nbytes, csum, parent_key, self._tick(), tenant)
             e.dram = offset
             self._state.index[key] = e
             self._state.dram_counters.bytes_written += nbytes
@@ -352,6 +364,14 @@ class Shard:
             e = self._state.index.get(key)
             return None if e is None else e.tier
 
+    def info(self, key: bytes) -> BlockInfo | None:
+        """Where ``key`` is, its size, parent and owner tenant; None if not held (no recency
+        update, no stats): what a copy of the block to another shard needs besides its bytes."""
+        key = check_key(key)
+        with self._lock:
+            e = self._state.index.get(key)
+            return None if e is None else BlockInfo(e.key, e.tier, e.nbytes, e.parent, e.tenant)
+
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         """The number of leading ``keys`` held (stops at the first absent one)."""
         checked = [check_key(k) for k in keys]
@@ -448,12 +468,13 @@ class Shard:
         with self._lock:
             return release_pins(self._state, checked)
 
-    def hot(self, n: int) -> list[HotBlock]:
-        """The ``n`` most-read blocks (hits counted per block since it was stored)."""
+    def hot(self, n: int, tenant: str | None = None) -> list[HotBlock]:
+        """The ``n`` most-read blocks (hits counted per block since it was stored), of every
+        tenant or only of ``tenant``."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         with self._lock:
-            return hottest(self._state, n)
+            return hottest(self._state, n, tenant)
 
     # ------------------------------------------------------------------ state
 
@@ -481,6 +502,12 @@ class Shard:
                 s.ssd_counters.reset()
                 self._puts = self._rejected = 0
             return snap
+
+    def tenant_usage(self, tenant: str) -> TenantUsage:
+        """What ``tenant`` holds here now (blocks, bytes, hits of its blocks): computed from
+        the index on the call, one pass, like ``stats``."""
+        with self._lock:
+            return tenant_usage(self._state.index.values(), tenant)
 
     def take_events(self) -> list[BlockEvent]:
         """Drain this shard's default outbox (oldest first)."""

@@ -43,12 +43,15 @@ class SsdTier:
         self.sizes: dict[BlockKey, int] = {}
         self.used = 0
 
-    def encode(self, raw: np.ndarray, raw_checksum: int, parent: BlockKey | None) -> bytes:
-        """A record for ``raw`` (CPU-bound; safe from any thread)."""
+    def encode(
+        self, raw: np.ndarray, raw_checksum: int, parent: BlockKey | None, tenant: str
+    ) -> bytes:
+        """A record for ``raw``, owned by ``tenant`` (CPU-bound; safe from any thread)."""
         return codec.encode_record(
             raw,
             raw_checksum,
             parent,
+            tenant=tenant,
             compress=self.compress,
             level=self.level,
             shuffle_width=self.shuffle,

@@ -52,6 +52,36 @@ class StoreStats:
     events_dropped: int = 0
 
 
+@dataclass(frozen=True)
+class TenantUsage:
+    """What one tenant holds in a shard now (computed from the index on the call, the same
+    scan a StoreStats snapshot makes): blocks in DRAM and on SSD (a promoted block counts in
+    both), their raw bytes (each block once), and the reads its blocks served (each block's
+    hit count since it was stored or re-adopted: blocks evicted since take theirs along).
+    Shard-wide counters (puts, misses, bytes read/written) have no owner and are not here."""
+
+    tenant: str
+    blocks: int = 0
+    dram_blocks: int = 0
+    ssd_blocks: int = 0
+    nbytes: int = 0
+    hits: int = 0
+
+
+def tenant_usage(entries: Iterable[Entry], tenant: str) -> TenantUsage:
+    """A TenantUsage of ``tenant`` over a shard's entries (caller holds the shard lock)."""
+    blocks = dram = ssd = nbytes = hits = 0
+    for e in entries:
+        if e.tenant != tenant:
+            continue
+        blocks += 1
+        dram += e.dram is not None
+        ssd += e.on_ssd
+        nbytes += e.nbytes
+        hits += e.hits
+    return TenantUsage(tenant, blocks, dram, ssd, nbytes, hits)
+
+
 _COUNTERS = (
     "hits",
     "misses",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -164,12 +164,17 @@ class Tracer:
                 self._dropped += 1
             self._traces.append(trace)
 
-    def traces(self, last: int | None = None) -> list[RequestTrace]:
-        """A copy of the kept traces, oldest first; only the newest ``last`` when given."""
+    def traces(
+        self, last: int | None = None, where: Callable[[RequestTrace], bool] | None = None
+    ) -> list[RequestTrace]:
+        """A copy of the kept traces, oldest first; only those ``where`` accepts (e.g. one
+        tenant's), and of them only the newest ``last`` when given."""
         if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
             raise ValueError(f"last must be an int >= 0 or None, got {last!r}")
         with self._lock:
             kept = list(self._traces)
+        if where is not None:
+            kept = [t for t in kept if where(t)]
         if last is None:
             return kept
         return kept[len(kept) - last :] if last else []

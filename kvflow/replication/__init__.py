@@ -19,11 +19,12 @@ from kvflow.replication.placement import NodeLoad, choose_source, choose_targets
 from kvflow.replication.protocols import MetadataClient, MetadataReader
 from kvflow.replication.remote import RemoteMetadata
 from kvflow.replication.remote_view import RemoteMetadataView
-from kvflow.replication.table import MetadataTable
+from kvflow.replication.table import DEFAULT_REPLICA_TARGET, MetadataTable
 from kvflow.replication.types import NodeId, NodeInfo, Tier
 from kvflow.replication.view import MetadataView
 
 __all__ = [
+    "DEFAULT_REPLICA_TARGET",
     "BreakerConfig",
     "BreakerState",
     "CircuitBreaker",

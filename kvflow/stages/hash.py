@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.kvdb import KVLayout, Namespace, block_keys
+from kvflow.kvdb import DEFAULT_TENANT, KVLayout, Namespace, block_keys
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.state import GenerateState
 
-DEFAULT_TENANT = "default"
+__all__ = ["DEFAULT_TENANT", "HashStage", "namespace_for"]
 
 
 def namespace_for(tenant: str, model_fingerprint: str, layout: KVLayout) -> Namespace:

@@ -1,11 +1,14 @@
 """`kvflow kvdb`: the kvdb admin CLI over a server's gRPC KVAdmin service.
 
-    kvflow kvdb --server HOST:PORT nodes | shards | tiers | replicas KEY | hot [-n N] | stats
-                                   | evict --shard ID --tier dram|ssd --bytes N    [--json]
+    kvflow kvdb --server HOST:PORT [--api-key KEY] nodes | shards | tiers | replicas KEY
+                | hot [-n N] [--tenant T] | stats [--tenant T] | evict --shard ID --tier dram|ssd
+                --bytes N    [--json]
 
-Aligned tables by default; ``--json`` prints JSON (nodes/shards/tiers/hot: a list with one
-object per row). A gRPC error prints its code and details on stderr and exits 1; bad local
-arguments exit 2 (argparse).
+With a user key (``--api-key``) hot, replicas and stats show only the key's tenant and the other
+actions are PERMISSION_DENIED; an admin key (or the cluster token) sees every tenant and may
+filter hot and stats with ``--tenant``. Aligned tables by default; ``--json`` prints JSON
+(nodes/shards/tiers/hot: a list with one object per row). A gRPC error prints its code and
+details on stderr and exits 1; bad local arguments exit 2 (argparse).
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ import grpc
 from kvflow.kvdb import InvalidRequestError
 from kvflow.kvdb.admin import MAX_HOT, TIER_NAMES, parse_key
 from kvflow.kvdb.proto import pb2, pb2_grpc
-from kvflow.security import process_secret
-from kvflow.security.grpc_auth import cluster_channel
 from kvflow.tools.args import add_tls_flags, apply_tls
+from kvflow.tools.caller import KeyedStub, add_api_key_flag, open_channel
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -199,18 +201,26 @@ def _replicas(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _hot(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
-    reply = stub.Hot(pb2.HotRequest(n=args.n, shard=args.shard), timeout=args.timeout)
+    request = pb2.HotRequest(n=args.n, shard=args.shard, tenant=args.tenant)
+    reply = stub.Hot(request, timeout=args.timeout)
     rows = [
-        [b.key, b.hits, b.tier, b.shard, b.node, human_bytes(b.nbytes), b.pins]
+        [b.key, b.hits, b.tier, b.tenant, b.shard, b.node, human_bytes(b.nbytes), b.pins]
         for b in reply.blocks
     ]
-    text = table(["KEY", "HITS", "TIER", "SHARD", "NODE", "SIZE", "PINS"], rows)
+    text = table(["KEY", "HITS", "TIER", "TENANT", "SHARD", "NODE", "SIZE", "PINS"], rows)
     return [to_plain(b) for b in reply.blocks], text if rows else "no block has been read yet"
 
 
 def _stats(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
-    request = pb2.StatsRequest(shard=args.shard, reset=args.reset)
+    request = pb2.StatsRequest(shard=args.shard, reset=args.reset, tenant=args.tenant)
     reply = stub.Stats(request, timeout=args.timeout)
+    owned = [
+        [t.tenant, t.shard, t.blocks, t.dram_blocks, t.ssd_blocks, human_bytes(t.bytes), t.hits]
+        for t in reply.tenants
+    ]
+    owned_text = table(["TENANT", "SHARD", "BLOCKS", "DRAM", "SSD", "SIZE", "HITS"], owned)
+    if not reply.shards:  # a user key: only its tenant's holdings
+        return to_plain(reply), owned_text if owned else "no shards"
     rows = [
         [
             s.shard,
@@ -229,7 +239,8 @@ def _stats(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
     ]
     headers = ["SHARD", "PUTS", "REJECTED", "GETS", "DRAM HITS", "SSD HITS", "MISSES"]
     headers += ["CORRUPT", "HIT RATE", "READ", "WRITTEN"]
-    return to_plain(reply), table(headers, rows)
+    text = table(headers, rows)
+    return to_plain(reply), f"{text}\n\n{owned_text}" if owned else text
 
 
 def _evict(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
@@ -263,6 +274,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_tls_flags(p, server=False)
+    add_api_key_flag(p)
     # --json after the subcommand too; SUPPRESS keeps the sub-parser from resetting it
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
@@ -276,9 +288,11 @@ def register(subparsers: Any) -> None:
     hot = sub.add_parser("hot", parents=[common], help="most-read blocks")
     hot.add_argument("-n", type=_count, default=10, help=f"how many (1..{MAX_HOT})")
     hot.add_argument("--shard", default="", help="only this shard")
+    hot.add_argument("--tenant", default="", help="only this tenant's blocks (admin)")
     stats = sub.add_parser("stats", parents=[common], help="put/get counters")
     stats.add_argument("--shard", default="", help="only this shard")
     stats.add_argument("--reset", action="store_true", help="zero the counters after reading")
+    stats.add_argument("--tenant", default="", help="also what this tenant holds (admin)")
     evict = sub.add_parser("evict", parents=[common], help="evict bytes from a tier now")
     evict.add_argument("--shard", required=True, help="shard id (see `shards`)")
     evict.add_argument("--tier", required=True, choices=sorted(TIER_NAMES))
@@ -293,8 +307,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvflow kvdb: {exc}", file=sys.stderr)
         return 2
-    with cluster_channel(args.server, process_secret()) as channel:
-        stub = pb2_grpc.KVAdminStub(channel)
+    with open_channel(args.server, args.api_key) as channel:
+        stub = KeyedStub(pb2_grpc.KVAdminStub(channel), args.api_key)
         try:
             value, text = command(stub, args)
         except grpc.RpcError as exc:

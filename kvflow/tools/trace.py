@@ -9,9 +9,8 @@ from typing import Any
 
 import grpc
 
-from kvflow.security import process_secret
-from kvflow.security.grpc_auth import cluster_channel
 from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.tools.caller import KeyedStub, add_api_key_flag, open_channel
 from kvflow.tools.trace_report import report_file
 
 
@@ -22,25 +21,27 @@ def register(subparsers: Any) -> None:
     exp.add_argument("--server", default="127.0.0.1:50051")
     exp.add_argument("--out", type=Path, required=True)
     exp.add_argument("--last", type=int, default=0, help="only the last N requests")
+    add_api_key_flag(exp)  # a user key exports only its tenant's requests
     exp.set_defaults(func=run_export)
     rep = sub.add_parser("report", help="per-stage latency breakdown (p50/p90/p99)")
     src = rep.add_mutually_exclusive_group(required=True)
     src.add_argument("--file", type=Path, help="a trace file written by `trace export`")
     src.add_argument("--server", help="HOST:PORT: fetch the traces first")
     rep.add_argument("--children", action="store_true", help="include child spans")
+    add_api_key_flag(rep)
     rep.set_defaults(func=run_report)
 
 
-def fetch(server: str, last: int) -> bytes:
-    with cluster_channel(server, process_secret()) as channel:
-        stub = pb2_grpc.InferenceStub(channel)
+def fetch(server: str, last: int, api_key: str | None = None) -> bytes:
+    with open_channel(server, api_key) as channel:
+        stub = KeyedStub(pb2_grpc.InferenceStub(channel), api_key)
         reply = stub.ExportTrace(pb2.ExportTraceRequest(last_n=last), timeout=30)
     return bytes(reply.chrome_trace_json)
 
 
 def run_export(args: argparse.Namespace) -> int:
     try:
-        data = fetch(args.server, args.last)
+        data = fetch(args.server, args.last, args.api_key)
     except grpc.RpcError as err:
         print(f"kvflow trace export: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
@@ -55,7 +56,7 @@ def run_report(args: argparse.Namespace) -> int:
         import tempfile
 
         try:
-            data = fetch(args.server, 0)
+            data = fetch(args.server, 0, args.api_key)
         except grpc.RpcError as err:
             print(f"kvflow trace report: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1

@@ -9,11 +9,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvflow.kvdb import KVLayout, Namespace, Shard, Store, StoreConfig, open_store
+from kvflow.kvdb import (
+    DEFAULT_TENANT,
+    KVLayout,
+    Namespace,
+    Shard,
+    Store,
+    StoreConfig,
+    codec,
+    open_store,
+)
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
 NBYTES = LAYOUT.block_nbytes  # 1024
 NAMESPACE = Namespace("tenant-a", "demo-llama:0123abcd:bfloat16", LAYOUT)
+RECORD = NBYTES + codec.HEADER_BYTES + len(DEFAULT_TENANT)
+"""An uncompressed SSD record of one block of the default tenant (``Shard.put``'s)."""
 
 
 def value(i: int, nbytes: int = NBYTES) -> np.ndarray:
@@ -34,7 +45,7 @@ def config(tmp_path: Path, **overrides: Any) -> StoreConfig:
     fields: dict[str, Any] = {
         "data_dir": tmp_path / "data",
         "dram_capacity_bytes": 8 * NBYTES,
-        "ssd_capacity_bytes": 16 * (NBYTES + 48),
+        "ssd_capacity_bytes": 16 * RECORD,
         "engine": "memory",
         "high_watermark": 1.0,
         "low_watermark": 0.75,

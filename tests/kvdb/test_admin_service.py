@@ -23,7 +23,7 @@ from kvflow.kvdb import (
 )
 from kvflow.kvdb.proto import pb2, pb2_grpc
 from kvflow.replication import MetadataTable, MetadataView
-from tests.kvdb.conftest import NAMESPACE, NBYTES, config, keys, value
+from tests.kvdb.conftest import NAMESPACE, NBYTES, RECORD, config, keys, value
 
 NOW = 1_000_000.0
 
@@ -151,7 +151,7 @@ def test_shards_usage_and_engine(admin: Admin) -> None:
         "prefix_replica_lru",
     )
     assert row.dram.blocks == 3 and row.dram.used_bytes == stats.dram.used_bytes
-    assert row.dram.capacity_bytes == 8 * NBYTES and row.ssd.capacity_bytes == 16 * (NBYTES + 48)
+    assert row.dram.capacity_bytes == 8 * NBYTES and row.ssd.capacity_bytes == 16 * RECORD
     assert row.pinned_blocks == 1 and not row.closed
     s0.unpin(ks[:1])
 

@@ -23,6 +23,7 @@ def test_record_roundtrip(compress: bool, width: int) -> None:
         raw,
         codec.block_checksum(KEY, parent, raw),
         parent,
+        tenant="acme",
         compress=compress,
         level=3,
         shuffle_width=width,
@@ -33,19 +34,40 @@ def test_record_roundtrip(compress: bool, width: int) -> None:
     header = codec.decode_record_into(rec, out, KEY)
     assert np.array_equal(out, raw)
     assert header.parent == parent and header.raw_len == raw.nbytes
+    assert header.tenant == "acme"
+
+
+def test_the_owner_tenant_is_checked_like_the_rest_of_the_header() -> None:
+    raw = _bf16_like(4096)
+    csum = codec.block_checksum(KEY, None, raw)
+    enc = {"compress": False, "level": 3, "shuffle_width": 1}
+    with pytest.raises(ValueError, match="tenant"):
+        codec.encode_record(raw, csum, None, tenant="no spaces", **enc)
+    rec = bytearray(codec.encode_record(raw, csum, None, tenant="acme", **enc))
+    assert len(rec) == codec.HEADER_BYTES + 4 + raw.nbytes
+    rec[codec.HEADER_BYTES] = ord(" ")  # the tenant's first byte: no longer a tenant name
+    with pytest.raises(ChecksumError, match="tenant"):
+        codec.decode_header(bytes(rec))
+    rec[codec.HEADER_BYTES - 1] = 200  # a tenant length past the record
+    with pytest.raises(ChecksumError, match="truncated"):
+        codec.decode_header(bytes(rec))
 
 
 def test_shuffle_improves_bf16_ratio() -> None:
     raw = _bf16_like(1 << 18)
-    plain = codec.encode_record(raw, 0, None, compress=True, level=3, shuffle_width=1)
-    shuffled = codec.encode_record(raw, 0, None, compress=True, level=3, shuffle_width=2)
+    plain = codec.encode_record(
+        raw, 0, None, tenant="acme", compress=True, level=3, shuffle_width=1
+    )
+    shuffled = codec.encode_record(
+        raw, 0, None, tenant="acme", compress=True, level=3, shuffle_width=2
+    )
     assert len(shuffled) < len(plain)
 
 
 def test_incompressible_values_are_stored_plain() -> None:
     raw = np.random.default_rng(2).integers(0, 256, 4096, dtype=np.uint8)
     rec = codec.encode_record(
-        raw, codec.checksum(raw), None, compress=True, level=3, shuffle_width=2
+        raw, codec.checksum(raw), None, tenant="acme", compress=True, level=3, shuffle_width=2
     )
     assert codec.decode_header(rec).codec == codec.CODEC_NONE
 
@@ -58,6 +80,7 @@ def test_corruption_and_truncation_are_detected(compress: bool) -> None:
             raw,
             codec.block_checksum(KEY, None, raw),
             None,
+            tenant="acme",
             compress=compress,
             level=3,
             shuffle_width=2,
@@ -86,6 +109,7 @@ def test_a_record_under_another_key_or_parent_fails_its_checksum(compress: bool)
         raw,
         codec.block_checksum(KEY, parent, raw),
         parent,
+        tenant="acme",
         compress=compress,
         level=3,
         shuffle_width=2,

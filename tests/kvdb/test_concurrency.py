@@ -10,7 +10,7 @@ import threading
 import numpy as np
 
 from kvflow.kvdb import BlockPinnedError, Shard, Tier
-from tests.kvdb.conftest import NBYTES, ShardFactory, keys, value
+from tests.kvdb.conftest import NBYTES, RECORD, ShardFactory, keys, value
 
 VALUES = [value(i) for i in range(40)]
 
@@ -29,7 +29,7 @@ def check_invariants(shard: Shard) -> None:
 
 
 def test_threads_read_write_remove_without_corruption(make_shard: ShardFactory) -> None:
-    shard = make_shard(ssd_capacity_bytes=24 * (NBYTES + 48))
+    shard = make_shard(ssd_capacity_bytes=24 * RECORD)
     ks = keys(len(VALUES))
     errors: list[BaseException] = []
     bad: list[int] = []

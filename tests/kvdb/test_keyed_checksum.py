@@ -97,12 +97,17 @@ def test_owed_pins_and_a_block_stored_again_share_the_count(make_shard: ShardFac
     assert shard.remove(ks[1])
 
 
-def test_a_version_1_data_dir_is_refused_with_the_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("version", "why"), [(1, r"value only.*delete the directory"), (2, r"no owner tenant.*delete")]
+)
+def test_an_older_data_dir_is_refused_with_the_reason(
+    tmp_path: Path, version: int, why: str
+) -> None:
     cfg = config(tmp_path, engine="rocksdb")
     Shard(cfg, NAMESPACE.fingerprint()).close()
     manifest = tmp_path / "data" / MANIFEST_NAME
     body = json.loads(manifest.read_text())
-    assert body["format_version"] == 2
-    manifest.write_text(json.dumps({**body, "format_version": 1}))
-    with pytest.raises(IncompatibleDataDirError, match=r"value only.*delete the directory"):
+    assert body["format_version"] == 3
+    manifest.write_text(json.dumps({**body, "format_version": version}))
+    with pytest.raises(IncompatibleDataDirError, match=why):
         Shard(cfg, NAMESPACE.fingerprint())

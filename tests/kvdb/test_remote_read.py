@@ -68,7 +68,8 @@ class Holder:
     def fill(self, n: int) -> list[bytes]:
         ks = keys(n)
         for i, k in enumerate(ks):
-            assert self.shard.put(k, value(i), parent=ks[i - 1] if i else None) is Tier.DRAM
+            parent = ks[i - 1] if i else None
+            assert self.shard.put(k, value(i), parent, tenant="tenant-a") is Tier.DRAM
         return ks
 
     def close(self) -> None:
@@ -150,6 +151,19 @@ def test_ssd_blocks_are_promoted_for_the_lease(holder: Holder, reader: Reader) -
     assert all(np.array_equal(p, value(i)) for i, p in enumerate(reader.pages(4)))
     assert [holder.shard.tier_of(k) for k in ks] == [Tier.DRAM] * 4
     assert holder.shard.stats().ssd.promotions == 2
+
+
+def test_a_lease_reports_each_blocks_parent_and_owner(holder: Holder, reader: Reader) -> None:
+    """What a copy of a remote block needs to keep (the replicator's remote source)."""
+    ks = holder.fill(2)
+    lease = reader.client.lease(ks)
+    try:
+        assert [(b.parent, b.tenant) for b in lease.blocks] == [
+            (None, "tenant-a"),
+            (ks[0], "tenant-a"),
+        ]
+    finally:
+        reader.client.release(lease)
 
 
 def test_lease_covers_only_the_leading_run(holder: Holder, reader: Reader) -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvflow.kvdb import BlockPinnedError, BlockRemoved, Shard, StoreConfig, Tier
-from tests.kvdb.conftest import NAMESPACE, NBYTES, keys, value
+from tests.kvdb.conftest import NAMESPACE, NBYTES, RECORD, keys, value
 
 N_KEYS = 24
 KEYS = keys(N_KEYS)
@@ -34,7 +34,7 @@ class ShardMachine(RuleBasedStateMachine):
             data_dir=self.dir,
             engine="lmdb",
             dram_capacity_bytes=4 * NBYTES,
-            ssd_capacity_bytes=12 * (NBYTES + 48),
+            ssd_capacity_bytes=12 * RECORD,
             high_watermark=1.0,
             low_watermark=0.5,
             compression="zstd",

@@ -9,8 +9,6 @@ import numpy as np
 from kvflow.kvdb import BlockRemoved, BlockStored, ReplicaCounter, Tier
 from tests.kvdb.conftest import NBYTES, ShardFactory, keys, value
 
-RECORD = NBYTES + 48
-
 
 class FixedReplicas(ReplicaCounter):
     def __init__(self, counts: dict[bytes, int]) -> None:

@@ -96,8 +96,8 @@ def test_replicator_copies_only_into_its_own_shards_toward_the_target(tmp_path: 
         now = time.time()
         for n in stores:
             group.register_node(NodeId(n), n, "prefill", now)
-        key = b"x" * 16
-        stores["a"].shard.put(key, bytes(range(64)))
+        key, parent = b"x" * 16, b"p" * 16
+        stores["a"].shard.put(key, bytes(range(64)), parent, tenant="acme")
         deadline = time.monotonic() + 5
         while group.view().replica_count(key) < 1:
             assert time.monotonic() < deadline
@@ -110,6 +110,10 @@ def test_replicator_copies_only_into_its_own_shards_toward_the_target(tmp_path: 
         everyone = Replicator(group.view, {n: s.shard for n, s in stores.items()})
         assert everyone.run_once(now=now) == 2
         assert stores["c"].shard.get(key) == bytes(range(64))
+        # a replica keeps its owner tenant (the admin views filter on it) and its parent
+        for n in ("b", "c"):
+            info = stores[n].shard.info(key)
+            assert info is not None and (info.tenant, info.parent) == ("acme", parent)
     finally:
         for s in stores.values():
             s.close()

@@ -39,6 +39,7 @@ class LeasedBlock(NamedTuple):
     checksum: int
     tier: Tier
     parent: BlockKey | None = None
+    tenant: str = ""
 
 
 class HotBlock(NamedTuple):
@@ -49,6 +50,7 @@ class HotBlock(NamedTuple):
     tier: Tier
     nbytes: int
     pins: int
+    tenant: str = ""
 
 
 def lease_leading(
@@ -77,7 +79,7 @@ def lease_leading(
         counters = state.dram_counters if tier is Tier.DRAM else state.ssd_counters
         counters.hits += 1
         counters.bytes_read += e.nbytes
-        out.append(LeasedBlock(e.key, e.dram, e.nbytes, e.checksum, tier, e.parent))
+        out.append(LeasedBlock(e.key, e.dram, e.nbytes, e.checksum, tier, e.parent, e.tenant))
     return out
 
 
@@ -120,12 +122,12 @@ def release_pins(state: ShardState, keys: Sequence[BlockKey]) -> int:
     return dropped
 
 
-def hottest(state: ShardState, n: int) -> list[HotBlock]:
-    """The ``n`` blocks with the most hits (ties: most recently used first); blocks never read
-    are left out."""
+def hottest(state: ShardState, n: int, tenant: str | None = None) -> list[HotBlock]:
+    """The ``n`` blocks with the most hits (ties: most recently used first), of every tenant
+    or only of ``tenant``; blocks never read are left out."""
     top = heapq.nlargest(
         n,
-        (e for e in state.index.values() if e.hits > 0),
+        (e for e in state.index.values() if e.hits > 0 and (tenant is None or e.tenant == tenant)),
         key=lambda e: (e.hits, e.last_access),
     )
-    return [HotBlock(e.key, e.hits, e.tier, e.nbytes, e.pins) for e in top]
+    return [HotBlock(e.key, e.hits, e.tier, e.nbytes, e.pins, e.tenant) for e in top]

@@ -131,6 +131,8 @@ class RemoteClient:
                 b.checksum,
                 _TIERS.get(b.tier, Tier.DRAM),
                 key_seed(key, b.parent or None),
+                b.parent or None,
+                b.tenant,
             )
             for key, b in zip(checked, reply.blocks, strict=False)
         )

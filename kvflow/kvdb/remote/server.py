@@ -179,6 +179,7 @@ class BlockServer:
                     checksum=b.checksum,
                     tier=b.tier.name.lower(),
                     parent=b.parent or b"",
+                    tenant=b.tenant,
                 )
                 for b in blocks
             ],

@@ -12,13 +12,17 @@ class RemoteBlock:
     """One leased block: ``length`` bytes at ``offset`` of the lease's segment, whose block
     checksum is ``checksum``; ``tier``: where the holder had it before the lease. ``seed``:
     ``codec.key_seed`` of the key the reader asked for and the parent the holder reported, so
-    bytes of any other block fail the check (0: unbound, the value alone)."""
+    bytes of any other block fail the check (0: unbound, the value alone). ``parent`` and
+    ``tenant``: the block's parent key and owner tenant, as the holder reported them (what a
+    copy of the block must keep)."""
 
     offset: int
     length: int
     checksum: int
     tier: Tier
     seed: int = 0
+    parent: bytes | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ the HTTP front passes its header to :meth:`Authenticator.identify_bearer`). A kv
 that shows the cluster token (``security.grpc_auth``) is an admin.
 
 The tenant of a request is the key's (:func:`tenant_for`); a user naming another tenant is
-PERMISSION_DENIED; an admin may act for any tenant. With no keys configured every caller is an
+PERMISSION_DENIED; an admin may act for any tenant. What a user may read is filtered to its
+tenant: the kvdb admin views (:func:`viewer_for`; the cluster-wide KVAdmin RPCs stay
+admin-only) and the exported traces. With no keys configured every caller is an
 admin of whatever tenant it names: the open mode for local development, logged at start-up.
 Keys are kept as SHA-256 digests and compared in constant time.
 """
@@ -26,6 +28,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from kvflow.kvdb import DEFAULT_TENANT, Viewer
 from kvflow.security import ClusterSecret
 from kvflow.security.grpc_auth import has_cluster_token
 
@@ -33,9 +36,11 @@ logger = logging.getLogger(__name__)
 
 AUTHORIZATION = "authorization"
 ADMIN_SERVICE_PREFIX = "/kvflow.kvdb.v1.KVAdmin/"
-ADMIN_METHODS = frozenset({"/kvflow.v1.Inference/ExportTrace"})
-"""Inference RPCs a user key may not call (besides every KVAdmin RPC): traces show every
-tenant's requests."""
+USER_ADMIN_METHODS = frozenset(ADMIN_SERVICE_PREFIX + name for name in ("Hot", "Replicas", "Stats"))
+"""The KVAdmin RPCs a user key may call: they show it only its own tenant's blocks. The
+others (Nodes, Shards, Tiers, Evict) act on or reveal the whole cluster."""
+ADMIN_METHODS: frozenset[str] = frozenset()
+"""Inference RPCs a user key may not call (none: ExportTrace shows a user its own requests)."""
 
 
 class Role(enum.Enum):
@@ -162,9 +167,21 @@ def tenant_for(identity: Identity, requested: str) -> str:
     return identity.tenant
 
 
+def owner_tenant(identity: Identity) -> str:
+    """The tenant whose blocks and requests ``identity`` owns ("" is the default tenant)."""
+    return identity.tenant or DEFAULT_TENANT
+
+
+def viewer_for(identity: Identity) -> Viewer:
+    """What ``identity`` sees through the kvdb admin service: an admin everything, a user
+    only its own tenant's blocks."""
+    return Viewer() if identity.admin else Viewer(owner_tenant(identity))
+
+
 def check_method(identity: Identity, method: str) -> None:
     """PermissionDenied when ``identity`` may not call the gRPC ``method``."""
-    admin_only = method.startswith(ADMIN_SERVICE_PREFIX) or method in ADMIN_METHODS
+    kvadmin = method.startswith(ADMIN_SERVICE_PREFIX) and method not in USER_ADMIN_METHODS
+    admin_only = kvadmin or method in ADMIN_METHODS
     if admin_only and not identity.admin:
         raise PermissionDenied(f"{method} needs an admin key")
 

@@ -12,17 +12,21 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.pipeline import RequestCancelled, RequestContext
+from kvflow.kvdb import DEFAULT_TENANT
+from kvflow.pipeline import RequestCancelled, RequestContext, RequestTrace
 from kvflow.stages.api.convert import status_for
 from kvflow.stages.api.limits import check_prompt_bytes
 from kvflow.stages.detokenize import IncrementalDetokenizer
 from kvflow.stages.engine import SamplingParams, TokenLogprob
 from kvflow.stages.errors import InvalidArgument
 from kvflow.stages.state import GenerateState
+
+TRACE_TENANT = "tenant"
+"""The request-level trace attribute that names the request's tenant."""
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -151,6 +155,13 @@ def build_state(inp: GenerateInput, config: Any) -> GenerateState:
     return state
 
 
+def of_tenant(tenant: str | None) -> Callable[[RequestTrace], bool] | None:
+    """A trace filter that keeps ``tenant``'s requests (None: no filter, every tenant)."""
+    if tenant is None:
+        return None
+    return lambda trace: trace.attrs.get(TRACE_TENANT) == tenant
+
+
 class Generation:
     """One request on ``frontend``'s pipeline, submitted at construction.
 
@@ -178,11 +189,12 @@ class Generation:
         self.finish_reason: str | None = None
         self.num_tokens = 0
         self.text = ""
-        permit = frontend.tenant_limits.admit(inp.tenant or "default")
+        tenant = inp.tenant or DEFAULT_TENANT
+        permit = frontend.tenant_limits.admit(tenant)
+        ctx = RequestContext(self.request_id, state=self.state)
+        ctx.set_attr(TRACE_TENANT, tenant)  # a request-level attr: ExportTrace filters on it
         try:
-            self.handle = frontend.pipeline.try_submit(
-                RequestContext(self.request_id, state=self.state)
-            )
+            self.handle = frontend.pipeline.try_submit(ctx)
         except BaseException:
             permit.release()
             raise

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvflow.kvdb import ADMIN_SERVICE_NAME, add_admin_service
+from kvflow.kvdb import ADMIN_SERVICE_NAME, AccessDeniedError, Viewer, add_admin_service
 from kvflow.pipeline import Overloaded, PipelineClosed
 from kvflow.security import process_secret
 from kvflow.security.grpc_input import AioInputInterceptor
@@ -22,7 +22,9 @@ from kvflow.stages.api.auth import (
     AuthInterceptor,
     PermissionDenied,
     Unauthenticated,
+    owner_tenant,
     tenant_for,
+    viewer_for,
 )
 from kvflow.stages.api.convert import logprobs_to_msgs, sampling_fields, status_for
 from kvflow.stages.api.generation import GenerateInput, Generation, Usage, request_id_of
@@ -56,7 +58,9 @@ class Frontend(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
-    async def export_trace(self, last: int | None) -> dict[str, Any]: ...
+    async def export_trace(self, last: int | None, tenant: str | None = None) -> dict[str, Any]:
+        """The last requests' Chrome trace; only ``tenant``'s requests when given."""
+        ...
 
     def admin_source(self) -> Any: ...
 
@@ -171,6 +175,13 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         )
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """An admin: the router's and every instance's counters. A user: only its tenant's
+        requests in flight (the instances' queues and batches are every tenant's)."""
+        identity = self._auth.identify_metadata(context.invocation_metadata())
+        if not identity.admin:
+            tenant = owner_tenant(identity)
+            in_flight = float(self._cluster.tenant_limits.in_flight(tenant))
+            return pb2.StatsResponse(router={"tenant_in_flight": in_flight})
         stats = self._cluster.stats()
         return pb2.StatsResponse(
             router=stats["router"],
@@ -180,7 +191,10 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         )
 
     async def ExportTrace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        doc = await self._cluster.export_trace(request.last_n or None)
+        """An admin: every request's trace; a user: only its tenant's requests."""
+        identity = self._auth.identify_metadata(context.invocation_metadata())
+        tenant = None if identity.admin else owner_tenant(identity)
+        doc = await self._cluster.export_trace(request.last_n or None, tenant)
         return pb2.ExportTraceResponse(chrome_trace_json=json.dumps(doc).encode())
 
 
@@ -203,6 +217,19 @@ def _usage_msg(u: Usage) -> Any:
     )
 
 
+def _viewer_of(auth: Authenticator) -> Callable[[Any], Viewer]:
+    """The kvdb admin service's view of a call: from its API key (the interceptor has
+    already refused unknown keys; one that slips through is refused here too)."""
+
+    def viewer(metadata: Any) -> Viewer:
+        try:
+            return viewer_for(auth.identify_metadata(metadata))
+        except Unauthenticated as exc:
+            raise AccessDeniedError(str(exc)) from None
+
+    return viewer
+
+
 def _is_cancel(exc: BaseException) -> bool:
     import asyncio
 
@@ -222,7 +249,7 @@ def create_server(
         interceptors=[AuthInterceptor(auth), AioInputInterceptor()],
     )
     pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(cluster, auth), server)
-    add_admin_service(server, cluster.admin_source())
+    add_admin_service(server, cluster.admin_source(), viewer_of=_viewer_of(auth))
     reflection.enable_server_reflection(
         (SERVICE_NAME, ADMIN_SERVICE_NAME, reflection.SERVICE_NAME), server
     )

@@ -6,7 +6,8 @@ computed from the metadata alone (``replication.choose_targets`` over the health
 target kind, least loaded first), so every process that runs a replicator agrees on it; the
 process copies the block into each chosen target that is one of *its* shards, from a holder in
 this process if there is one (``choose_source``), else from another node through ``remote``.
-The copies report themselves to the metadata through the shards' own event sync, so the next
+A copy keeps the block's parent and owner tenant (the admin views filter on the owner). The
+copies report themselves to the metadata through the shards' own event sync, so the next
 pass sees the new counts.
 """
 
@@ -16,14 +17,24 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from kvflow.kvdb import Shard
 from kvflow.replication import MetadataView, NodeId, NodeLoad, choose_source, choose_targets
 
 logger = logging.getLogger(__name__)
 
-# reads one block of another node into a fresh buffer: (source node, key) -> value or None
-RemoteRead = Callable[[NodeId, bytes], object | None]
+
+class BlockCopy(NamedTuple):
+    """One block read for a copy: its bytes (a fresh buffer), parent key and owner tenant."""
+
+    value: object
+    parent: bytes | None
+    tenant: str
+
+
+# reads one block of another node: (source node, key) -> the copy, or None (a miss)
+RemoteRead = Callable[[NodeId, bytes], BlockCopy | None]
 
 
 class Replicator:
@@ -79,20 +90,28 @@ class Replicator:
             mine = [d for d in choose_targets(holders, target, loads) if d in self._shards]
             if not mine:
                 continue
-            value = self._read(key, holders, local)
-            if value is None:
+            block = self._read(key, holders, local)
+            if block is None:
                 continue
             for dest in mine:
-                copied += self._shards[dest].put(key, value) is not None
+                tier = self._shards[dest].put(key, block.value, block.parent, block.tenant)
+                copied += tier is not None
         self.copied += copied
         if copied:
             logger.info("replicator: %d block copies toward their replica targets", copied)
         return copied
 
-    def _read(self, key: bytes, holders: Mapping[NodeId, object], local: list[NodeId]) -> object:
+    def _read(
+        self, key: bytes, holders: Mapping[NodeId, object], local: list[NodeId]
+    ) -> BlockCopy | None:
         source = choose_source(holders, local)  # type: ignore[arg-type]
-        if source is not None:
-            return self._shards[source].get(key)  # None: evicted since the metadata was read
+        if source is not None:  # None below: evicted since the metadata was read
+            shard = self._shards[source]
+            info = shard.info(key)
+            value = None if info is None else shard.get(key)
+            if value is None or info is None:
+                return None
+            return BlockCopy(value, info.parent, info.tenant)
         if self._remote is None:
             return None
         remote = choose_source(holders, [NodeId(n) for n in self._remote_nodes()])  # type: ignore[arg-type]

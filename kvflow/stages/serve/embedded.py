@@ -18,6 +18,7 @@ from kvflow.kvdb import Namespace, Shard, ShardRef, StaticAdminSource
 from kvflow.pipeline import Metrics, Pipeline, PipelineConfig, Tracer
 from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
 from kvflow.router import InstanceState, Rejection, RouterConfig
+from kvflow.stages.api.generation import of_tenant
 from kvflow.stages.api.limits import TenantLimits
 from kvflow.stages.decode import DecodeStage
 from kvflow.stages.errors import InvalidArgument
@@ -260,11 +261,12 @@ class EmbeddedCluster:
         return await asyncio.to_thread(flush)
 
     # -- introspection ----------------------------------------------------------------------
-    async def export_trace(self, last: int | None) -> dict[str, Any]:
-        """The Chrome/Perfetto document of the last requests (all in this process)."""
+    async def export_trace(self, last: int | None, tenant: str | None = None) -> dict[str, Any]:
+        """The Chrome/Perfetto document of the last requests (all in this process), of every
+        tenant or only of ``tenant``."""
         from kvflow.pipeline import to_chrome_trace
 
-        return to_chrome_trace(self.tracer.traces(last=last))
+        return to_chrome_trace(self.tracer.traces(last=last, where=of_tenant(tenant)))
 
     def stats(self) -> dict[str, Any]:
         """Router counters and per-instance values for the Stats RPC."""

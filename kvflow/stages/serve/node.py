@@ -25,6 +25,7 @@ import torch
 from kvflow.kvdb import (
     ADMIN_SERVICE_NAME,
     BLOCK_SERVICE_NAME,
+    DEFAULT_TENANT,
     ShardRef,
     StaticAdminSource,
     add_admin_service,
@@ -46,7 +47,7 @@ from kvflow.stages.runtime.heartbeat import Heartbeat, Member, server_clock
 from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, pool_segment_name
 from kvflow.stages.runtime.peers import RemotePeers, format_node_address
 from kvflow.stages.runtime.pins import PinBook
-from kvflow.stages.runtime.replicator import Replicator
+from kvflow.stages.runtime.replicator import BlockCopy, Replicator
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook, StagingArea
 from kvflow.stages.serve.build import ensure_model, kv_layout, open_engine, open_shard
 from kvflow.stages.serve.closers import Closers
@@ -164,13 +165,22 @@ class NodeServer:
             ]
         )
 
-    def _read_remote(self, source: NodeId, key: bytes) -> object | None:
-        """One block of another node, read over the transfer engine (the replicator's
-        source when no holder is in this process)."""
+    def _read_remote(self, source: NodeId, key: bytes) -> BlockCopy | None:
+        """One block of another node, read over the transfer engine, with the parent and
+        owner tenant its holder reports (the replicator's source when no holder is in this
+        process)."""
         buf = torch.empty(self.engine.page_shape, dtype=self.engine.page_dtype)
         ns = namespace_for("", self.model_fingerprint, self.layout)
-        got = self.peers[source].client(ns).batch_get_into([key], [buf])[0]
-        return None if got is None else buf
+        reader = self.peers[source].client(ns)
+        lease = reader.lease([key])
+        try:
+            got = reader.read_into(lease, [buf][: len(lease.blocks)])
+        finally:
+            reader.release_async(lease)
+        if not got or got[0] is None:
+            return None
+        block = lease.blocks[0]
+        return BlockCopy(buf, block.parent, block.tenant or DEFAULT_TENANT)
 
     def _build_decode(self) -> None:
         c, engine = self.config, self.engine

@@ -36,6 +36,7 @@ from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_aio_channel
 from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.stages.api.convert import layout_from_info
+from kvflow.stages.api.generation import of_tenant
 from kvflow.stages.api.limits import TenantLimits
 from kvflow.stages.api.node_guard import NodeGuard
 from kvflow.stages.engine import ModelCard, Tokenizer
@@ -287,12 +288,13 @@ class RouterServer:
         self.metadata.close()
 
     # -- what the inference service reads -------------------------------------------------------
-    async def export_trace(self, last: int | None) -> dict[str, Any]:
-        """The last requests' traces, each with the spans every node recorded for it: the
-        router's own (tokenize, hash, route, generate) and the nodes' (reuse-load, prefill,
-        stream on the prefill node; decode on the decode node), one process row per node, on
-        wall-clock time. A node that does not answer is left out (logged)."""
-        own = self.tracer.traces(last=last)
+    async def export_trace(self, last: int | None, tenant: str | None = None) -> dict[str, Any]:
+        """The last requests' traces (of every tenant, or only of ``tenant``), each with the
+        spans every node recorded for it: the router's own (tokenize, hash, route, generate)
+        and the nodes' (reuse-load, prefill, stream on the prefill node; decode on the decode
+        node), one process row per node, on wall-clock time. A node that does not answer is
+        left out (logged)."""
+        own = self.tracer.traces(last=last, where=of_tenant(tenant))
         ids = [t.request_id for t in own]
         rows = [ProcessTraces("router", tuple(own), time.time() - time.monotonic())]
         nodes = [*self.prefill.values(), *self.decode.values()]

@@ -242,7 +242,11 @@ def compression(model_dir: str | None, seed: int, dtype: str = "bfloat16") -> di
     for label, shuffle in (("zstd3", 1), (f"zstd3_shuffle{width}", width)):
         start = time.perf_counter()
         stored = sum(
-            len(codec.encode_record(p, 0, None, compress=True, level=3, shuffle_width=shuffle))
+            len(
+                codec.encode_record(
+                    p, 0, None, tenant="default", compress=True, level=3, shuffle_width=shuffle
+                )
+            )
             for p in pages
         )
         elapsed = time.perf_counter() - start
