@@ -33,11 +33,13 @@ from kvflow.stages.runtime.flush import remove_unpinned
 from kvflow.stages.runtime.pins import PinBook
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook
 from kvflow.stages.state import GenerateState, StreamTarget
+from kvflow.stages.stream import open_stream_target
 
 
 class NodeCore(Protocol):
     """What the Node service drives. ``kind`` is "prefill" or "decode"; ``leases`` is None
-    on a prefill node; ``instance`` is the node's PrefillInstance or DecodeInstance."""
+    on a prefill node; ``instance`` is the node's PrefillInstance or DecodeInstance;
+    ``peer_breakers`` the breakers of its calls to other nodes (kvdb.PeerBreakers)."""
 
     node_id: str
     kind: str
@@ -52,6 +54,7 @@ class NodeCore(Protocol):
     page_nbytes: int
     leases: LeaseBook | None
     pins: PinBook | None
+    peer_breakers: Any
 
     def info(self) -> dict[str, Any]:
         """The InfoReply fields: identity, model, layout, addresses and load."""
@@ -133,7 +136,11 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             ns = self._namespace(request.tenant)
             pull = pull_from_msg(request)
             segment = await asyncio.to_thread(
-                n.transfer.open_segment, request.target_transfer_address, request.target_segment
+                open_stream_target,
+                n.transfer,
+                n.peer_breakers,
+                request.target_transfer_address,
+                request.target_segment,
             )
             state = GenerateState(
                 tenant=ns.tenant,

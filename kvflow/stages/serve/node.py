@@ -25,6 +25,7 @@ import torch
 from kvflow.kvdb import (
     ADMIN_SERVICE_NAME,
     BLOCK_SERVICE_NAME,
+    PeerBreakers,
     ShardRef,
     StaticAdminSource,
     add_admin_service,
@@ -107,16 +108,16 @@ class NodeServer:
         address = format_node_address(self.address, self.transfer_address)
         self.metadata.register_node(NodeId(c.node_id), address, c.kind)
         self.store = open_shard(c, c.node_id, engine, self.metadata, self._closers)
-        ServingMetrics(self.metrics).track_hit_rates(
-            {c.node_id: shard_hit_rates(self.store.shard)}
-        )
+        ServingMetrics(self.metrics).track_hit_rates({c.node_id: shard_hit_rates(self.store.shard)})
         self.heartbeat = Heartbeat(
             self.metadata,
             [Member(c.node_id, address, c.kind, self.store.shard)],
             HEARTBEAT_S,
             clock=server_clock,
         )
-        self.peers = RemotePeers(c.node_id, self.metadata, self.transfer)
+        # one breaker per peer for every call of this node (block reads, the KV stream)
+        self.peer_breakers = PeerBreakers(c.peer_budget)
+        self.peers = RemotePeers(c.node_id, self.metadata, self.transfer, self.peer_breakers)
         self._closers.add(self.peers.close)
         if c.kind == "prefill":
             self._build_prefill()
@@ -161,7 +162,7 @@ class NodeServer:
                     metrics=self.metrics,
                 ),
                 PrefillStage(c.block_size),
-                StreamStage(self.transfer, {c.node_id: pool}, c.block_size),
+                StreamStage(self.transfer, {c.node_id: pool}, c.block_size, self.peer_breakers),
             ]
         )
 
