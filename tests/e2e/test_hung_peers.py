@@ -45,7 +45,17 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         prefill=2,
         decode=2,
         model=tiny_model,
-        extra=("--block-size", "16", "--num-pages", "512", "--dram-mb", "32"),
+        # small prefill steps: a 512-token prompt streams its KV over 16 steps
+        extra=(
+            "--block-size",
+            "16",
+            "--num-pages",
+            "512",
+            "--dram-mb",
+            "32",
+            "--prefill-chunk",
+            "32",
+        ),
         router_extra=("--policy", "round-robin"),
     )
     patch = pytest.MonkeyPatch()
