@@ -88,7 +88,9 @@ def sync_call(channel: grpc.Channel, kind: str) -> bytes:
 @pytest.mark.parametrize("client", [SECRET, None, OTHER], ids=["secret", "none", "other"])
 def test_sync_server(client: ClusterSecret | None) -> None:
     calls: list[str] = []
-    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=cluster_interceptors(SECRET))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(2), interceptors=cluster_interceptors(SECRET)
+    )
     server.add_generic_rpc_handlers((handlers(calls, is_aio=False),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
