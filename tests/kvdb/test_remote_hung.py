@@ -26,7 +26,7 @@ from kvflow.kvdb import (
 )
 from kvflow.replication import BreakerConfig, BreakerState
 from kvflow.transfer import TransferEngine
-from tests.kvdb.conftest import NBYTES
+from tests.kvdb.conftest import NBYTES, keys
 from tests.kvdb.test_remote_read import TCP, Holder
 from tests.pausable_proxy import PausableProxy
 
@@ -181,3 +181,17 @@ def test_budget_sizes_deadlines_to_bytes_and_validates() -> None:
     assert breakers.get("a") is breakers.get("a") and breakers.get("a") is not breakers.get("b")
     breakers.get("a").trip()
     assert breakers.opened() == {"a": 1, "b": 0}
+
+
+def test_a_half_open_probe_that_finds_no_blocks_still_closes_the_breaker(
+    holders: list[ProxiedHolder], engine: TransferEngine
+) -> None:
+    """The probe's Lease answers with nothing to read: the breaker must not stay half-open
+    with its probe outstanding (every later read would be refused)."""
+    h = holders[0]
+    with _client(h, engine, PeerBreakers(BUDGET)) as client:
+        client.breaker.trip()
+        time.sleep(BUDGET.breaker.open_s)
+        assert _read(client, keys(8, tenant="tenant-b")[:2])[1] == [None, None]
+        assert client.breaker.state is BreakerState.CLOSED
+        assert _read(client, h.keys)[1] == [Tier.DRAM] * 4

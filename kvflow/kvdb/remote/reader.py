@@ -123,10 +123,11 @@ class RemoteClient:
     # ----------------------------------------------------------------- control plane
 
     def _call(self, method: Any, request: Any, what: str, timeout_s: float) -> Any:
-        """One RPC with its deadline; a failure is reported to the breaker (a timeout opens
-        it) and raised as RemoteReadError."""
+        """One RPC with its deadline, reported to the breaker: an answer closes it (so a
+        half-open probe always ends, also when the lease is empty), a failure counts and a
+        timeout opens it; a failure is raised as RemoteReadError."""
         try:
-            return method(request, timeout=timeout_s)
+            reply = method(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -134,6 +135,8 @@ class RemoteClient:
             raise RemoteReadError(
                 f"{what} to {self.peer} failed after at most {timeout_s:.2f}s: {code}: {details}"
             ) from exc
+        self.breaker.success()
+        return reply
 
     def _failed(self, *, timed_out: bool) -> None:
         if timed_out:

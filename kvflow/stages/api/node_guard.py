@@ -234,6 +234,8 @@ class NodeGuard:
                     break
                 except NodeCallFailed as err:
                     self._outcome(err.node, False)  # the node at fault: maybe one of ``also``
+                    if err.node is not node:
+                        self._outcome(node, True)  # it answered; end a half-open probe
                     raise
                 yield ev
             self._outcome(node, True)
