@@ -59,6 +59,8 @@ class PausableProxy:
         self._closed.set()
         for s in self._socks:
             with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)  # wakes a pump blocked in recv (close does not)
+            with contextlib.suppress(OSError):
                 s.close()
         for t in self._threads:
             t.join(2)

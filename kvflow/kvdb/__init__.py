@@ -47,6 +47,7 @@ from kvflow.kvdb.metadata_sync import MetadataSync
 from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, BLOCK_SERVICE_NAME
 from kvflow.kvdb.remote.config import BlockServiceConfig, RemoteClientConfig
 from kvflow.kvdb.remote.dram_lease import HotBlock, LeasedBlock
+from kvflow.kvdb.remote.peer_budget import PeerBreakers, PeerCallBudget
 from kvflow.kvdb.remote.reader import RemoteClient
 from kvflow.kvdb.remote.server import BlockServer, add_block_service, segment_name
 from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
@@ -90,6 +91,8 @@ __all__ = [
     "NamespaceMismatchError",
     "NodeId",
     "NotPinnedError",
+    "PeerBreakers",
+    "PeerCallBudget",
     "RemoteBlock",
     "RemoteClient",
     "RemoteClientConfig",

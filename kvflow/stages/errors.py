@@ -47,6 +47,18 @@ def engine_error(exc: BaseException, instance_id: str) -> BaseException:
     return exc
 
 
+class StreamTargetFailed(RuntimeError):
+    """The decode side of a request's KV stream did not take its pages in time (it timed
+    out, is unreachable, or its circuit breaker is open because it did recently): ABORTED
+    on the node API, which the router's node client turns into NodeCallFailed for the
+    *decode* node (``peer``: its transfer address), so the request is routed again around
+    it rather than around the prefill node that reported it."""
+
+    def __init__(self, peer: str, details: str) -> None:
+        super().__init__(f"stream target {peer}: {details}")
+        self.peer = peer
+
+
 class NodeCallFailed(RuntimeError):
     """A call to another node failed in a way a retry elsewhere can fix (the node died,
     timed out or broke): the router marks ``node`` failed and routes the request again."""

@@ -7,16 +7,25 @@ writes each page from the prefill engine's pool (a registered transfer segment) 
 target slot through the transfer engine: a batch per prefill step, so transfers of early
 chunks overlap the computation of later ones. When the prefill is done and every page
 has moved, the prefill engine's pages are released.
+
+A hung decode side (SIGSTOP, a stuck host) must not hold the prefill for long: each batch has
+a deadline sized to its bytes (``PeerCallBudget.deadline_s``) and reports to the decode
+side's circuit breaker (``PeerBreakers``, keyed by its transfer address, shared with the
+process's block reads); a timeout opens it, and while it is open a stream into that side
+fails at once. Either way the stage raises ``StreamTargetFailed`` naming the decode side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import torch
 
+from kvflow.kvdb import PeerBreakers
 from kvflow.pipeline import RequestContext, Stage
+from kvflow.stages.errors import StreamTargetFailed
 from kvflow.stages.runtime.instances import PrefillInstance, pool_segment_name
 from kvflow.stages.state import GenerateState
 from kvflow.transfer import (
@@ -24,7 +33,11 @@ from kvflow.transfer import (
     TransferEngine,
     TransferError,
     TransferRequest,
+    TransferState,
+    UnknownSegmentError,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class StreamFailed(RuntimeError):
@@ -32,6 +45,9 @@ class StreamFailed(RuntimeError):
 
 
 class StreamStage(Stage):
+    """``breakers``: the process's per-peer breakers and their budget (module doc); default:
+    a new one."""
+
     name = "stream"
 
     def __init__(
@@ -39,12 +55,12 @@ class StreamStage(Stage):
         transfer: TransferEngine,
         pools: dict[str, torch.Tensor],
         block_size: int,
-        timeout_s: float = 30.0,
+        breakers: PeerBreakers | None = None,
     ) -> None:
         self._transfer = transfer
         self._pools = pools  # prefill instance id -> its engine's page pool tensor
         self._block_size = block_size
-        self._timeout_s = timeout_s
+        self._breakers = breakers or PeerBreakers()
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
@@ -91,19 +107,61 @@ class StreamStage(Stage):
             )
             for block, view in sorted(pages.items())
         ]
+        nbytes = sum(r.length for r in requests)
+        peer = target.segment.peer
+        breaker = self._breakers.get(peer)
+        if not breaker.allow():
+            raise StreamTargetFailed(peer, "circuit open (it timed out or failed recently)")
+        deadline = self._breakers.budget.deadline_s(nbytes)
         try:
-            statuses = self._transfer.transfer(requests, timeout=self._timeout_s)
+            # the wait's own timeout only backs up the engine's deadline (its watchdog ticks)
+            statuses = self._transfer.transfer(requests, deadline + 1.0, deadline_s=deadline)
         except TransferError as exc:
-            raise StreamFailed(f"moving {len(requests)} pages failed: {exc}") from exc
+            breaker.failure()
+            raise StreamTargetFailed(peer, f"moving {len(requests)} pages: {exc}") from exc
+        except BaseException:
+            breaker.failure()  # an allowed probe must report
+            raise
         failed = [s for s in statuses if not s.ok]
         if failed:
-            raise StreamFailed(
-                f"{len(failed)} of {len(requests)} page transfers failed: {failed[0]}"
+            timed_out = any(s.state is not TransferState.FAILED for s in failed)
+            if breaker.trip() if timed_out else breaker.failure():
+                logger.warning("stream target %s failed; skipping it for a while", peer)
+            raise StreamTargetFailed(
+                peer,
+                f"{len(failed)} of {len(requests)} page transfers failed "
+                f"(deadline {deadline:.2f}s): {failed[0]}",
             )
-        return sum(r.length for r in requests)
+        breaker.success()
+        return nbytes
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
         ctx.state.release_staging()
+
+
+def open_stream_target(
+    transfer: TransferEngine, breakers: PeerBreakers, peer: str, segment: str
+) -> Any:
+    """The decode side's staging segment as a transfer target (blocking: a describe round
+    trip). StreamTargetFailed at once while the peer's breaker is open, or when it cannot be
+    opened (then the breaker opens: a peer that does not describe a segment is down or
+    hung; a missing segment counts as a failure)."""
+    breaker = breakers.get(peer)
+    if not breaker.allow():
+        raise StreamTargetFailed(peer, "circuit open (it timed out or failed recently)")
+    try:
+        handle = transfer.open_segment(peer, segment)
+    except TransferError as exc:
+        if isinstance(exc, UnknownSegmentError):
+            breaker.failure()
+        else:
+            breaker.trip()
+        raise StreamTargetFailed(peer, f"cannot open segment {segment!r}: {exc}") from exc
+    except BaseException:
+        breaker.failure()
+        raise
+    breaker.success()
+    return handle
 
 
 def prefill_pool(inst: PrefillInstance) -> torch.Tensor:

@@ -10,6 +10,7 @@ over the same ``Proc``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -17,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -119,8 +120,19 @@ class Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets open and answers nothing (a hung peer)."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT (harmless on a process that is not stopped)."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGCONT)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         if self.popen is not None and self.popen.poll() is None:
+            self.resume()  # a stopped process would not act on SIGTERM
             self.popen.send_signal(sig)
             try:
                 self.popen.wait(timeout)
@@ -311,6 +323,17 @@ class LocalCluster:
         proc = self.procs[name]
         proc.keep_down = keep_down
         proc.stop(signal.SIGKILL)
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[Proc]:
+        """SIGSTOP one process for the ``with`` block (a hung-peer test); SIGCONT at its end,
+        however it ends."""
+        proc = self.procs[name]
+        proc.pause()
+        try:
+            yield proc
+        finally:
+            proc.resume()
 
     def metadata_leader(self) -> str | None:
         """The name of the metadata replica that says it leads, or None."""

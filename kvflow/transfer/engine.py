@@ -188,8 +188,18 @@ class TransferEngine:
             raise ValueError(f"capacity must be an int in [1, {limit}], got {capacity!r}")
         return self._batches.allocate(capacity).batch_id
 
-    def submit(self, batch_id: BatchId, requests: Iterable[TransferRequest]) -> None:
+    def submit(
+        self,
+        batch_id: BatchId,
+        requests: Iterable[TransferRequest],
+        *,
+        deadline_s: float | None = None,
+    ) -> None:
         """Start ``requests`` in batch ``batch_id`` (appended after earlier submits).
+
+        ``deadline_s``: seconds from now after which each of these requests ends TIMEOUT
+        (a caller sizes it to the bytes, so a hung peer costs that, not more); default and
+        ceiling ``config.request_timeout_s``; ValueError unless a positive number.
 
         Every request is checked before any starts: BatchNotFoundError, BatchCapacityError,
         UnknownSegmentError / OutOfBoundsError for the *local* side, BackendUnavailableError for
@@ -198,6 +208,7 @@ class TransferEngine:
         each request's status is terminal.
         """
         self._check_open()
+        timeout_s = self._deadline(deadline_s)
         batch = self._batches.get(batch_id)
         requests = list(requests)
         prepared: list[tuple[TransferRequest, memoryview, Backend]] = []
@@ -212,12 +223,24 @@ class TransferEngine:
                     f"target backend {request.target.backend!r} is not enabled on this engine"
                 )
             prepared.append((request, window, backend))
-        progresses = batch.reserve([r.length for r in requests], self.config.request_timeout_s)
+        progresses = batch.reserve([r.length for r in requests], timeout_s)
         grouped: dict[str, list[TransferTask]] = defaultdict(list)
         for (request, window, backend), progress in zip(prepared, progresses, strict=True):
             grouped[backend.name].append(TransferTask(request, window, progress))
         for backend_name, tasks in grouped.items():
             self._backends[backend_name].submit(tasks)
+
+    def _deadline(self, deadline_s: float | None) -> float:
+        ceiling = self.config.request_timeout_s
+        if deadline_s is None:
+            return ceiling
+        if (
+            not isinstance(deadline_s, int | float)
+            or isinstance(deadline_s, bool)
+            or not 0 < deadline_s < float("inf")
+        ):
+            raise ValueError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+        return min(float(deadline_s), ceiling)
 
     def get_status(self, batch_id: BatchId) -> list[TransferStatus]:
         """Statuses of the batch's requests in submit order (snapshots; no mutation)."""
@@ -235,16 +258,21 @@ class TransferEngine:
         self._batches.free(batch_id)
 
     def transfer(
-        self, requests: Sequence[TransferRequest], timeout: float | None = None
+        self,
+        requests: Sequence[TransferRequest],
+        timeout: float | None = None,
+        *,
+        deadline_s: float | None = None,
     ) -> list[TransferStatus]:
-        """allocate, submit, wait and free in one call; returns the final statuses.
+        """allocate, submit (with ``deadline_s``, see ``submit``), wait and free in one call;
+        returns the final statuses.
 
         If ``timeout`` passes first the batch is left allocated until it settles, and its
         statuses so far are returned.
         """
         batch_id = self.allocate_batch(max(1, len(requests)))
         try:
-            self.submit(batch_id, requests)
+            self.submit(batch_id, requests, deadline_s=deadline_s)
         except BaseException:
             self._batches.free(batch_id)
             raise

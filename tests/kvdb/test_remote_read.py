@@ -18,6 +18,7 @@ from kvflow.kvdb import (
     BlockServer,
     BlockServiceConfig,
     NodeId,
+    PeerCallBudget,
     RemoteClient,
     RemoteClientConfig,
     RemoteReadError,
@@ -307,9 +308,9 @@ def test_unreachable_holder_raises_remote_read_error() -> None:
             f"127.0.0.1:{pick_free_port()}",
             transfer,
             "127.0.0.1:1",
-            config=RemoteClientConfig(rpc_timeout_s=0.5),
+            config=RemoteClientConfig(budget=PeerCallBudget(base_s=0.5)),
         )
-        with client, pytest.raises(RemoteReadError, match="Lease failed"):
+        with client, pytest.raises(RemoteReadError, match=r"Lease to .* failed"):
             client.batch_get_into(keys(1), [bytearray(NBYTES)])
 
 
@@ -320,5 +321,7 @@ def test_configs_validate() -> None:
         BlockServiceConfig(max_keys=0)
     with pytest.raises(ValueError, match="staging_bytes"):
         RemoteClientConfig(staging_bytes=0)
-    with pytest.raises(ValueError, match="rpc_timeout_s"):
-        RemoteClientConfig(rpc_timeout_s=-1)
+    with pytest.raises(ValueError, match="budget"):
+        RemoteClientConfig(budget=5.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="base_s"):
+        PeerCallBudget(base_s=-1)

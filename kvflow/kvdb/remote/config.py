@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvflow.kvdb.remote.peer_budget import PeerCallBudget
 
 
 @dataclass(frozen=True)
@@ -38,17 +40,19 @@ class BlockServiceConfig:
 class RemoteClientConfig:
     """Knobs of a reader's RemoteClient (``kvflow.kvdb.remote.reader``).
 
-    rpc_timeout_s: deadline of each Lease / Release call.
+    budget: the deadlines of its calls, sized to the bytes (a Lease: base + the bytes asked
+        for, which the holder may promote from SSD; a read: base + the leased bytes; a
+        Release: base), and the config of the holder's circuit breaker
+        (``kvflow.kvdb.remote.peer_budget``).
     staging_bytes: size of the registered staging buffer used for destinations that are not
-        inside a registered region (grown to the largest single block if smaller). Transfers
-        themselves are bounded by the TransferEngine's ``request_timeout_s``.
+        inside a registered region (grown to the largest single block if smaller).
     """
 
-    rpc_timeout_s: float = 5.0
+    budget: PeerCallBudget = field(default_factory=PeerCallBudget)
     staging_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        if not self.rpc_timeout_s > 0:
-            raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+        if not isinstance(self.budget, PeerCallBudget):
+            raise ValueError(f"budget must be a PeerCallBudget, got {self.budget!r}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes < 1:
             raise ValueError(f"staging_bytes must be an int >= 1, got {self.staging_bytes!r}")

@@ -17,6 +17,13 @@ None for that block. On a direct read a failed block's destination holds unspeci
 a staged read it is untouched. Control-plane failures (holder unreachable, refused request)
 raise RemoteReadError; a size mismatch raises ValueSizeError before any byte moves.
 
+Hung holders. Every call has a deadline sized to its bytes (``config.budget``, a
+``PeerCallBudget``) and reports to the holder's ``CircuitBreaker`` (``breaker``; pass the
+process's shared one from ``PeerBreakers``): a Lease or read that timed out opens it at once,
+other failures count. While it is open ``batch_get_into`` raises ``RemoteReadError`` at once
+without calling the holder (``stats().skipped``), so a paused holder costs one deadline per
+``open_s``, not one per read. A failed checksum is the data's fault, not the holder's.
+
 Thread-safety: every method is thread-safe; staged reads of concurrent calls are serialised by
 one lock (direct reads are not).
 """
@@ -37,9 +44,10 @@ from kvflow.kvdb.errors import RemoteReadError, ValueSizeError
 from kvflow.kvdb.proto import pb2, pb2_grpc
 from kvflow.kvdb.remote.config import RemoteClientConfig
 from kvflow.kvdb.remote.destinations import Destinations
+from kvflow.kvdb.remote.peer_budget import PeerCallBudget
 from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.shard import check_key
-from kvflow.replication import Tier
+from kvflow.replication import CircuitBreaker, Tier
 from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_channel
 from kvflow.transfer import (
@@ -48,6 +56,7 @@ from kvflow.transfer import (
     TransferEngine,
     TransferError,
     TransferRequest,
+    TransferState,
     TransferStatus,
 )
 
@@ -62,7 +71,9 @@ class RemoteClient:
     """Reads from the holder whose BlockService is at ``control_address`` ("host:port") and
     whose transfer server is ``peer`` (its ``TransferEngine.peer_address``), using the local
     ``transfer`` engine. ``shard``: the holder's shard id ("" if it has one shard).
-    ``channel``: an existing gRPC channel to reuse (not closed by ``close``)."""
+    ``channel``: an existing gRPC channel to reuse (not closed by ``close``). ``breaker``:
+    the holder's circuit breaker, shared by every reader of it in the process (module doc);
+    default: one of this client's own."""
 
     def __init__(
         self,
@@ -73,8 +84,11 @@ class RemoteClient:
         shard: str = "",
         config: RemoteClientConfig | None = None,
         channel: grpc.Channel | None = None,
+        breaker: CircuitBreaker | None = None,
     ) -> None:
         self.config = config or RemoteClientConfig()
+        self.budget: PeerCallBudget = self.config.budget
+        self.breaker = breaker or CircuitBreaker(self.budget.breaker)
         self.peer = peer
         self.shard = shard
         self._transfer = transfer
@@ -88,7 +102,8 @@ class RemoteClient:
         self._targets: dict[str, SegmentHandle] = {}
         self._releasing: set[Any] = set()
         self._counts = dict.fromkeys(
-            ("leases", "hits", "misses", "transfer_failures", "checksum_failures"), 0
+            ("leases", "hits", "misses", "transfer_failures", "checksum_failures", "skipped"),
+            0,
         )
         self._counts.update(bytes_read=0, staged_bytes=0)
         self._closed = False
@@ -107,20 +122,39 @@ class RemoteClient:
 
     # ----------------------------------------------------------------- control plane
 
-    def _call(self, method: Any, request: Any, what: str) -> Any:
+    def _call(self, method: Any, request: Any, what: str, timeout_s: float) -> Any:
+        """One RPC with its deadline, reported to the breaker: an answer closes it (so a
+        half-open probe always ends, also when the lease is empty), a failure counts and a
+        timeout opens it; a failure is raised as RemoteReadError."""
         try:
-            return method(request, timeout=self.config.rpc_timeout_s)
+            reply = method(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise RemoteReadError(f"{what} failed: {code}: {details}") from exc
+            self._failed(timed_out=code == grpc.StatusCode.DEADLINE_EXCEEDED)
+            raise RemoteReadError(
+                f"{what} to {self.peer} failed after at most {timeout_s:.2f}s: {code}: {details}"
+            ) from exc
+        self.breaker.success()
+        return reply
 
-    def lease(self, keys: Sequence[bytes]) -> RemoteLease:
-        """Lease the leading ``keys`` the holder has (see the module doc). Raises
-        InvalidKeyError (bad key, nothing sent) or RemoteReadError."""
+    def _failed(self, *, timed_out: bool) -> None:
+        if timed_out:
+            if self.breaker.trip():
+                logger.warning("holder %s timed out; skipping it for a while", self.peer)
+        elif self.breaker.failure():
+            logger.warning("holder %s keeps failing; skipping it for a while", self.peer)
+
+    def lease(self, keys: Sequence[bytes], nbytes: int = 0) -> RemoteLease:
+        """Lease the leading ``keys`` the holder has (see the module doc), within the
+        deadline of ``nbytes`` (the bytes asked for; the holder may promote them from SSD).
+        Raises InvalidKeyError (bad key, nothing sent) or RemoteReadError."""
         checked = [check_key(k) for k in keys]
         reply = self._call(
-            self._stub.Lease, pb2.LeaseRequest(shard=self.shard, keys=checked), "Lease"
+            self._stub.Lease,
+            pb2.LeaseRequest(shard=self.shard, keys=checked),
+            "Lease",
+            self.budget.deadline_s(nbytes),
         )
         with self._lock:
             self._counts["leases"] += 1
@@ -145,7 +179,10 @@ class RemoteClient:
             return False
         try:
             reply = self._call(
-                self._stub.Release, pb2.ReleaseRequest(lease_id=lease.lease_id), "Release"
+                self._stub.Release,
+                pb2.ReleaseRequest(lease_id=lease.lease_id),
+                "Release",
+                self.budget.deadline_s(0),
             )
         except RemoteReadError as exc:
             logger.warning("lease=%d not released: %s", lease.lease_id, exc)
@@ -159,7 +196,7 @@ class RemoteClient:
         if lease.lease_id == 0:
             return
         future = self._stub.Release.future(
-            pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=self.config.rpc_timeout_s
+            pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=self.budget.deadline_s(0)
         )
         with self._lock:
             self._releasing.add(future)
@@ -192,7 +229,9 @@ class RemoteClient:
     def read_into(self, lease: RemoteLease, bufs: Sequence[Any]) -> list[Tier | None]:
         """Copy the lease's blocks into ``bufs`` (one per block, in order, each exactly the
         block's length; ValueSizeError otherwise, before anything moves) with one transfer
-        batch, verifying every checksum. Returns per block the holder's tier, or None."""
+        batch, verifying every checksum, within the deadline of the leased bytes. Returns per
+        block the holder's tier, or None. Reports to the breaker: a transfer that timed out
+        (or a segment that could not be opened) opens it, other transfer failures count."""
         if len(bufs) != len(lease.blocks):
             raise ValueError(f"{len(lease.blocks)} leased blocks but {len(bufs)} buffers")
         dsts = [writable_bytes(b) for b in bufs]
@@ -209,15 +248,21 @@ class RemoteClient:
             logger.info("lease=%d: cannot open segment=%s: %s", lease.lease_id, lease.segment, exc)
             with self._lock:
                 self._counts["transfer_failures"] += len(dsts)
+            self._failed(timed_out=True)
             return self._finish(lease, [False] * len(dsts))
         places = [self._memory.locate(dst) for dst in dsts]
         staged = [i for i, place in enumerate(places) if place is None]
         ok = [False] * len(dsts)
+        health = _Health(self.budget.deadline_s(sum(b.length for b in lease.blocks)))
         if staged:
             with self._memory.staging_lock:
-                self._read_rounds(lease, target, dsts, places, staged, ok)
+                self._read_rounds(lease, target, dsts, places, staged, ok, health)
         else:
-            self._read_rounds(lease, target, dsts, places, staged, ok)
+            self._read_rounds(lease, target, dsts, places, staged, ok, health)
+        if health.timed_out or health.failed:
+            self._failed(timed_out=health.timed_out)
+        else:
+            self.breaker.success()
         return self._finish(lease, ok)
 
     def _read_rounds(
@@ -228,6 +273,7 @@ class RemoteClient:
         places: list[tuple[str, int] | None],
         staged: list[int],
         ok: list[bool],
+        health: _Health,
     ) -> None:
         """Direct reads go in the first batch with as many staged reads as the staging buffer
         holds; further staged reads follow in more batches."""
@@ -258,7 +304,7 @@ class RemoteClient:
                 )
                 for i, name, offset in round_items
             ]
-            self._transfer_and_check(lease, round_items, requests, dsts, staging, ok)
+            self._transfer_and_check(lease, round_items, requests, dsts, staging, ok, health)
 
     def _transfer_and_check(
         self,
@@ -268,10 +314,11 @@ class RemoteClient:
         dsts: list[np.ndarray],
         staging: tuple[str, np.ndarray] | None,
         ok: list[bool],
+        health: _Health,
     ) -> None:
-        """Submit the requests as a few batches at once, then verify each batch's blocks as
-        soon as it completes, while the later batches are still moving (checksums overlap
-        the transfer instead of following it)."""
+        """Submit the requests as a few batches at once (all within ``health.deadline_s``
+        of now), then verify each batch's blocks as soon as it completes, while the later
+        batches are still moving (checksums overlap the transfer instead of following it)."""
         n = len(requests)
         step = max(_MIN_CHUNK, -(-n // _VERIFY_CHUNKS))
         chunks = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
@@ -280,15 +327,17 @@ class RemoteClient:
             for lo, hi in chunks:
                 batch = self._transfer.allocate_batch(hi - lo)
                 batches.append(batch)
-                self._transfer.submit(batch, requests[lo:hi])
+                self._transfer.submit(batch, requests[lo:hi], deadline_s=health.deadline_s)
         except BaseException:
             for batch in batches:  # let what was submitted settle before freeing it
                 self._transfer.wait(batch)
                 self._transfer.free_batch(batch)
             raise
         for (lo, hi), batch in zip(chunks, batches, strict=True):
-            statuses = self._transfer.wait(batch)  # bounded by the engine's request timeout
+            statuses = self._transfer.wait(batch)  # bounded by the submit's deadline
             self._transfer.free_batch(batch)
+            health.timed_out |= any(s.state is TransferState.TIMEOUT for s in statuses)
+            health.failed |= any(not s.ok for s in statuses)
             self._check(lease, items[lo:hi], statuses, dsts, staging, ok)
 
     def _check(
@@ -352,7 +401,20 @@ class RemoteClient:
         self._check_open()
         if not keys:
             return []
-        lease = self.lease(keys)
+        checked = [check_key(k) for k in keys]  # bad input fails before the breaker is asked
+        if not self.breaker.allow():
+            with self._lock:
+                self._counts["skipped"] += 1
+            raise RemoteReadError(
+                f"holder {self.peer}: circuit open (it timed out or failed recently)"
+            )
+        try:
+            lease = self.lease(checked, nbytes=sum(_nbytes(b) for b in bufs))
+        except RemoteReadError:
+            raise  # reported to the breaker by _call
+        except BaseException:
+            self.breaker.failure()  # an allowed probe must report; the call did not complete
+            raise
         try:
             got = self.read_into(lease, bufs[: len(lease.blocks)])
         finally:
@@ -399,6 +461,26 @@ class RemoteClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Health:
+    """What one read saw of the holder: its deadline and whether a transfer timed out or
+    failed (reported to the breaker once, at the end)."""
+
+    __slots__ = ("deadline_s", "failed", "timed_out")
+
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        self.timed_out = False
+        self.failed = False
+
+
+def _nbytes(buf: Any) -> int:
+    """Bytes of a destination buffer (numpy, tensor, bytearray...), for sizing a deadline."""
+    nbytes = getattr(buf, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    return int(memoryview(buf).nbytes)
 
 
 __all__ = ["RemoteBlock", "RemoteClient", "RemoteLease", "RemoteStats"]

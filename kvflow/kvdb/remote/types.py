@@ -46,3 +46,4 @@ class RemoteStats:
     checksum_failures: int
     bytes_read: int
     staged_bytes: int
+    skipped: int = 0  # reads refused at once: the holder's circuit breaker was open

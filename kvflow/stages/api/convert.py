@@ -20,7 +20,13 @@ from kvflow.pipeline import (
 from kvflow.router import PullPlan
 from kvflow.stages.api import node_pb2
 from kvflow.stages.engine import SamplingParams, TokenLogprob
-from kvflow.stages.errors import InvalidArgument, NoCapacity, RateLimited, Rejected
+from kvflow.stages.errors import (
+    InvalidArgument,
+    NoCapacity,
+    RateLimited,
+    Rejected,
+    StreamTargetFailed,
+)
 
 # gRPC metadata key of the trace context: "<request id>/<parent span name>".
 TRACE_PARENT = "kvflow-trace-parent"
@@ -38,7 +44,11 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.CANCELLED, str(error)
     if isinstance(error, PipelineClosed):
         return grpc.StatusCode.UNAVAILABLE, str(error)
+    if isinstance(error, StreamTargetFailed):
+        return grpc.StatusCode.ABORTED, str(error)  # the decode side's fault (node_client)
     if isinstance(error, StageError):
+        if isinstance(error.cause, StreamTargetFailed):
+            return grpc.StatusCode.ABORTED, f"stage {error.stage}: {error.cause}"
         return grpc.StatusCode.INTERNAL, f"stage {error.stage}: {error.cause!r}"
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 

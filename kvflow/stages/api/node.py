@@ -34,18 +34,14 @@ from kvflow.stages.runtime.flush import remove_unpinned
 from kvflow.stages.runtime.pins import PinBook
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook
 from kvflow.stages.state import GenerateState, StreamTarget
-from kvflow.transfer import (
-    LOCAL_PEER,
-    SegmentHandle,
-    TransferEngine,
-    TransferError,
-    UnknownSegmentError,
-)
+from kvflow.stages.stream import open_stream_target
+from kvflow.transfer import LOCAL_PEER, TransferEngine
 
 
 class NodeCore(Protocol):
     """What the Node service drives. ``kind`` is "prefill" or "decode"; ``leases`` is None
-    on a prefill node; ``instance`` is the node's PrefillInstance or DecodeInstance."""
+    on a prefill node; ``instance`` is the node's PrefillInstance or DecodeInstance;
+    ``peer_breakers`` the breakers of its calls to other nodes (kvdb.PeerBreakers)."""
 
     node_id: str
     kind: str
@@ -60,6 +56,7 @@ class NodeCore(Protocol):
     page_nbytes: int
     leases: LeaseBook | None
     pins: PinBook | None
+    peer_breakers: Any
 
     def info(self) -> dict[str, Any]:
         """The InfoReply fields: identity, model, layout, addresses and load."""
@@ -84,10 +81,11 @@ async def _relay(
         await context.abort(code, details)
 
 
-def _open_target(transfer: TransferEngine, address: str, segment: str) -> SegmentHandle:
+def _open_target(transfer: TransferEngine, breakers: Any, address: str, segment: str) -> Any:
     """The staging segment a Prefill streams into: another node's transfer server
     (``host:port``), never this process's own memory. InvalidArgument names a missing or
-    malformed target; the transfer engine's errors are left to :func:`_target_status`."""
+    malformed target; an unreachable or hung one is StreamTargetFailed (``open_stream_target``:
+    the decode node's breaker)."""
     if not address or not segment:
         raise InvalidArgument(
             "target_transfer_address and target_segment are required (a decode node's staging "
@@ -98,21 +96,9 @@ def _open_target(transfer: TransferEngine, address: str, segment: str) -> Segmen
             f"target_transfer_address must be a node's host:port, got {address[:100]!r}"
         )
     try:
-        return transfer.open_segment(address, segment)
-    except UnknownSegmentError:
-        raise
-    except ValueError as exc:
+        return open_stream_target(transfer, breakers, address, segment)
+    except ValueError as exc:  # a peer no transfer backend handles
         raise InvalidArgument(f"target_transfer_address: {exc}") from exc
-
-
-def _target_status(error: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The status of a stream target that could not be opened: NOT_FOUND for a segment the
-    peer does not have, UNAVAILABLE for a peer that does not answer."""
-    if isinstance(error, UnknownSegmentError):
-        return grpc.StatusCode.NOT_FOUND, f"stream target: {error}"
-    if isinstance(error, TransferError):
-        return grpc.StatusCode.UNAVAILABLE, f"stream target: {error}"
-    return None
 
 
 def _context(request_id: str, state: GenerateState, context: grpc.aio.ServicerContext) -> Any:
@@ -173,7 +159,11 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             ns = self._namespace(request.tenant)
             pull = pull_from_msg(request)
             segment = await asyncio.to_thread(
-                _open_target, n.transfer, request.target_transfer_address, request.target_segment
+                _open_target,
+                n.transfer,
+                n.peer_breakers,
+                request.target_transfer_address,
+                request.target_segment,
             )
             state = GenerateState(
                 tenant=ns.tenant,
@@ -205,7 +195,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
         except Exception as exc:
             if state is not None:  # not admitted: off the books again
                 state.booking.release()
-            code, details = _target_status(exc) or status_for(exc)
+            code, details = status_for(exc)
             await context.abort(code, details)
             return
 

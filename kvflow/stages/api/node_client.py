@@ -2,9 +2,11 @@
 
 Each call carries the trace context in its metadata (``convert.TRACE_PARENT``), so the node's
 spans join the request's trace. A failure that a retry on another node can fix (UNAVAILABLE,
-DEADLINE_EXCEEDED, CANCELLED, INTERNAL) becomes ``NodeCallFailed(node)``; any other status
-propagates as it is. Every call takes its deadline (``timeout``; the defaults are the
-ceilings); ``node_guard.NodeGuard`` sizes them to the work. A streaming call abandoned
+DEADLINE_EXCEEDED, CANCELLED, INTERNAL) becomes ``NodeCallFailed(node)``; ABORTED from a
+Prefill (its KV stream's decode side failed: ``errors.StreamTargetFailed``) becomes
+``NodeCallFailed(the request's decode node)``; any other status propagates as it is. Every
+call takes its deadline (``timeout``; the defaults are the ceilings); ``node_guard.NodeGuard``
+sizes them to the work. A streaming call abandoned
 before its end is cancelled on the wire."""
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ def _trace(request_id: str, span: str) -> tuple[tuple[str, str], ...]:
     return ((TRACE_PARENT, f"{request_id}/{span}"),)
 
 
-def _failed(node: Any, err: grpc.aio.AioRpcError) -> BaseException:
+def _failed(node: Any, err: grpc.aio.AioRpcError, target: Any = None) -> BaseException:
+    if err.code() == grpc.StatusCode.ABORTED and target is not None:
+        return NodeCallFailed(
+            target, f"node {target.instance_id} (via {node.instance_id}): {err.details()}"
+        )
     if err.code() in RETRYABLE:
         return NodeCallFailed(node, f"node {node.instance_id}: {err.code().name} {err.details()}")
     return err
@@ -95,7 +101,7 @@ class NodeClient:
         if state.max_reuse_tokens is not None:
             req.max_reuse_tokens = state.max_reuse_tokens
         call = node.stub.Prefill(req, timeout=timeout, metadata=_trace(request_id, "prefill"))
-        async for ev in self._events(node, call):
+        async for ev in self._events(node, call, target=state.decode):
             yield ev
 
     async def decode(
@@ -122,12 +128,14 @@ class NodeClient:
             yield ev
 
     @staticmethod
-    async def _events(node: Any, call: Any) -> AsyncIterator[Any]:
+    async def _events(node: Any, call: Any, target: Any = None) -> AsyncIterator[Any]:
+        """The call's events; ``target``: the node its stream writes into (a Prefill's
+        decode node), blamed for ABORTED."""
         try:
             async for ev in call:
                 yield ev
         except grpc.aio.AioRpcError as err:
-            raise _failed(node, err) from err
+            raise _failed(node, err, target) from err
         finally:
             if not call.done():
                 call.cancel()

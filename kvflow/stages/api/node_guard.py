@@ -9,7 +9,11 @@ Here, while a node has calls in flight, a watchdog probes it (``Info``, every
 call that times out, or ``cancel_node`` (the router's refresh marked it unhealthy) ends every
 call in flight to it with ``NodeCallFailed``, which the stage turns into a retry elsewhere.
 A paused node then costs a request about ``probe_interval_s + probe_timeout_s`` more than a
-dead one.
+dead one. A Prefill call is watched on two nodes: the prefill node it goes to and the decode
+node its KV streams into (``state.decode``); if the decode node hangs, the call ends with
+``NodeCallFailed`` for the decode node, so the request is routed again around it (the
+prefill node itself bounds that stream with its own deadline and breaker, and reports such a
+failure as ABORTED, which ``node_client`` blames on the decode node too).
 
 The breaker (``kvflow.replication.CircuitBreaker``) counts failed calls and probes; while it is
 open a call fails at once (the router routes around the node meanwhile), after ``open_s`` one
@@ -81,10 +85,14 @@ class NodeCallBudget:
         return self.base_s + self.decode_s_per_token * work
 
 
+# Resolved when a node a call depends on is declared down: (that node, why).
+_Down = asyncio.Future[tuple[Any, str]]
+
+
 @dataclass
 class _Peer:
     breaker: CircuitBreaker
-    calls: set[asyncio.Future[str]] = field(default_factory=set)
+    calls: set[_Down] = field(default_factory=set)
     watchdog: asyncio.Task[None] | None = None
 
 
@@ -115,7 +123,7 @@ class NodeGuard:
         ended = 0
         for down in list(peer.calls):
             if not down.done():
-                down.set_result(reason)
+                down.set_result((node, reason))
                 ended += 1
         if ended:
             self.cancelled_calls += ended
@@ -140,7 +148,12 @@ class NodeGuard:
         self, node: Any, request_id: str, state: GenerateState, lease: Any
     ) -> AsyncIterator[Any]:
         timeout = self.budget.prefill_s(state)
-        return self._stream(node, self._client.prefill(node, request_id, state, lease, timeout))
+        # its KV streams into the decode node: a hang there ends this call too
+        target = state.decode
+        also = (target,) if target is not None and target is not node else ()
+        return self._stream(
+            node, self._client.prefill(node, request_id, state, lease, timeout), also
+        )
 
     def decode(
         self, node: Any, request_id: str, state: GenerateState, lease: Any, first: int
@@ -151,19 +164,25 @@ class NodeGuard:
         )
 
     # -- the guard ------------------------------------------------------------------------------
-    def _enter(self, node: Any) -> asyncio.Future[str]:
+    def _enter(self, node: Any, also: tuple[Any, ...] = ()) -> _Down:
+        """Admit a call to ``node`` (its breaker) and watch it on ``node`` and on ``also``
+        (nodes the call depends on)."""
         breaker = self.breaker(node)
         if not breaker.allow():
             raise NodeCallFailed(node, f"node {node.instance_id}: circuit open (recent failures)")
-        peer = self._peers[node.instance_id]
-        down: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        peer.calls.add(down)
-        if peer.watchdog is None or peer.watchdog.done():
-            peer.watchdog = asyncio.get_running_loop().create_task(self._watch(node, peer))
+        loop = asyncio.get_running_loop()
+        down: _Down = loop.create_future()
+        for watched in (node, *also):
+            self.breaker(watched)
+            peer = self._peers[watched.instance_id]
+            peer.calls.add(down)
+            if peer.watchdog is None or peer.watchdog.done():
+                peer.watchdog = loop.create_task(self._watch(watched, peer))
         return down
 
-    def _leave(self, node: Any, down: asyncio.Future[str]) -> None:
-        self._peers[node.instance_id].calls.discard(down)
+    def _leave(self, down: _Down, nodes: tuple[Any, ...]) -> None:
+        for node in nodes:
+            self._peers[node.instance_id].calls.discard(down)
         if not down.done():
             down.cancel()
 
@@ -174,8 +193,9 @@ class NodeGuard:
         elif breaker.failure():
             self.cancel_node(node, "failed a call")
 
-    async def _next(self, node: Any, step: Awaitable[T], down: asyncio.Future[str]) -> T:
-        """``step``, unless the node is declared down first (then NodeCallFailed)."""
+    async def _next(self, node: Any, step: Awaitable[T], down: _Down) -> T:
+        """``step``, unless a node it depends on is declared down first (then
+        NodeCallFailed for that node)."""
         task = asyncio.ensure_future(step)
         try:
             await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
@@ -186,22 +206,25 @@ class NodeGuard:
                     await task
         if not task.cancelled() and task.done():
             return task.result()
-        raise NodeCallFailed(node, f"node {node.instance_id}: {down.result()} (call ended)")
+        failed, reason = down.result()
+        raise NodeCallFailed(failed, f"node {failed.instance_id}: {reason} (call ended)")
 
     async def _unary(self, node: Any, call: Awaitable[T]) -> T:
         down = self._enter(node)
         try:
             result = await self._next(node, call, down)
-        except NodeCallFailed:
-            self._outcome(node, False)
+        except NodeCallFailed as err:
+            self._outcome(err.node, False)
             raise
         finally:
-            self._leave(node, down)
+            self._leave(down, (node,))
         self._outcome(node, True)
         return result
 
-    async def _stream(self, node: Any, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        down = self._enter(node)
+    async def _stream(
+        self, node: Any, stream: AsyncIterator[Any], also: tuple[Any, ...] = ()
+    ) -> AsyncIterator[Any]:
+        down = self._enter(node, also)
         it = stream.__aiter__()
         try:
             while True:
@@ -209,13 +232,15 @@ class NodeGuard:
                     ev = await self._next(node, it.__anext__(), down)
                 except StopAsyncIteration:
                     break
-                except NodeCallFailed:
-                    self._outcome(node, False)
+                except NodeCallFailed as err:
+                    self._outcome(err.node, False)  # the node at fault: maybe one of ``also``
+                    if err.node is not node:
+                        self._outcome(node, True)  # it answered; end a half-open probe
                     raise
                 yield ev
             self._outcome(node, True)
         finally:
-            self._leave(node, down)
+            self._leave(down, (node, *also))
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):

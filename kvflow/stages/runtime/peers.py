@@ -1,7 +1,9 @@
 """Other nodes of the store, seen from one node: who holds what (from the metadata group) and
 how to read it (kvdb RemoteClient over the transfer engine).
 
-A node registers in the metadata as ``<grpc host:port>|<transfer host:port>``.
+A node registers in the metadata as ``<grpc host:port>|<transfer host:port>``. Each peer's
+circuit breaker comes from the process's ``PeerBreakers``, keyed by the peer's transfer
+address, so its block reads and the KV stream into it (a decode node) share one breaker.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.kvdb import Namespace, RemoteClient
+from kvflow.kvdb import Namespace, PeerBreakers, RemoteClient, RemoteClientConfig
 from kvflow.replication import NodeId
 from kvflow.transfer import TransferEngine
 
@@ -39,6 +41,7 @@ class RemotePeer:
     view: Any  # RemoteMetadataView: holders(keys)
     transfer: TransferEngine
     kind: str = ""  # "prefill" | "decode", as registered
+    breakers: PeerBreakers | None = None  # the process's; None: the reader's own breaker
     _reader: RemoteClient | None = None
 
     def match_prefix(self, keys: list[bytes]) -> int:
@@ -56,8 +59,14 @@ class RemotePeer:
     def client(self, namespace: Namespace) -> RemoteClient:
         """A reader of this node's DRAM blocks (namespaces are in the keys already)."""
         if self._reader is None:
+            breakers = self.breakers
             self._reader = RemoteClient(
-                self.control, self.transfer, self.transfer_peer, shard=self.node_id
+                self.control,
+                self.transfer,
+                self.transfer_peer,
+                shard=self.node_id,
+                config=None if breakers is None else RemoteClientConfig(budget=breakers.budget),
+                breaker=None if breakers is None else breakers.get(self.transfer_peer),
             )
         return self._reader
 
@@ -68,9 +77,17 @@ class RemotePeer:
 
 class RemotePeers(Mapping[str, RemotePeer]):
     """The other nodes that hold blocks, refreshed from the metadata at most every
-    ``PEERS_TTL_S`` seconds. Thread-safe."""
+    ``PEERS_TTL_S`` seconds. ``breakers``: the process's per-peer breakers and budget (module
+    doc); default: a new one. Thread-safe."""
 
-    def __init__(self, self_id: str, metadata: Any, transfer: TransferEngine) -> None:
+    def __init__(
+        self,
+        self_id: str,
+        metadata: Any,
+        transfer: TransferEngine,
+        breakers: PeerBreakers | None = None,
+    ) -> None:
+        self.breakers = breakers or PeerBreakers()
         self._self_id = self_id
         self._metadata = metadata
         self._transfer = transfer
@@ -96,7 +113,13 @@ class RemotePeers(Mapping[str, RemotePeer]):
                     peers[info.node] = old
                 else:
                     peers[info.node] = RemotePeer(
-                        info.node, addresses[0], addresses[1], view, self._transfer, info.kind
+                        info.node,
+                        addresses[0],
+                        addresses[1],
+                        view,
+                        self._transfer,
+                        info.kind,
+                        self.breakers,
                     )
             self._peers, self._loaded = peers, time.monotonic()
             return peers

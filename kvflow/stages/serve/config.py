@@ -3,8 +3,10 @@ store fields (``EngineStoreConfig``), each field validated in ``__post_init__``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvflow.kvdb import PeerCallBudget
 
 DTYPES = ("float32", "bfloat16", "float16")
 STORAGE_ENGINES = ("rocksdb", "lmdb", "memory")
@@ -200,6 +202,8 @@ class NodeConfig(EngineStoreConfig):
             free ports.
         lease_timeout_s: a decode staging lease not taken by a Decode call is freed after it.
         trace_capacity: requests whose spans the node keeps for the router's trace export.
+        peer_budget: deadlines of the node's calls to other nodes (block reads, the KV
+            stream into a decode node), sized to their bytes, and each peer's breaker.
     """
 
     node_id: str
@@ -210,9 +214,12 @@ class NodeConfig(EngineStoreConfig):
     transfer_port: int = 0
     lease_timeout_s: float = 60.0
     trace_capacity: int = 1024
+    peer_budget: PeerCallBudget = field(default_factory=PeerCallBudget)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.peer_budget, PeerCallBudget):
+            raise ValueError(f"peer_budget must be a PeerCallBudget, got {self.peer_budget!r}")
         if self.kind not in ("prefill", "decode"):
             raise ValueError(f"kind must be prefill or decode, got {self.kind!r}")
         if not self.node_id or "|" in self.node_id or "/" in self.node_id:

@@ -26,6 +26,7 @@ from kvflow.kvdb import (
     ADMIN_SERVICE_NAME,
     BLOCK_SERVICE_NAME,
     DEFAULT_TENANT,
+    PeerBreakers,
     ShardRef,
     StaticAdminSource,
     add_admin_service,
@@ -116,7 +117,9 @@ class NodeServer:
             HEARTBEAT_S,
             clock=server_clock,
         )
-        self.peers = RemotePeers(c.node_id, self.metadata, self.transfer)
+        # one breaker per peer for every call of this node (block reads, the KV stream)
+        self.peer_breakers = PeerBreakers(c.peer_budget)
+        self.peers = RemotePeers(c.node_id, self.metadata, self.transfer, self.peer_breakers)
         self._closers.add(self.peers.close)
         if c.kind == "prefill":
             self._build_prefill()
@@ -161,7 +164,7 @@ class NodeServer:
                     metrics=self.metrics,
                 ),
                 PrefillStage(c.block_size),
-                StreamStage(self.transfer, {c.node_id: pool}, c.block_size),
+                StreamStage(self.transfer, {c.node_id: pool}, c.block_size, self.peer_breakers),
             ]
         )
 

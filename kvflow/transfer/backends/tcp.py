@@ -314,7 +314,7 @@ class TcpBackend(Backend):
 
     def _watch(self) -> None:
         config = self._config
-        tick = min(max(min(config.io_timeout_s, config.request_timeout_s) / 4, 0.01), 0.5)
+        tick = min(max(min(config.io_timeout_s, config.request_timeout_s) / 4, 0.01), 0.1)
         while not self._closed.wait(tick):
             now = time.monotonic()
             with self._lock:
