@@ -75,6 +75,7 @@ class LoadTable:
         self._running: dict[int, _Running] = {}
         self._matrices: tuple[IntArray, FloatArray, FloatArray, FloatArray] | None = None
         self._view: tuple[tuple[str, ...], dict[str, int] | None, IntArray | None] = ((), {}, None)
+        self._last: LoadArrays | None = None  # the last read, while it cannot change
         self._dirty = ChangeSet(self.states)  # instances add themselves when they change
         self._lock = threading.Lock()
         for state in self._rows:
@@ -93,16 +94,24 @@ class LoadTable:
         with self._lock:
             if self._dirty:
                 self._refresh()
-            seconds = self._queued_seconds(now) if self._running else self._static
+                self._last = None
+            elif self._last is not None:  # nothing changed and nothing depends on ``now``
+                return self._last
+            running = self._running
+            seconds = self._queued_seconds(now) if running else self._static
             ids, positions, rows = self._view
             if rows is None:
-                return LoadArrays(
+                loads = LoadArrays(
                     ids, positions, self._queued_requests, seconds, self._batch, self._context
                 )
-            return LoadArrays(
-                ids, positions, self._queued_requests[rows], seconds[rows], self._batch[rows],
-                self._context[rows],
-            )  # fmt: skip
+            else:
+                loads = LoadArrays(
+                    ids, positions, self._queued_requests[rows], seconds[rows], self._batch[rows],
+                    self._context[rows],
+                )  # fmt: skip
+            if not running:
+                self._last = loads
+            return loads
 
     # --- internals (under the lock) -------------------------------------------------------------
     def _refresh(self) -> None:
