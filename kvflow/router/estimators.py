@@ -25,6 +25,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -296,7 +297,15 @@ class DecodeTimeModel:
         self, batch_terms: np.ndarray, context_tokens: np.ndarray
     ) -> np.ndarray:
         """:meth:`predict_many` given :meth:`batch_terms` of the same batch sizes."""
-        return np.maximum(0.0, batch_terms + self.coefficients[2] * context_tokens)
+        tbt = batch_terms + self.coefficients[2] * context_tokens
+        return tbt if self._never_negative else np.maximum(0.0, tbt)
+
+    @cached_property
+    def _never_negative(self) -> bool:
+        """Whether every coefficient is +0.0 or positive: then with batch sizes and context
+        tokens >= 0 every product and sum is too, and ``max(0.0, x)`` is ``x`` bit for bit
+        (a -0.0 coefficient could make a -0.0 sum, which the max turns into +0.0)."""
+        return all(math.copysign(1.0, c) > 0 for c in self.coefficients)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_document("decode", self.model_id, self.coefficients, DECODE_FEATURES)

@@ -75,6 +75,7 @@ class LoadTable:
         self._running: dict[int, _Running] = {}
         self._matrices: tuple[IntArray, FloatArray, FloatArray, FloatArray] | None = None
         self._view: tuple[tuple[str, ...], dict[str, int] | None, IntArray | None] = ((), {}, None)
+        self._last: LoadArrays | None = None  # the last read, while it cannot change
         self._dirty = ChangeSet(self.states)  # instances add themselves when they change
         self._lock = threading.Lock()
         for state in self._rows:
@@ -93,49 +94,66 @@ class LoadTable:
         with self._lock:
             if self._dirty:
                 self._refresh()
-            seconds = self._queued_seconds(now) if self._running else self._static
+                self._last = None
+            elif self._last is not None:  # nothing changed and nothing depends on ``now``
+                return self._last
+            running = self._running
+            seconds = self._queued_seconds(now) if running else self._static
             ids, positions, rows = self._view
             if rows is None:
-                return LoadArrays(
+                loads = LoadArrays(
                     ids, positions, self._queued_requests, seconds, self._batch, self._context
                 )
-            return LoadArrays(
-                ids, positions, self._queued_requests[rows], seconds[rows], self._batch[rows],
-                self._context[rows],
-            )  # fmt: skip
+            else:
+                loads = LoadArrays(
+                    ids, positions, self._queued_requests[rows], seconds[rows], self._batch[rows],
+                    self._context[rows],
+                )  # fmt: skip
+            if not running:
+                self._last = loads
+            return loads
 
     # --- internals (under the lock) -------------------------------------------------------------
     def _refresh(self) -> None:
         # copy on write: arrays handed out by earlier reads are never mutated
-        if self._prefill:
-            self._queued_requests = self._queued_requests.copy()
-            self._static = self._static.copy()
-            self._matrices = None
-        else:
-            self._batch = self._batch.copy()
-            self._context = self._context.copy()
         health_moved = not self._view[0]
-        dirty, healthy = self._dirty, self._healthy
-        while dirty:
-            try:
-                state = dirty.pop()  # a mutation may add more meanwhile: read until none is left
-            except KeyError:
-                break
-            terms = state.load_terms()
-            for row in self._rows[state]:
-                if healthy[row] is not terms.healthy:
-                    healthy[row] = terms.healthy
-                    health_moved = True
-                if not self._prefill:
-                    self._batch[row] = terms.decode_batch_size
-                    self._context[row] = terms.decode_context_tokens
-                    continue
-                self._queued_requests[row] = terms.queued_requests
-                self._static[row] = terms.waiting_s + terms.external_s
-                if terms.running:
-                    self._running[row] = (terms.waiting_s, terms.running, terms.external_s)
-                else:
-                    self._running.pop(row, None)
+        dirty, healthy, rows_of = self._dirty, self._healthy, self._rows
+        if self._prefill:
+            queued = self._queued_requests = self._queued_requests.copy()
+            static = self._static = self._static.copy()
+            self._matrices = None
+            running_rows = self._running
+            while dirty:
+                try:
+                    state = dirty.pop()  # a mutation may add more meanwhile: read until none left
+                except KeyError:
+                    break
+                ok, requests, waiting_s, running, external_s, _, _ = state.load_terms()
+                for row in rows_of[state]:
+                    if healthy[row] is not ok:
+                        healthy[row] = ok
+                        health_moved = True
+                    queued[row] = requests
+                    static[row] = waiting_s + external_s
+                    if running:
+                        running_rows[row] = (waiting_s, running, external_s)
+                    else:
+                        running_rows.pop(row, None)
+        else:
+            batch = self._batch = self._batch.copy()
+            context = self._context = self._context.copy()
+            while dirty:
+                try:
+                    state = dirty.pop()
+                except KeyError:
+                    break
+                ok, _, _, _, _, batch_size, context_tokens = state.load_terms()
+                for row in rows_of[state]:
+                    if healthy[row] is not ok:
+                        healthy[row] = ok
+                        health_moved = True
+                    batch[row] = batch_size
+                    context[row] = context_tokens
         if health_moved:
             rows = np.flatnonzero(healthy)
             if len(rows) == len(self.states):

@@ -43,8 +43,15 @@ class PrefillScorer:
         """``held``: position in ``load`` -> local prefix blocks of ``req``, for the instances
         holding any (the others hold none)."""
         n = len(load.instance_ids)
-        options = self._options(req, held, with_zero=len(held) < n)
         t_queue = load.queued_seconds
+        if not held and n:  # nobody holds a prefix (most requests): one option, one array sum
+            t_local = self._predict(req, 0)
+            local_ttft = t_queue + t_local
+            return PrefillTable(
+                load.instance_ids, load.queued_requests, t_queue, local_ttft, local_ttft, held,
+                {0: (t_local, 0, 0, 0.0, t_local)},
+            )  # fmt: skip
+        options = self._options(req, held, with_zero=len(held) < n)
         # ``t_transfer + t_queue`` with t_transfer = 0.0 is t_queue itself (t_queue >= +0.0)
         if 0 in options:
             t_local, _, pull, t_transfer, t_prefill = options[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import operator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,13 @@ class TraceRecord:
     output_length: int
     hash_ids: tuple[int, ...]
 
-    @property
+    @cached_property
     def block_keys(self) -> tuple[bytes, ...]:
-        """The hash ids as block keys (:func:`hash_id_key`); ValueError for an id out of range."""
+        """The hash ids as block keys (:func:`hash_id_key`); ValueError for an id out of range.
+
+        Computed on first access and kept (the fields are frozen, so the keys never change;
+        :func:`parse_record` computes them as it reads): a simulation replaying the records
+        several times converts each id once, not once per replay."""
         try:
             return tuple(map(_to_key, self.hash_ids))  # C-level: no per-id Python call
         except OverflowError:
@@ -75,7 +80,9 @@ def parse_record(line: str, where: str = "trace") -> TraceRecord:
         raise TraceFormatError(
             f"{where}: field 'hash_ids' must be a list of integers in [0, 2**64)"
         )
-    return TraceRecord(timestamp, input_length, output_length, tuple(hash_ids))
+    record = TraceRecord(timestamp, input_length, output_length, tuple(hash_ids))
+    record.block_keys  # noqa: B018 -- computed once here, at read (cached on the record)
+    return record
 
 
 def read_trace(path: str | Path, start: int = 0, limit: int | None = None) -> list[TraceRecord]:

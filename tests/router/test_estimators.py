@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 
+import numpy as np
 import pytest
 
 from kvflow.router import (
@@ -130,3 +132,17 @@ def test_transfer_estimate_and_ewma():
         est.observe(10, 0.0)
     with pytest.raises(ValueError, match="bandwidth"):
         TransferEstimator(0.0)
+
+
+def test_decode_predict_many_skips_the_clip_only_where_it_changes_no_bit():
+    batches, contexts = np.array([1, 3, 8]), np.array([0, 500, 90_000])
+    signs = [(2e-2, 2e-3, 1e-6), (0.0, 0.0, 0.0), (-0.0, -0.0, -0.0), (-1.0, 1e-3, 0.0)]
+    for coefficients in signs:
+        model = DecodeTimeModel(coefficients)
+        many = model.predict_many(batches, contexts).tolist()
+        c0, c1, c2 = coefficients
+        clipped = np.maximum(0.0, (c0 + c1 * batches) + c2 * contexts).tolist()
+        assert [math.copysign(1.0, x) for x in many] == [math.copysign(1.0, x) for x in clipped]
+        assert many == clipped
+        pairs = zip(batches.tolist(), contexts.tolist(), strict=True)
+        assert many == [model.predict(b, c) for b, c in pairs]

@@ -212,3 +212,22 @@ def test_a_new_instance_list_is_read_afresh() -> None:
     assert isinstance(again, RouteDecision) and again.prefill_id == "p0"
     with pytest.raises(ValueError, match="expected decode"):
         conductor.route(req, prefill, prefill)
+
+
+def test_load_table_reuses_a_read_only_while_nothing_changed() -> None:
+    prefill = [InstanceState("p0", "prefill"), InstanceState("p1", "prefill")]
+    decode = [InstanceState("d0", "decode"), InstanceState("d1", "decode")]
+    prefill_table = LoadTable(prefill, InstanceKind.PREFILL)
+    decode_table = LoadTable(decode, InstanceKind.DECODE)
+    first = decode_table.read(1.0)
+    assert decode_table.read(2.0) is first  # nothing changed, nothing depends on now
+    decode[1].add_decode("r", 100)
+    again = decode_table.read(2.0)
+    assert again is not first and again.decode_context_tokens.tolist() == [0, 100]
+    assert first.decode_context_tokens.tolist() == [0, 0]  # a handed-out read never changes
+    prefill[0].enqueue("a", 1.0)
+    idle = prefill_table.read(0.0)
+    assert prefill_table.read(5.0) is idle  # waiting work does not depend on now
+    prefill[0].start("a", 0.0)
+    assert prefill_table.read(0.25).queued_seconds.tolist() == [0.75, 0.0]
+    assert prefill_table.read(0.5).queued_seconds.tolist() == [0.5, 0.0]  # running: read afresh
