@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
+from kvflow.stages.api import pb2
+from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.serve.background import BackgroundServer
 from kvflow.stages.serve.config import ServeConfig
+from kvflow.tools.supervise import LocalCluster
 
 BLOCK = 16
 
@@ -102,3 +105,34 @@ def long_prompt(n_words: int = 60, seed: int = 0) -> str:
     rng = random.Random(seed)
     words = ["kv", "cache", "prefix", "block", "token", "store", "tier", "moon", "cake", "flow"]
     return " ".join(rng.choice(words) for _ in range(n_words))
+
+
+@pytest.fixture(scope="session")
+def one_of_each(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real cluster for the modules that only call into it (the attack suite, the cluster
+    fuzz): 1 metadata replica, 1 prefill node, 1 decode node, 1 router on 127.0.0.1, with its
+    secret; one request already served, so the prefill shard holds blocks. Tests must leave
+    it serving."""
+    cluster = LocalCluster(
+        tmp_path_factory.mktemp("one-of-each"),
+        meta=1,
+        prefill=1,
+        decode=1,
+        model=tiny_model,
+        extra=("--block-size", "16", "--num-pages", "128", "--dram-mb", "32"),
+    )
+    try:
+        cluster.start(timeout_s=90)
+        serve_one(cluster)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def serve_one(cluster: Any) -> None:
+    """One request of 65 tokens through the cluster's routers; it must produce a token."""
+    with InferenceClient(cluster.addresses) as client:
+        req = pb2.GenerateRequest(max_tokens=2)
+        req.token_ids.ids.extend(range(5, 70))
+        events = list(client.generate(req, timeout=60))
+    assert sum(len(e.token_ids) for e in events) >= 1

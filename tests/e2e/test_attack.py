@@ -7,7 +7,6 @@ succeeded on the code before the cluster secret."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,24 +28,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        tmp_path_factory.mktemp("attack"),
-        meta=1,
-        prefill=1,
-        decode=1,
-        model=tiny_model,
-        extra=("--block-size", "16", "--num-pages", "128", "--dram-mb", "32"),
-    )
-    try:
-        c.start(timeout_s=90)
-        with InferenceClient(c.addresses) as client:  # put blocks into the prefill shard
-            req = pb2.GenerateRequest(max_tokens=2)
-            req.token_ids.ids.extend(range(5, 70))
-            list(client.generate(req, timeout=60))
-        yield c
-    finally:
-        c.stop()
+def cluster(one_of_each: LocalCluster) -> LocalCluster:
+    return one_of_each
 
 
 def code_of(call) -> grpc.StatusCode:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,9 +26,10 @@ from kvflow.kvdb.proto import pb2_grpc as kvdb_pb2_grpc
 from kvflow.replication.wire import pb2 as meta_pb2
 from kvflow.replication.wire import pb2_grpc as meta_pb2_grpc
 from kvflow.security.grpc_auth import cluster_channel
-from kvflow.stages.api import node_pb2, node_pb2_grpc, pb2
-from kvflow.stages.api.client import InferenceClient
+from kvflow.stages.api import node_pb2, node_pb2_grpc
 from kvflow.tools.supervise import LocalCluster
+
+from .conftest import serve_one
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -123,34 +123,14 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    local = LocalCluster(
-        tmp_path_factory.mktemp("fuzz-cluster"),
-        meta=1,
-        prefill=1,
-        decode=1,
-        model=tiny_model,
-        extra=("--block-size", "16", "--num-pages", "128", "--dram-mb", "32"),
-    )
+def cluster(one_of_each: LocalCluster) -> Iterator[Cluster]:
+    c = Cluster(one_of_each)
+    serve_one(one_of_each)
+    c.baseline = {"prefill": resources(c.prefill), "decode": resources(c.decode)}
     try:
-        local.start(timeout_s=90)
-        c = Cluster(local)
-        serve_one(local)  # blocks in the prefill shard, so leases and pins find some
-        c.baseline = {"prefill": resources(c.prefill), "decode": resources(c.decode)}
-        try:
-            yield c
-        finally:
-            c.close()
+        yield c
     finally:
-        local.stop()
-
-
-def serve_one(local: LocalCluster) -> None:
-    with InferenceClient(local.addresses) as client:
-        req = pb2.GenerateRequest(max_tokens=2)
-        req.token_ids.ids.extend(range(5, 70))
-        events = list(client.generate(req, timeout=60))
-    assert sum(len(e.token_ids) for e in events) >= 1
+        c.close()
 
 
 def code_of(call: Callable[[], Any]) -> grpc.StatusCode:
