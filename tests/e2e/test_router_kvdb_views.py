@@ -20,6 +20,7 @@ from kvflow.kvdb.proto import pb2 as kvdb_pb2
 from kvflow.kvdb.proto import pb2_grpc as kvdb_pb2_grpc
 from kvflow.security import SECRET_FILE_ENV
 from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.tools.cli import main
 from kvflow.tools.supervise import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -149,7 +150,7 @@ def test_stats_on_the_router_show_a_user_its_holdings_on_every_node(channel, own
     assert err.value.code() == DENIED
 
 
-def test_a_dead_node_is_named_and_the_others_still_answer(cluster, channel, owners) -> None:
+def test_a_dead_node_is_named_and_the_others_still_answer(cluster, channel, owners, capsys) -> None:
     cluster.kill("decode-0")
     admin = kvdb_pb2_grpc.KVAdminStub(channel)
     started = time.monotonic()
@@ -160,3 +161,7 @@ def test_a_dead_node_is_named_and_the_others_still_answer(cluster, channel, owne
     stats = admin.Stats(kvdb_pb2.StatsRequest(), timeout=10, metadata=bearer(ALICE))
     assert list(stats.skipped_nodes) == ["decode-0"]
     assert {t.node for t in stats.tenants} == {"prefill-0", "prefill-1"}
+    code = main(["kvdb", "--server", cluster.address, "--api-key", ALICE, "hot", "-n", "100"])
+    out = capsys.readouterr().out
+    assert code == 0 and "alice" in out and "bob" not in out
+    assert out.rstrip().endswith("not answering, left out: decode-0")
