@@ -27,13 +27,13 @@ from typing import Any, NamedTuple, Protocol
 
 import grpc
 
+from kvflow.kvdb.admin_rows import shard_stats_row, tenant_stats_row, usage_row
 from kvflow.kvdb.errors import InvalidRequestError, UnknownShardError
 from kvflow.kvdb.fanout import AdminPeers, merge_hot, merge_replicas, merge_stats, total_of
 from kvflow.kvdb.grpc_mount import Metadata, method_names, servicer_for
 from kvflow.kvdb.keys import KEY_BYTES
 from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, pb2, pb2_grpc
 from kvflow.kvdb.shard import Shard
-from kvflow.kvdb.stats import StoreStats, TenantUsage, TierStats
 from kvflow.kvdb.viewer import ADMIN, Viewer
 from kvflow.replication import DEFAULT_REPLICA_TARGET, NodeId, NodeInfo, Tier
 
@@ -113,45 +113,6 @@ def parse_tier(text: str) -> Tier:
     if tier is None:
         raise InvalidRequestError(f"tier must be one of {sorted(TIER_NAMES)}, got {text!r:.40}")
     return tier
-
-
-def _usage(t: TierStats) -> Any:
-    return pb2.TierUsage(blocks=t.blocks, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes)
-
-
-def _shard_stats(shard: str, node: str, s: StoreStats) -> Any:
-    hits = s.dram.hits + s.ssd.hits
-    misses = s.ssd.misses
-    corrupt = s.dram.corruptions + s.ssd.corruptions
-    return pb2.ShardStats(
-        shard=shard,
-        node=node,
-        puts=s.puts,
-        rejected_puts=s.rejected_puts,
-        gets=hits + misses + corrupt,
-        hits=hits,
-        dram_hits=s.dram.hits,
-        ssd_hits=s.ssd.hits,
-        misses=misses,
-        corruptions=corrupt,
-        hit_rate=hits / (hits + misses) if hits + misses else 0.0,
-        bytes_read=s.dram.bytes_read + s.ssd.bytes_read,
-        bytes_written=s.dram.bytes_written + s.ssd.bytes_written,
-        events_dropped=s.events_dropped,
-    )
-
-
-def _tenant_stats(shard: str, node: str, u: TenantUsage) -> Any:
-    return pb2.TenantStats(
-        shard=shard,
-        node=node,
-        tenant=u.tenant,
-        blocks=u.blocks,
-        dram_blocks=u.dram_blocks,
-        ssd_blocks=u.ssd_blocks,
-        bytes=u.nbytes,
-        hits=u.hits,
-    )
 
 
 class KVAdmin:
@@ -260,8 +221,8 @@ class KVAdmin:
                     engine=shard.config.engine,
                     eviction=shard.config.eviction,
                     compression=shard.config.compression,
-                    dram=_usage(s.dram),
-                    ssd=_usage(s.ssd),
+                    dram=usage_row(s.dram),
+                    ssd=usage_row(s.ssd),
                     pinned_blocks=shard.num_pinned(),
                     closed=shard.closed,
                 )
@@ -370,11 +331,12 @@ class KVAdmin:
         tenants = []
         if tenant is not None:
             tenants = [
-                _tenant_stats(sid, ref.node, ref.shard.tenant_usage(tenant)) for sid, ref in shards
+                tenant_stats_row(sid, ref.node, ref.shard.tenant_usage(tenant))
+                for sid, ref in shards
             ]
         if not admin:  # shard-wide counters (puts, misses...) have no owner
             return pb2.StatsResponse(total=pb2.ShardStats(shard="total"), tenants=tenants)
-        rows = [_shard_stats(sid, ref.node, ref.shard.stats(reset=reset)) for sid, ref in shards]
+        rows = [shard_stats_row(sid, ref.node, ref.shard.stats(reset=reset)) for sid, ref in shards]
         return pb2.StatsResponse(shards=rows, total=total_of(rows), tenants=tenants)
 
     def Evict(self, request: Any, viewer: Viewer = ADMIN) -> Any:
@@ -390,7 +352,7 @@ class KVAdmin:
         after = ref.shard.stats()
         pick = (lambda s: s.dram) if tier is Tier.DRAM else (lambda s: s.ssd)
         return pb2.EvictResponse(
-            blocks_evicted=evicted, before=_usage(pick(before)), after=_usage(pick(after))
+            blocks_evicted=evicted, before=usage_row(pick(before)), after=usage_row(pick(after))
         )
 
     def _owns(self, tenant: str | None, key: bytes) -> bool:

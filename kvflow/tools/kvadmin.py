@@ -7,9 +7,10 @@
 With a user key (``--api-key``) hot, replicas and stats show only the key's tenant and the other
 actions are PERMISSION_DENIED; an admin key (or the cluster token) sees every tenant and may
 filter hot, replicas and stats with ``--tenant``. On a router those three are the nodes'
-answers merged; the nodes that did not answer are listed after the table. Aligned tables by default; ``--json`` prints JSON
-(nodes/shards/tiers/hot: a list with one object per row). A gRPC error prints its code and
-details on stderr and exits 1; bad local arguments exit 2 (argparse).
+answers merged; the nodes that did not answer are listed after the table. Aligned tables by
+default; ``--json`` prints JSON (nodes/shards/tiers/hot: a list with one object per row). A
+gRPC error prints its code and details on stderr and exits 1; bad local arguments exit 2
+(argparse).
 """
 
 from __future__ import annotations
