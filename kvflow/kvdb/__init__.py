@@ -34,6 +34,7 @@ from kvflow.kvdb.errors import (
     ValueSizeError,
 )
 from kvflow.kvdb.events import BlockEvent, BlockRemoved, BlockStored
+from kvflow.kvdb.fanout import AdminPeer, AdminPeers
 from kvflow.kvdb.keys import (
     DEFAULT_TENANT,
     BlockKey,
@@ -63,6 +64,8 @@ __all__ = [
     "BLOCK_SERVICE_NAME",
     "DEFAULT_TENANT",
     "AccessDeniedError",
+    "AdminPeer",
+    "AdminPeers",
     "AdminSource",
     "BlockEvent",
     "BlockInfo",

@@ -9,8 +9,9 @@ A server describes what it holds with an ``AdminSource``: its shards by id (each
 Who calls: every RPC takes the caller's ``Viewer`` (viewer.py; ADMIN unless the server says
 otherwise). A user sees only its tenant's blocks in Hot, Replicas and Stats and is refused the
 cluster-wide RPCs (AccessDeniedError, PERMISSION_DENIED); the owner is each block's recorded
-tenant. On a server with no local shards (a router over the metadata, which records no owner)
-a user therefore sees no blocks.
+tenant. A server with no blocks of its own (a router: the metadata records holders, not
+owners) gives its source ``peers`` (fanout.py): Hot, Replicas and Stats are then answered by
+the nodes, asked at once with the caller's tenant as their filter, and merged.
 
 Thread-safety: the servicer keeps no state of its own; every call reads the shards (each
 thread-safe) and the metadata view (thread-safe) afresh. Bad input raises InvalidRequestError
@@ -26,12 +27,13 @@ from typing import Any, NamedTuple, Protocol
 
 import grpc
 
+from kvflow.kvdb.admin_rows import shard_stats_row, tenant_stats_row, usage_row
 from kvflow.kvdb.errors import InvalidRequestError, UnknownShardError
+from kvflow.kvdb.fanout import AdminPeers, merge_hot, merge_replicas, merge_stats, total_of
 from kvflow.kvdb.grpc_mount import Metadata, method_names, servicer_for
 from kvflow.kvdb.keys import KEY_BYTES
 from kvflow.kvdb.proto import ADMIN_SERVICE_NAME, pb2, pb2_grpc
 from kvflow.kvdb.shard import Shard
-from kvflow.kvdb.stats import StoreStats, TenantUsage, TierStats
 from kvflow.kvdb.viewer import ADMIN, Viewer
 from kvflow.replication import DEFAULT_REPLICA_TARGET, NodeId, NodeInfo, Tier
 
@@ -68,7 +70,9 @@ class MetadataReader(Protocol):
 
 class AdminSource(Protocol):
     """What a server exposes to the admin service. ``shards`` may change between calls (it
-    is read on every call); plain ``(shard, node, kind)`` tuples are accepted as values."""
+    is read on every call); plain ``(shard, node, kind)`` tuples are accepted as values.
+    ``peers``: the servers whose blocks Hot, Replicas and Stats also show (None: only the
+    local shards)."""
 
     @property
     def shards(self) -> Mapping[str, ShardRef]: ...
@@ -76,13 +80,18 @@ class AdminSource(Protocol):
     @property
     def metadata(self) -> MetadataReader | None: ...
 
+    @property
+    def peers(self) -> AdminPeers | None: ...
+
 
 @dataclass(frozen=True)
 class StaticAdminSource:
-    """An AdminSource over a fixed mapping (the embedded server, tests)."""
+    """An AdminSource over a fixed mapping (the embedded server, a node, tests; a router
+    with its nodes as ``peers``)."""
 
     shards: Mapping[str, ShardRef]
     metadata: MetadataReader | None = None
+    peers: AdminPeers | None = None
 
 
 def parse_key(text: str) -> bytes:
@@ -104,49 +113,6 @@ def parse_tier(text: str) -> Tier:
     if tier is None:
         raise InvalidRequestError(f"tier must be one of {sorted(TIER_NAMES)}, got {text!r:.40}")
     return tier
-
-
-def _usage(t: TierStats) -> Any:
-    return pb2.TierUsage(blocks=t.blocks, used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes)
-
-
-def _shard_stats(shard: str, node: str, s: StoreStats) -> Any:
-    hits = s.dram.hits + s.ssd.hits
-    misses = s.ssd.misses
-    corrupt = s.dram.corruptions + s.ssd.corruptions
-    return pb2.ShardStats(
-        shard=shard,
-        node=node,
-        puts=s.puts,
-        rejected_puts=s.rejected_puts,
-        gets=hits + misses + corrupt,
-        hits=hits,
-        dram_hits=s.dram.hits,
-        ssd_hits=s.ssd.hits,
-        misses=misses,
-        corruptions=corrupt,
-        hit_rate=hits / (hits + misses) if hits + misses else 0.0,
-        bytes_read=s.dram.bytes_read + s.ssd.bytes_read,
-        bytes_written=s.dram.bytes_written + s.ssd.bytes_written,
-        events_dropped=s.events_dropped,
-    )
-
-
-def _tenant_stats(shard: str, node: str, u: TenantUsage) -> Any:
-    return pb2.TenantStats(
-        shard=shard,
-        node=node,
-        tenant=u.tenant,
-        blocks=u.blocks,
-        dram_blocks=u.dram_blocks,
-        ssd_blocks=u.ssd_blocks,
-        bytes=u.nbytes,
-        hits=u.hits,
-    )
-
-
-_SUMMED = ("puts", "rejected_puts", "gets", "hits", "dram_hits", "ssd_hits", "misses")
-_SUMMED += ("corruptions", "bytes_read", "bytes_written", "events_dropped")
 
 
 class KVAdmin:
@@ -179,6 +145,30 @@ class KVAdmin:
                 raise UnknownShardError(f"no shard {only!r} here; shards: {sorted(shards)}")
             return [(only, shards[only])]
         return sorted(shards.items())
+
+    def _shards_here(self, only: str) -> list[tuple[str, ShardRef]]:
+        """Like ``_shards``, but with peers a shard that is not local may be theirs."""
+        if only and self._source.peers is not None and only not in self._source.shards:
+            return []
+        return self._shards(only)
+
+    def _with_peers(
+        self, rpc: str, request: Any, local: Any, merge: Callable[[list[Any]], Any]
+    ) -> Any:
+        """``local``, or, with peers, ``merge`` of it and the peers' answers to ``request``
+        (the nodes that did not answer named in ``skipped_nodes``). UnknownShardError when a
+        shard was asked for that neither this server nor any peer has."""
+        peers = self._source.peers
+        if peers is None:
+            return local
+        answers = peers.ask(rpc, request)
+        shard = getattr(request, "shard", "")
+        if shard and shard not in self._source.shards and not answers.replies:
+            skipped = f" ({', '.join(answers.skipped)} did not answer)" if answers.skipped else ""
+            raise UnknownShardError(f"no shard {shard!r} here or on the nodes{skipped}")
+        merged = merge([local, *answers.replies])
+        merged.skipped_nodes.extend(answers.skipped)
+        return merged
 
     # ----------------------------------------------------------------- RPCs
 
@@ -231,8 +221,8 @@ class KVAdmin:
                     engine=shard.config.engine,
                     eviction=shard.config.eviction,
                     compression=shard.config.compression,
-                    dram=_usage(s.dram),
-                    ssd=_usage(s.ssd),
+                    dram=usage_row(s.dram),
+                    ssd=usage_row(s.ssd),
                     pinned_blocks=shard.num_pinned(),
                     closed=shard.closed,
                 )
@@ -268,10 +258,18 @@ class KVAdmin:
 
     def Replicas(self, request: Any, viewer: Viewer = ADMIN) -> Any:
         key = parse_key(request.key)
+        tenant = viewer.scope(request.tenant)
+        local = self._local_replicas(key, tenant)
+        down = pb2.ReplicasRequest(key=key.hex(), tenant=tenant or "")
+        return self._with_peers("Replicas", down, local, lambda r: merge_replicas(key.hex(), r))
+
+    def _local_replicas(self, key: bytes, tenant: str | None) -> Any:
+        """Who holds ``key`` per the metadata and the local shards; with ``tenant``, only if
+        a local shard holds it as that tenant's block."""
         rows = []
         meta = self._source.metadata
         target = 0
-        if not viewer.admin and not self._owns(viewer.tenant, key):
+        if tenant is not None and not self._owns(tenant, key):
             # the answer for a key nobody holds: another tenant's key is not even confirmed
             return pb2.ReplicasResponse(
                 key=key.hex(),
@@ -298,7 +296,7 @@ class KVAdmin:
             raise InvalidRequestError(f"n must be in [1, {MAX_HOT}], got {n}")
         tenant = viewer.scope(request.tenant)
         rows = []
-        for sid, ref in self._shards(request.shard):
+        for sid, ref in self._shards_here(request.shard):
             for b in ref.shard.hot(n, tenant):
                 rows.append(
                     pb2.HotBlock(
@@ -312,30 +310,34 @@ class KVAdmin:
                         tenant=b.tenant,
                     )
                 )
-        rows.sort(key=lambda r: -r.hits)  # stable: a shard's own order breaks ties
-        return pb2.HotResponse(blocks=rows[:n])
+        local = merge_hot([pb2.HotResponse(blocks=rows)], n)
+        down = pb2.HotRequest(n=n, shard=request.shard, tenant=tenant or "")
+        return self._with_peers("Hot", down, local, lambda replies: merge_hot(replies, n))
 
     def Stats(self, request: Any, viewer: Viewer = ADMIN) -> Any:
         tenant = viewer.scope(request.tenant)
         if request.reset:
             viewer.require_admin("Stats with reset")
-        shards = self._shards(request.shard)
+        local = self._local_stats(request.shard, request.reset, tenant, viewer.admin)
+        down = pb2.StatsRequest(shard=request.shard, reset=request.reset, tenant=tenant or "")
+        merged = self._with_peers("Stats", down, local, merge_stats)
+        if not viewer.admin:  # the peers answered an admin (the cluster token): drop the rest
+            del merged.shards[:]
+            merged.total.CopyFrom(pb2.ShardStats(shard="total"))
+        return merged
+
+    def _local_stats(self, only: str, reset: bool, tenant: str | None, admin: bool) -> Any:
+        shards = self._shards_here(only)
         tenants = []
         if tenant is not None:
             tenants = [
-                _tenant_stats(sid, ref.node, ref.shard.tenant_usage(tenant)) for sid, ref in shards
+                tenant_stats_row(sid, ref.node, ref.shard.tenant_usage(tenant))
+                for sid, ref in shards
             ]
-        if not viewer.admin:  # shard-wide counters (puts, misses...) have no owner
+        if not admin:  # shard-wide counters (puts, misses...) have no owner
             return pb2.StatsResponse(total=pb2.ShardStats(shard="total"), tenants=tenants)
-        rows = [
-            _shard_stats(sid, ref.node, ref.shard.stats(reset=request.reset)) for sid, ref in shards
-        ]
-        total = pb2.ShardStats(shard="total")
-        for name in _SUMMED:
-            setattr(total, name, sum(getattr(r, name) for r in rows))
-        if total.hits + total.misses:
-            total.hit_rate = total.hits / (total.hits + total.misses)
-        return pb2.StatsResponse(shards=rows, total=total, tenants=tenants)
+        rows = [shard_stats_row(sid, ref.node, ref.shard.stats(reset=reset)) for sid, ref in shards]
+        return pb2.StatsResponse(shards=rows, total=total_of(rows), tenants=tenants)
 
     def Evict(self, request: Any, viewer: Viewer = ADMIN) -> Any:
         viewer.require_admin("Evict")
@@ -350,7 +352,7 @@ class KVAdmin:
         after = ref.shard.stats()
         pick = (lambda s: s.dram) if tier is Tier.DRAM else (lambda s: s.ssd)
         return pb2.EvictResponse(
-            blocks_evicted=evicted, before=_usage(pick(before)), after=_usage(pick(after))
+            blocks_evicted=evicted, before=usage_row(pick(before)), after=usage_row(pick(after))
         )
 
     def _owns(self, tenant: str | None, key: bytes) -> bool:

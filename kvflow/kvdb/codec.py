@@ -7,13 +7,15 @@ An SSD record is a 49-byte header, the owner tenant and the payload:
     tenant (tenant_len ASCII bytes, 1-64) | payload
 
 The checksum is a *block checksum*: xxh3_64 of the RAW value (before compression) seeded with
-xxh3_64(key ‖ parent key), so it covers which block the bytes are, not only the bytes: a valid
-value found under another key (or with another parent) fails it like a flipped bit. The same
-checksum follows a block from DRAM to SSD and back and to a remote reader, and is verified at
-every read, end to end. Version 1 records checksummed the value alone and version 2 records
-carried no owner tenant; this build refuses both (the data dir's manifest version says so
-before any record is read). The tenant is not covered by the checksum: a record whose tenant
-bytes are not a valid tenant name is corrupt (ChecksumError) like any malformed header.
+xxh3_64(key ‖ parent key ‖ owner tenant), so it covers which block the bytes are and whose,
+not only the bytes: a valid value found under another key, with another parent or with its
+tenant bytes changed (even to another valid tenant name) fails it like a flipped bit. The same
+checksum follows a block from DRAM to SSD and back and to a remote reader (the lease reply
+carries the tenant it covers), and is verified at every read, end to end. Version 1 records
+checksummed the value alone, version 2 records carried no owner tenant and version 3 records
+carried one their checksum did not cover; this build refuses all three (the data dir's
+manifest version says so before any record is read). A record whose tenant bytes are not a
+valid tenant name is corrupt (ChecksumError) like any malformed header.
 Functions here are pure and thread-safe (compressor objects are per thread).
 """
 
@@ -31,7 +33,7 @@ from kvflow.kvdb.errors import ChecksumError
 from kvflow.kvdb.keys import KEY_BYTES, BlockKey, check_tenant
 
 MAGIC = b"KVDB"
-RECORD_VERSION = 3
+RECORD_VERSION = 4
 CODEC_NONE = 0
 CODEC_ZSTD = 1
 _FLAG_PARENT = 1
@@ -48,14 +50,19 @@ def checksum(data: np.ndarray | memoryview | bytes, seed: int = 0) -> int:
     return int(xxhash.xxh3_64_intdigest(data, seed))
 
 
-def key_seed(key: bytes, parent: bytes | None) -> int:
-    """The seed that binds a block checksum to ``key`` and ``parent`` (None: no parent)."""
-    return int(xxhash.xxh3_64_intdigest(bytes(key) + (bytes(parent) if parent else _NO_PARENT)))
+def key_seed(key: bytes, parent: bytes | None, tenant: str) -> int:
+    """The seed that binds a block checksum to ``key``, ``parent`` (None: no parent) and the
+    owner ``tenant`` (its ASCII bytes: the fixed-width key and parent come first, so the
+    concatenation is unambiguous)."""
+    parent_bytes = bytes(parent) if parent else _NO_PARENT
+    return int(xxhash.xxh3_64_intdigest(bytes(key) + parent_bytes + tenant.encode("ascii")))
 
 
-def block_checksum(key: bytes, parent: bytes | None, data: np.ndarray | memoryview | bytes) -> int:
-    """The checksum a block stores and every reader verifies: value, key and parent."""
-    return checksum(data, key_seed(key, parent))
+def block_checksum(
+    key: bytes, parent: bytes | None, tenant: str, data: np.ndarray | memoryview | bytes
+) -> int:
+    """The checksum a block stores and every reader verifies: value, key, parent, tenant."""
+    return checksum(data, key_seed(key, parent, tenant))
 
 
 def copy_and_checksum(dst: np.ndarray, src: np.ndarray, seed: int = 0) -> int:
@@ -195,14 +202,15 @@ def decode_header(record: bytes | memoryview) -> RecordHeader:
 
 def decode_record_into(record: bytes | memoryview, dst: np.ndarray, key: bytes) -> RecordHeader:
     """Decode ``record``, stored under ``key``, into ``dst`` (uint8, exactly raw_len bytes) and
-    verify its block checksum (value, ``key`` and the header's parent).
+    verify its block checksum (value, ``key``, the header's parent and owner tenant).
 
-    Raises ChecksumError on any corruption, and for a record that belongs to another key
-    (``dst`` then holds unspecified bytes); ValueError if ``dst`` has the wrong length (checked
+    Raises ChecksumError on any corruption (tenant bytes changed to another valid name
+    included), and for a record that belongs to another key (``dst`` then holds unspecified
+    bytes); ValueError if ``dst`` has the wrong length (checked
     before anything is written).
     """
     header = decode_header(record)
-    seed = key_seed(key, header.parent)
+    seed = key_seed(key, header.parent, header.tenant)
     if dst.shape[0] != header.raw_len:
         raise ValueError(f"destination has {dst.shape[0]} bytes, record holds {header.raw_len}")
     payload = np.frombuffer(record, dtype=np.uint8, offset=header.payload_offset)

@@ -15,11 +15,12 @@ from kvflow.kvdb.errors import IncompatibleDataDirError, NamespaceMismatchError
 
 MANIFEST_NAME = "kvdb-manifest.json"
 FORMAT_NAME = "kvflow.kvdb"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # What each older version lacks, for the refusal message.
 _OLDER = {
     1: "its checksums cover the value only, not the block key and parent",
     2: "its records carry no owner tenant",
+    3: "its checksums do not cover the block's owner tenant",
 }
 
 

@@ -239,7 +239,7 @@ class TierMover:
         s = self.s
         if s.ssd is None:
             return None
-        csum = block_checksum(key, parent, src)
+        csum = block_checksum(key, parent, tenant, src)
         record = s.ssd.encode(src, csum, parent, tenant)
         if not self.make_ssd_room(len(record)):
             return None

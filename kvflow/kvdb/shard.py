@@ -216,7 +216,8 @@ class Shard:
         dram = self._state.dram
         assert dram is not None
         try:
-            csum = copy_and_checksum(dram.view(offset, nbytes), src, key_seed(key, parent))
+            seed = key_seed(key, parent, tenant)
+            csum = copy_and_checksum(dram.view(offset, nbytes), src, seed)
         except BaseException:
             with self._lock:
                 self._writing.discard(key)
@@ -294,7 +295,7 @@ class Shard:
         if tier is Tier.DRAM:
             assert self._state.dram is not None and offset is not None
             view = self._state.dram.view(offset, e.nbytes)
-            return verified_copy(dst, view, e.checksum, key_seed(e.key, e.parent))
+            return verified_copy(dst, view, e.checksum, key_seed(e.key, e.parent, e.tenant))
         assert self._state.ssd is not None
         try:
             return self._state.ssd.read_into(e.key, dst)

@@ -1,14 +1,16 @@
 """`kvflow kvdb`: the kvdb admin CLI over a server's gRPC KVAdmin service.
 
-    kvflow kvdb --server HOST:PORT [--api-key KEY] nodes | shards | tiers | replicas KEY
-                | hot [-n N] [--tenant T] | stats [--tenant T] | evict --shard ID --tier dram|ssd
-                --bytes N    [--json]
+    kvflow kvdb --server HOST:PORT [--api-key KEY] nodes | shards | tiers
+                | replicas KEY [--tenant T] | hot [-n N] [--tenant T] | stats [--tenant T]
+                | evict --shard ID --tier dram|ssd --bytes N    [--json]
 
 With a user key (``--api-key``) hot, replicas and stats show only the key's tenant and the other
 actions are PERMISSION_DENIED; an admin key (or the cluster token) sees every tenant and may
-filter hot and stats with ``--tenant``. Aligned tables by default; ``--json`` prints JSON
-(nodes/shards/tiers/hot: a list with one object per row). A gRPC error prints its code and
-details on stderr and exits 1; bad local arguments exit 2 (argparse).
+filter hot, replicas and stats with ``--tenant``. On a router those three are the nodes'
+answers merged; the nodes that did not answer are listed after the table. Aligned tables by
+default; ``--json`` prints JSON (nodes/shards/tiers/hot: a list with one object per row). A
+gRPC error prints its code and details on stderr and exits 1; bad local arguments exit 2
+(argparse).
 """
 
 from __future__ import annotations
@@ -190,14 +192,22 @@ def _tiers(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
     return [to_plain(t) for t in reply.tiers], table(headers, rows)
 
 
+def _skipped(reply: Any, text: str) -> str:
+    """``text`` and, from a router, the nodes that did not answer (their blocks are missing)."""
+    if not reply.skipped_nodes:
+        return text
+    return f"{text}\nnot answering, left out: {', '.join(reply.skipped_nodes)}"
+
+
 def _replicas(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
-    reply = stub.Replicas(pb2.ReplicasRequest(key=args.key), timeout=args.timeout)
+    request = pb2.ReplicasRequest(key=args.key, tenant=args.tenant)
+    reply = stub.Replicas(request, timeout=args.timeout)
     rows = [[r.node, r.tier, r.source, r.shard or "-"] for r in reply.replicas]
     head = f"key {reply.key}"
     if reply.has_metadata:
         head += f", replica target {reply.replica_target}"
     body = table(["NODE", "TIER", "SOURCE", "SHARD"], rows) if rows else "no replicas"
-    return to_plain(reply), f"{head}\n{body}"
+    return to_plain(reply), _skipped(reply, f"{head}\n{body}")
 
 
 def _hot(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
@@ -208,7 +218,8 @@ def _hot(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
         for b in reply.blocks
     ]
     text = table(["KEY", "HITS", "TIER", "TENANT", "SHARD", "NODE", "SIZE", "PINS"], rows)
-    return [to_plain(b) for b in reply.blocks], text if rows else "no block has been read yet"
+    text = text if rows else "no block has been read yet"
+    return [to_plain(b) for b in reply.blocks], _skipped(reply, text)
 
 
 def _stats(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
@@ -220,7 +231,7 @@ def _stats(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
     ]
     owned_text = table(["TENANT", "SHARD", "BLOCKS", "DRAM", "SSD", "SIZE", "HITS"], owned)
     if not reply.shards:  # a user key: only its tenant's holdings
-        return to_plain(reply), owned_text if owned else "no shards"
+        return to_plain(reply), _skipped(reply, owned_text if owned else "no shards")
     rows = [
         [
             s.shard,
@@ -240,7 +251,7 @@ def _stats(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
     headers = ["SHARD", "PUTS", "REJECTED", "GETS", "DRAM HITS", "SSD HITS", "MISSES"]
     headers += ["CORRUPT", "HIT RATE", "READ", "WRITTEN"]
     text = table(headers, rows)
-    return to_plain(reply), f"{text}\n\n{owned_text}" if owned else text
+    return to_plain(reply), _skipped(reply, f"{text}\n\n{owned_text}" if owned else text)
 
 
 def _evict(stub: Any, args: argparse.Namespace) -> tuple[Any, str]:
@@ -285,6 +296,7 @@ def register(subparsers: Any) -> None:
     tiers.add_argument("--shard", default="", help="only this shard")
     replicas = sub.add_parser("replicas", parents=[common], help="who holds a block")
     replicas.add_argument("key", type=_key, help="block key, 32 hex characters")
+    replicas.add_argument("--tenant", default="", help="only if it is this tenant's (admin)")
     hot = sub.add_parser("hot", parents=[common], help="most-read blocks")
     hot.add_argument("-n", type=_count, default=10, help=f"how many (1..{MAX_HOT})")
     hot.add_argument("--shard", default="", help="only this shard")

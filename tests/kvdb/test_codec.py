@@ -21,7 +21,7 @@ def test_record_roundtrip(compress: bool, width: int) -> None:
     parent = bytes(range(16))
     rec = codec.encode_record(
         raw,
-        codec.block_checksum(KEY, parent, raw),
+        codec.block_checksum(KEY, parent, "acme", raw),
         parent,
         tenant="acme",
         compress=compress,
@@ -39,7 +39,7 @@ def test_record_roundtrip(compress: bool, width: int) -> None:
 
 def test_the_owner_tenant_is_checked_like_the_rest_of_the_header() -> None:
     raw = _bf16_like(4096)
-    csum = codec.block_checksum(KEY, None, raw)
+    csum = codec.block_checksum(KEY, None, "acme", raw)
     enc = {"compress": False, "level": 3, "shuffle_width": 1}
     with pytest.raises(ValueError, match="tenant"):
         codec.encode_record(raw, csum, None, tenant="no spaces", **enc)
@@ -78,7 +78,7 @@ def test_corruption_and_truncation_are_detected(compress: bool) -> None:
     rec = bytearray(
         codec.encode_record(
             raw,
-            codec.block_checksum(KEY, None, raw),
+            codec.block_checksum(KEY, None, "acme", raw),
             None,
             tenant="acme",
             compress=compress,
@@ -107,7 +107,7 @@ def test_a_record_under_another_key_or_parent_fails_its_checksum(compress: bool)
     parent = bytes(16 * [7])
     rec = codec.encode_record(
         raw,
-        codec.block_checksum(KEY, parent, raw),
+        codec.block_checksum(KEY, parent, "acme", raw),
         parent,
         tenant="acme",
         compress=compress,
@@ -125,13 +125,33 @@ def test_a_record_under_another_key_or_parent_fails_its_checksum(compress: bool)
         codec.decode_record_into(bytes(reparented), out, KEY)
 
 
-def test_block_checksum_binds_key_and_parent() -> None:
+def test_block_checksum_binds_key_parent_and_tenant() -> None:
     data = b"x" * 64
-    base = codec.block_checksum(KEY, None, data)
-    assert base == codec.checksum(data, codec.key_seed(KEY, None))
-    assert codec.block_checksum(bytes(16), None, data) != base
-    assert codec.block_checksum(KEY, bytes(range(16)), data) != base
+    base = codec.block_checksum(KEY, None, "acme", data)
+    assert base == codec.checksum(data, codec.key_seed(KEY, None, "acme"))
+    assert codec.block_checksum(bytes(16), None, "acme", data) != base
+    assert codec.block_checksum(KEY, bytes(range(16)), "acme", data) != base
+    assert codec.block_checksum(KEY, None, "acmf", data) != base
     assert codec.checksum(data) != base
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_record_whose_tenant_names_another_valid_tenant_fails_its_checksum(
+    compress: bool,
+) -> None:
+    """The owner tenant is covered: a flipped bit that leaves a valid name is corruption."""
+    raw = _bf16_like(8192)
+    enc = {"compress": compress, "level": 3, "shuffle_width": 2}
+    rec = codec.encode_record(
+        raw, codec.block_checksum(KEY, None, "acme", raw), None, tenant="acme", **enc
+    )
+    out = np.empty_like(raw)
+    assert codec.decode_record_into(rec, out, KEY).tenant == "acme"
+    relabelled = bytearray(rec)
+    relabelled[codec.HEADER_BYTES + 3] ^= 0x03  # "acme" -> "acmf": still a valid tenant name
+    assert codec.decode_header(bytes(relabelled)).tenant == "acmf"
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        codec.decode_record_into(bytes(relabelled), out, KEY)
 
 
 def test_copy_and_checksum_matches_plain_checksum() -> None:

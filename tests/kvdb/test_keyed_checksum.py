@@ -1,5 +1,5 @@
-"""The block checksum covers the key and the parent; a pinned block lost to corruption still
-owes its pins (so the holder can release them)."""
+"""The block checksum covers the key, the parent and the owner tenant; a pinned block lost to
+corruption still owes its pins (so the holder can release them)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from kvflow.kvdb import (
     Shard,
     Tier,
 )
-from kvflow.kvdb.engines import MemoryEngine
+from kvflow.kvdb.codec import HEADER_BYTES
+from kvflow.kvdb.engines import ENGINES, MemoryEngine
 from kvflow.kvdb.manifest import MANIFEST_NAME
 from tests.kvdb.conftest import NAMESPACE, NBYTES, ShardFactory, config, keys, value
 
@@ -49,6 +50,47 @@ def test_a_record_with_another_parent_is_refused(make_shard: ShardFactory) -> No
     engine.put(ks[2], bytes(record))
     assert shard.get(ks[2]) is None
     assert shard.stats().ssd.corruptions == 1
+
+
+def _relabel(record: bytes) -> bytes:
+    """The record with its owner tenant "tenant-a" changed to "tenant-b" (still valid)."""
+    changed = bytearray(record)
+    start = HEADER_BYTES + len("tenant-")
+    assert changed[start : start + 1] == b"a"
+    changed[start] = ord("b")
+    return bytes(changed)
+
+
+def test_a_record_relabelled_to_another_valid_tenant_is_a_corruption(
+    make_shard: ShardFactory,
+) -> None:
+    """Before format 4 the tenant was outside the checksum: the relabelled block was served."""
+    engine = MemoryEngine()
+    shard = make_shard(dram_capacity_bytes=0, engine=engine)
+    ks = keys(2, "tenant-a")
+    for i, key in enumerate(ks):
+        assert shard.put(key, value(i), parent=ks[i - 1] if i else None, tenant="tenant-a")
+    engine.put(ks[1], _relabel(engine.get(ks[1]) or b""))
+    assert shard.get(ks[1]) is None  # a miss, not block 1's bytes
+    assert not shard.exists(ks[1])
+    assert shard.stats().ssd.corruptions == 1
+    assert shard.get(ks[0]) == value(0).tobytes()
+
+
+def test_a_relabelled_record_adopted_after_a_restart_is_not_served(tmp_path: Path) -> None:
+    cfg = config(tmp_path, engine="rocksdb", dram_capacity_bytes=0)
+    ks = keys(2, "tenant-a")
+    with Shard(cfg, NAMESPACE.fingerprint()) as shard:
+        for i, key in enumerate(ks):
+            shard.put(key, value(i), parent=ks[i - 1] if i else None, tenant="tenant-a")
+    engine = ENGINES["rocksdb"].open(tmp_path / "data" / "ssd", cfg.ssd_capacity_bytes)
+    engine.put(ks[1], _relabel(engine.get(ks[1]) or b""))
+    engine.close()
+    with Shard(cfg, NAMESPACE.fingerprint()) as shard:
+        assert shard.get(ks[1]) is None
+        assert shard.stats().ssd.corruptions == 1
+        assert shard.hot(10, "tenant-b") == []  # the mislabelled block is gone from the views
+        assert shard.get(ks[0]) == value(0).tobytes()
 
 
 def test_pins_of_a_corrupt_block_are_released_by_unpin(make_shard: ShardFactory) -> None:
@@ -98,7 +140,12 @@ def test_owed_pins_and_a_block_stored_again_share_the_count(make_shard: ShardFac
 
 
 @pytest.mark.parametrize(
-    ("version", "why"), [(1, r"value only.*delete the directory"), (2, r"no owner tenant.*delete")]
+    ("version", "why"),
+    [
+        (1, r"value only.*delete the directory"),
+        (2, r"no owner tenant.*delete"),
+        (3, r"do not cover the block's owner tenant.*delete"),
+    ],
 )
 def test_an_older_data_dir_is_refused_with_the_reason(
     tmp_path: Path, version: int, why: str
@@ -107,7 +154,7 @@ def test_an_older_data_dir_is_refused_with_the_reason(
     Shard(cfg, NAMESPACE.fingerprint()).close()
     manifest = tmp_path / "data" / MANIFEST_NAME
     body = json.loads(manifest.read_text())
-    assert body["format_version"] == 3
+    assert body["format_version"] == 4
     manifest.write_text(json.dumps({**body, "format_version": version}))
     with pytest.raises(IncompatibleDataDirError, match=why):
         Shard(cfg, NAMESPACE.fingerprint())

@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 
 class LeasedBlock(NamedTuple):
     """One leased block: its bytes are ``pool[offset : offset + nbytes]`` of the holder's DRAM
-    pool while the lease holds; ``checksum`` is the block checksum of those bytes (value, key
-    and ``parent``: ``codec.block_checksum``); ``tier`` is where the block was before the lease
-    (SSD: it was promoted into DRAM for the lease)."""
+    pool while the lease holds; ``checksum`` is the block checksum of those bytes (value, key,
+    ``parent`` and ``tenant``: ``codec.block_checksum``); ``tier`` is where the block was
+    before the lease (SSD: it was promoted into DRAM for the lease)."""
 
     key: BlockKey
     offset: int

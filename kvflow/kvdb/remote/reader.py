@@ -164,7 +164,7 @@ class RemoteClient:
                 b.length,
                 b.checksum,
                 _TIERS.get(b.tier, Tier.DRAM),
-                key_seed(key, b.parent or None),
+                key_seed(key, b.parent or None, b.tenant),
                 b.parent or None,
                 b.tenant,
             )

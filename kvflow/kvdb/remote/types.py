@@ -11,8 +11,9 @@ from kvflow.replication import Tier
 class RemoteBlock:
     """One leased block: ``length`` bytes at ``offset`` of the lease's segment, whose block
     checksum is ``checksum``; ``tier``: where the holder had it before the lease. ``seed``:
-    ``codec.key_seed`` of the key the reader asked for and the parent the holder reported, so
-    bytes of any other block fail the check (0: unbound, the value alone). ``parent`` and
+    ``codec.key_seed`` of the key the reader asked for and the parent and tenant the holder
+    reported, so bytes of any other block, or a tenant that is not the one the checksum was
+    made with, fail the check (0: unbound, the value alone). ``parent`` and
     ``tenant``: the block's parent key and owner tenant, as the holder reported them (what a
     copy of the block must keep)."""
 

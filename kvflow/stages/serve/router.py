@@ -6,7 +6,9 @@ rest of their load in ``Info``).
 Its pipeline: tokenize, hash, route (the conductor, with every prefill node's prefix read from
 the metadata), then remote-generate (stages/remote_generate.py): reuse-load, prefill and
 stream on the chosen prefill node, decode on the chosen decode node, through the node API.
-Its trace export merges the nodes' spans of each request into one trace.
+Its trace export merges the nodes' spans of each request into one trace. Its kvdb admin views
+(Hot, Replicas, Stats) are the nodes' own, asked at once and merged (kvdb/fanout.py): the
+metadata records who holds a block, not whose it is, and only a node can filter by owner.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from kvflow.kvdb import StaticAdminSource
+from kvflow.kvdb import AdminPeer, AdminPeers, StaticAdminSource
 from kvflow.pipeline import (
     Metrics,
     Pipeline,
@@ -116,6 +118,7 @@ class RouterServer:
         self.waits_total = 0
         self.node_guard = NodeGuard()  # deadlines, breakers, hung-node cancellation
         self.config = settings  # default_max_tokens / max_tokens_limit for the service
+        self.admin_peers = AdminPeers(self._admin_peers)  # kvdb views asked of the nodes
 
     async def start(self, timeout_s: float = 60.0) -> None:
         """Wait for the metadata and at least one prefill and one decode node."""
@@ -285,6 +288,7 @@ class RouterServer:
             await pipeline.stop(drain=False, timeout_s=5.0)
         for node in [*self.prefill.values(), *self.decode.values()]:
             await node.channel.close()
+        self.admin_peers.close()
         self.metadata.close()
 
     # -- what the inference service reads -------------------------------------------------------
@@ -369,5 +373,12 @@ class RouterServer:
             raise NodeFlushError(f"{removed} blocks removed; not flushed: {', '.join(failed)}")
         return removed
 
+    def _admin_peers(self) -> list[AdminPeer]:
+        """Every registered node's KVAdmin (its control port); read from an admin call's
+        thread: a copy of the dicts' values is taken at once."""
+        nodes = [*self.prefill.values(), *self.decode.values()]
+        return [AdminPeer(n.instance_id, n.control) for n in nodes]
+
     def admin_source(self) -> StaticAdminSource:
-        return StaticAdminSource({}, self.metadata.view())
+        """No shards here: Nodes reads the metadata; Hot, Replicas and Stats ask the nodes."""
+        return StaticAdminSource({}, self.metadata.view(), peers=self.admin_peers)
