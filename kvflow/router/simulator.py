@@ -3,9 +3,10 @@
 The model (one run is deterministic given the config, its seed and the records):
 
 - Requests arrive at their trace timestamps (times ``time_scale``), in order; each is routed by a
-  real :class:`Conductor` over real :class:`InstanceState` objects and a real
-  :class:`LocalPrefixIndex` (one LRU per prefill instance, ``cache_capacity_blocks`` each).
-- A routed request is booked on its prefill instance (``InstanceState.enqueue``) and handed to
+  real :class:`Conductor` over the run's load arrays (:class:`SimLoads`, what a ``LoadTable``
+  over :class:`InstanceState` objects would read) and a real :class:`LocalPrefixIndex` (one
+  LRU per prefill instance, ``cache_capacity_blocks`` each).
+- A routed request is booked on its prefill instance (``SimLoads.enqueue``) and handed to
   a :class:`PrefillInstance`, which batches and chunks prefills as the engine does. A request
   with a pull first moves its blocks over the holder's outbound link (one pull at a time per
   holder, so a hot holder congests); its chunks are scheduled once they arrived. Pulls are
@@ -19,10 +20,11 @@ The model (one run is deterministic given the config, its seed and the records):
   (reason ``decode_memory``).
 - KV streaming to decode overlaps prefill and is not charged.
 
-Accounting is incremental (queue and batch sums, a virtual token clock per decode batch, a
-reverse holder index), and the conductor re-reads only the instances that changed and scores
-the rest as arrays (see the router README), so a decision costs a few array operations over the
-instances plus Python work per changed instance and per prefix holder. Per-request results are
+Accounting is incremental (queue and batch sums written into the conductor's arrays where an
+instance changes, a virtual token clock per decode batch, a reverse holder index), and the
+conductor scores every instance as arrays (see the router README), so a decision costs a few
+array operations over the instances plus Python work per prefix holder and per running
+prefill. Per-request results are
 kept in mutable records and frozen once at the end.
 """
 
