@@ -123,6 +123,22 @@ class Conductor:
         self._check_request(req)
         prefill_load = self._prefill_table(prefill).read(now)
         decode_load = self._decode_table(decode).read(now)
+        return self._route(req, prefill_load, decode_load)
+
+    def route_loads(
+        self, req: RouteRequest, prefill_load: LoadArrays, decode_load: LoadArrays
+    ) -> RouteDecision | Rejection:
+        """:meth:`route` over loads the caller keeps itself (the simulator's
+        :class:`~kvflow.router.sim_loads.SimLoads`), already read at the decision's ``now``:
+        the same decision as ``route`` over instance states with those loads. Does not mutate
+        the arrays (the decision's lazy candidates read them later, so the caller must not
+        either). Thread-safe as ``route`` is; ValueError as ``route`` raises it."""
+        self._check_request(req)
+        return self._route(req, prefill_load, decode_load)
+
+    def _route(
+        self, req: RouteRequest, prefill_load: LoadArrays, decode_load: LoadArrays
+    ) -> RouteDecision | Rejection:
         held = self._held(req.block_keys, prefill_load)
         table = self._scorer.score(req, prefill_load, held)
         decode_table = self._decode_scorer.score(req, decode_load)

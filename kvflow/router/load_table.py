@@ -157,26 +157,16 @@ class LoadTable:
         if health_moved:
             rows = np.flatnonzero(healthy)
             if len(rows) == len(self.states):
-                self._view = (self._ids, _positions(self._ids), None)
+                self._view = (self._ids, positions_of(self._ids), None)
             else:
                 ids = tuple(self._ids[r] for r in rows.tolist())
-                self._view = (ids, _positions(ids), rows)
+                self._view = (ids, positions_of(ids), rows)
 
     def _queued_seconds(self, now: float | None) -> FloatArray:
         """Seconds per row at ``now`` when some rows have running requests."""
         if len(self._running) >= MANY_RUNNING:
             return self._queued_seconds_numpy(now)
-        seconds = self._static.copy()
-        for row, (total, running, external) in self._running.items():
-            if now is None:
-                for predicted, _ in running:
-                    total += predicted
-            else:  # InstanceState.snapshot's sum, term for term; max(0.0, left) without a call
-                for predicted, started in running:
-                    left = predicted - (now - started)
-                    total += left if left > 0.0 else 0.0
-            seconds[row] = total + external
-        return seconds
+        return running_seconds(self._static, self._running, now)
 
     def _queued_seconds_numpy(self, now: float | None) -> FloatArray:
         if self._matrices is None:
@@ -208,6 +198,26 @@ class LoadTable:
         return np.array(rows, dtype=np.int64), predicted, started, external
 
 
-def _positions(ids: tuple[str, ...]) -> dict[str, int] | None:
+def running_seconds(
+    static: FloatArray, running: dict[int, _Running], now: float | None
+) -> FloatArray:
+    """A copy of ``static`` with each row of ``running`` (row -> its waiting seconds, running
+    ``(predicted, started)`` entries in start order, external seconds) replaced by its queued
+    seconds at ``now``: :meth:`InstanceState.snapshot`'s sum, term for term."""
+    seconds = static.copy()
+    for row, (total, entries, external) in running.items():
+        if now is None:
+            for predicted, _ in entries:
+                total += predicted
+        else:  # max(0.0, left) without a call
+            for predicted, started in entries:
+                left = predicted - (now - started)
+                total += left if left > 0.0 else 0.0
+        seconds[row] = total + external
+    return seconds
+
+
+def positions_of(ids: tuple[str, ...]) -> dict[str, int] | None:
+    """Instance id -> position; None when an id repeats."""
     positions = {instance_id: at for at, instance_id in enumerate(ids)}
     return positions if len(positions) == len(ids) else None

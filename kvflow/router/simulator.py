@@ -3,9 +3,10 @@
 The model (one run is deterministic given the config, its seed and the records):
 
 - Requests arrive at their trace timestamps (times ``time_scale``), in order; each is routed by a
-  real :class:`Conductor` over real :class:`InstanceState` objects and a real
-  :class:`LocalPrefixIndex` (one LRU per prefill instance, ``cache_capacity_blocks`` each).
-- A routed request is booked on its prefill instance (``InstanceState.enqueue``) and handed to
+  real :class:`Conductor` over the run's load arrays (:class:`SimLoads`, what a ``LoadTable``
+  over :class:`InstanceState` objects would read) and a real :class:`LocalPrefixIndex` (one
+  LRU per prefill instance, ``cache_capacity_blocks`` each).
+- A routed request is booked on its prefill instance (``SimLoads.enqueue``) and handed to
   a :class:`PrefillInstance`, which batches and chunks prefills as the engine does. A request
   with a pull first moves its blocks over the holder's outbound link (one pull at a time per
   holder, so a hot holder congests); its chunks are scheduled once they arrived. Pulls are
@@ -19,27 +20,32 @@ The model (one run is deterministic given the config, its seed and the records):
   (reason ``decode_memory``).
 - KV streaming to decode overlaps prefill and is not charged.
 
-Accounting is incremental (queue and batch sums, a virtual token clock per decode batch, a
-reverse holder index), and the conductor re-reads only the instances that changed and scores
-the rest as arrays (see the router README), so a decision costs a few array operations over the
-instances plus Python work per changed instance and per prefix holder. Per-request results are
+Accounting is incremental (queue and batch sums written into the conductor's arrays where an
+instance changes, a virtual token clock per decode batch, a reverse holder index), and the
+conductor scores every instance as arrays (see the router README), so a decision costs a few
+array operations over the instances plus Python work per prefix holder and per running
+prefill. Per-request results are
 kept in mutable records and frozen once at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvflow.router.conductor import Conductor
 from kvflow.router.estimators import TransferEstimator
 from kvflow.router.index import LocalPrefixIndex
-from kvflow.router.instances import InstanceKind, UnlockedInstanceState
+from kvflow.router.instances import InstanceKind, InstanceState, UnlockedInstanceState
 from kvflow.router.reference import ReferenceConductor
 from kvflow.router.sim_config import SimulationConfig
 from kvflow.router.sim_decode import DecodeInstance
+from kvflow.router.sim_loads import SimLoads
 from kvflow.router.sim_prefill import PrefillInstance, PrefillJob
 from kvflow.router.sim_report import InstanceLoad, RequestOutcome, SimulationReport, summarise
 from kvflow.router.trace import TraceRecord
@@ -49,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL, DECODE = 0, 1
 PROGRESS_EVERY = 500
+GC_GEN0_THRESHOLD = 20_000
+"""The young generation's collection threshold during a run (Python's default is 700)."""
 DECODE_MEMORY = "decode_memory"
 """Rejection reason of a request whose KV exceeds a decode instance's whole memory."""
 
@@ -90,18 +98,20 @@ class _Cluster:
 
     def __init__(self, config: SimulationConfig, reference: bool = False) -> None:
         self.config = config
-        # tuples: the conductor recognises the same instances without comparing them one by one;
-        # unlocked: this run is single-threaded (servers keep the locked InstanceState)
-        self.prefill = tuple(
-            UnlockedInstanceState(f"prefill-{i}", InstanceKind.PREFILL)
-            for i in range(config.num_prefill)
-        )
-        self.decode = tuple(
-            UnlockedInstanceState(f"decode-{i}", InstanceKind.DECODE)
-            for i in range(config.num_decode)
-        )
-        self.prefill_at = {s.instance_id: i for i, s in enumerate(self.prefill)}
-        self.decode_at = {s.instance_id: i for i, s in enumerate(self.decode)}
+        prefill_ids = [f"prefill-{i}" for i in range(config.num_prefill)]
+        decode_ids = [f"decode-{i}" for i in range(config.num_decode)]
+        self.prefill_at = {instance_id: i for i, instance_id in enumerate(prefill_ids)}
+        self.decode_at = {instance_id: i for i, instance_id in enumerate(decode_ids)}
+        # the fast conductor reads the run's own load arrays (route_loads); the reference one
+        # reads instance states, booked beside them (tuples: the same objects on every call;
+        # unlocked: this run is single-threaded, servers keep the locked InstanceState)
+        self.book = SimLoads(prefill_ids, decode_ids)
+        self.states: tuple[tuple[InstanceState, ...], tuple[InstanceState, ...]] | None = None
+        if reference:
+            self.states = (
+                tuple(UnlockedInstanceState(i, InstanceKind.PREFILL) for i in prefill_ids),
+                tuple(UnlockedInstanceState(i, InstanceKind.DECODE) for i in decode_ids),
+            )
         self.index = LocalPrefixIndex(config.cache_capacity_blocks)
         self.transfer = TransferEstimator(config.bandwidth_bytes_per_s, config.transfer_latency_s)
         router = ReferenceConductor if reference else Conductor
@@ -112,20 +122,21 @@ class _Cluster:
             config.predict_decode_model or config.decode_model,
             self.transfer,
         )
+        self.fast = self.conductor if isinstance(self.conductor, Conductor) else None
         self.engines = [
             PrefillInstance(
-                s.instance_id,
+                instance_id,
                 config.prefill_model,
                 config.prefill_chunk_tokens,
                 config.prefill_batch_tokens,
-                s.start,
+                partial(self.prefill_started, i),
                 self.prefill_done,
             )
-            for s in self.prefill
+            for i, instance_id in enumerate(prefill_ids)
         ]
         self.batches = [
-            DecodeInstance(s.instance_id, config.decode_model, config.decode_capacity_tokens)
-            for s in self.decode
+            DecodeInstance(instance_id, config.decode_model, config.decode_capacity_tokens)
+            for instance_id in decode_ids
         ]
         self.link_busy_until = [0.0] * config.num_prefill
         self.events: list[tuple[float, int, int, int, int]] = []  # time, seq, kind, idx, version
@@ -169,15 +180,26 @@ class _Cluster:
             self.link_busy_until[holder] = ready = start + wire
             self.transfer.observe(nbytes, wire)
             self.index.insert(decision.pull.from_instance, request.keys[: decision.reused_blocks])
-        self.prefill[idx].enqueue(decision.request_id, decision.t_transfer + decision.t_prefill)
+        predicted_s = decision.t_transfer + decision.t_prefill
+        self.book.enqueue(idx, decision.request_id, predicted_s)
+        if self.states is not None:
+            self.states[0][idx].enqueue(decision.request_id, predicted_s)
         job = PrefillJob(decision.request_id, decision.prompt_len, decision.reused_tokens, ready)
         self.engines[idx].submit(job)
         self.schedule(PREFILL, idx, self.engines[idx].poke(now))
 
+    def prefill_started(self, idx: int, request_id: str, now: float) -> None:
+        self.book.start(idx, request_id, now)
+        if self.states is not None:
+            self.states[0][idx].start(request_id, now)
+
     def prefill_done(self, job: PrefillJob, at: float) -> None:
         request = self.requests[job.request_id]
         assert request.prefill_id is not None and request.decode_id is not None
-        self.prefill[self.prefill_at[request.prefill_id]].finish(job.request_id)
+        at_prefill = self.prefill_at[request.prefill_id]
+        self.book.finish(at_prefill, job.request_id)
+        if self.states is not None:
+            self.states[0][at_prefill].finish(job.request_id)
         self.index.insert(request.prefill_id, request.keys)
         request.keys = ()
         request.ttft_s = at - request.arrival_s
@@ -188,9 +210,11 @@ class _Cluster:
 
     # --- decode -------------------------------------------------------------------------------
     def decode_tick(self, idx: int, time: float) -> None:
-        state = self.decode[idx]
+        book, states = self.book, self.states
         for request_id, joined_s, finished_s in self.batches[idx].advance(time):
-            state.remove_decode(request_id)
+            book.remove_decode(idx, request_id)
+            if states is not None:
+                states[1][idx].remove_decode(request_id)
             request = self.requests[request_id]
             request.finish_s = finished_s
             request.decode_wait_s = joined_s - request.prefill_done_s
@@ -199,9 +223,12 @@ class _Cluster:
 
     def after_decode_change(self, idx: int) -> None:
         batch = self.batches[idx]
-        state = self.decode[idx]
+        book, states = self.book, self.states
         for request_id, _ in batch.take_joined():
-            state.add_decode(request_id, self.requests[request_id].prompt_len)
+            prompt_len = self.requests[request_id].prompt_len
+            book.add_decode(idx, request_id, prompt_len)
+            if states is not None:
+                states[1][idx].add_decode(request_id, prompt_len)
         self.schedule(DECODE, idx, batch.next_departure())
 
     # --- arrivals -----------------------------------------------------------------------------
@@ -216,7 +243,12 @@ class _Cluster:
             return
         keys = record.block_keys
         req = RouteRequest(request_id, keys, record.input_length)
-        result = self.conductor.route(req, self.prefill, self.decode, now=now)
+        if self.fast is not None:
+            book = self.book
+            result = self.fast.route_loads(req, book.prefill(now), book.decode())
+        else:
+            assert self.states is not None
+            result = self.conductor.route(req, *self.states, now=now)
         if isinstance(result, Rejection):
             request.rejected = result.reason.value
             return
@@ -258,6 +290,16 @@ def simulate(
     never fit a decode instance's memory. ``reference=True`` routes with the per-instance
     :class:`ReferenceConductor` (same decisions, slower: a speed baseline and a cross-check).
     """
+    with _fewer_collections():
+        return _simulate(config, records, progress, reference)
+
+
+def _simulate(
+    config: SimulationConfig,
+    records: Sequence[TraceRecord],
+    progress: Callable[[int, int], None] | None,
+    reference: bool,
+) -> SimulationReport:
     cluster = _Cluster(config, reference)
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
     t0 = ordered[0].timestamp_ms if ordered else 0
@@ -287,3 +329,24 @@ def simulate(
         report.effective_capacity,
     )  # fmt: skip
     return report
+
+
+@contextlib.contextmanager
+def _fewer_collections() -> Iterator[None]:
+    """A run allocates many small containers that live until its end (records, heap entries,
+    index entries): the garbage collector would scan them again and again. During the run the
+    objects alive before it (the trace records, their keys, modules) are frozen out of
+    collections, unless the process froze objects itself, and the young generation is collected
+    less often; both are restored after (process-wide settings: they change when collections
+    happen, never what they collect)."""
+    thresholds = gc.get_threshold()
+    freeze = gc.isenabled() and gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    gc.set_threshold(max(thresholds[0], GC_GEN0_THRESHOLD), *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if freeze:
+            gc.unfreeze()

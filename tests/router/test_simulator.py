@@ -58,3 +58,18 @@ def test_empty_trace_and_config_validation():
         SimulationConfig(num_prefill=0)
     with pytest.raises(ValueError, match="time_scale"):
         SimulationConfig(time_scale=0.0)
+
+
+def test_a_run_restores_the_garbage_collector(records):
+    import gc
+
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()  # another test may have frozen
+    simulate(SimulationConfig(num_prefill=2, num_decode=2), records[:50])
+    assert gc.get_threshold() == before and gc.get_freeze_count() == frozen
+
+    def stop(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # restored when a run stops half-way too
+        simulate(SimulationConfig(num_prefill=2, num_decode=2), records, stop)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == frozen

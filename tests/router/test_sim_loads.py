@@ -1,0 +1,179 @@
+"""The simulator's own load arrays (SimLoads) against a LoadTable over InstanceStates given the
+same mutations: every array bit for bit, op for op, on seeded random sequences."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvflow.router import (
+    Conductor,
+    DecodeTimeModel,
+    InstanceKind,
+    InstanceState,
+    LocalPrefixIndex,
+    PrefillTimeModel,
+    RouterConfig,
+    RouteRequest,
+    TransferEstimator,
+)
+from kvflow.router.load_table import MANY_RUNNING, LoadArrays, LoadTable
+from kvflow.router.sim_loads import SimLoads
+
+PREFILL = PrefillTimeModel((2e-3, 1e-4, 3e-9, 2e-6), "sim-loads")
+DECODE = DecodeTimeModel((1e-2, 1e-4, 2e-8), "sim-loads")
+
+
+def _same(a: LoadArrays, b: LoadArrays) -> bool:
+    if a.instance_ids != b.instance_ids or a.positions != b.positions:
+        return False
+    return all(
+        x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a[2:], b[2:], strict=True)
+    )
+
+
+def _bytes(pb: LoadArrays, db: LoadArrays) -> bytes:
+    return b"".join(a.tobytes() for a in (*pb[2:], *db[2:]))
+
+
+def _diverges(
+    book: SimLoads,
+    seed: int,
+    n: int = 24,
+    m: int = 8,
+    ops: int = 1500,
+    peak: list[int] | None = None,
+) -> int | None:
+    """Apply one random op sequence to ``book`` and to InstanceStates read by LoadTables; the
+    first op after which a read differs (None if none does). ``peak`` collects how many rows
+    had running requests at each read."""
+    rng = random.Random(seed)
+    prefill = tuple(InstanceState(f"prefill-{i}", InstanceKind.PREFILL) for i in range(n))
+    decode = tuple(InstanceState(f"decode-{i}", InstanceKind.DECODE) for i in range(m))
+    ptable, dtable = (
+        LoadTable(prefill, InstanceKind.PREFILL),
+        LoadTable(decode, InstanceKind.DECODE),
+    )
+    queued: list[list[str]] = [[] for _ in range(n)]  # request ids, in enqueue order
+    started: list[set[str]] = [set() for _ in range(n)]
+    decoding: list[list[str]] = [[] for _ in range(m)]
+    now = 0.0
+    handed_out: list[tuple[LoadArrays, LoadArrays, bytes]] = []
+    for op in range(ops):
+        now += rng.choice((0.0, rng.random() * 0.05))
+        kind = rng.random()
+        at = rng.randrange(n)
+        if kind < 0.35:
+            rid = f"r{op}"
+            predicted = rng.choice((0.0, 1e-3, rng.random(), rng.random() * 1e-9 + 0.3))
+            prefill[at].enqueue(rid, predicted)
+            book.enqueue(at, rid, predicted)
+            queued[at].append(rid)
+        elif kind < 0.6:
+            waiting = [r for r in queued[at] if r not in started[at]]
+            if waiting:
+                rid = rng.choice(waiting)
+                prefill[at].start(rid, now)
+                book.start(at, rid, now)
+                started[at].add(rid)
+        elif kind < 0.8:
+            if queued[at]:
+                rid = rng.choice(queued[at])
+                prefill[at].finish(rid)
+                book.finish(at, rid)
+                queued[at].remove(rid)
+                started[at].discard(rid)
+        else:
+            d = rng.randrange(m)
+            if decoding[d] and rng.random() < 0.4:
+                rid = decoding[d].pop(rng.randrange(len(decoding[d])))
+                decode[d].remove_decode(rid)
+                book.remove_decode(d, rid)
+            else:
+                rid, tokens = f"d{op}", rng.randrange(0, 5000)
+                decode[d].add_decode(rid, tokens)
+                book.add_decode(d, rid, tokens)
+                decoding[d].append(rid)
+        if rng.random() < 0.5:  # not every op is followed by a read
+            read_now = rng.choice((now, None))
+            pb, db = book.prefill(read_now), book.decode()
+            if peak is not None:
+                peak.append(len(book._running))
+            if not (_same(pb, ptable.read(read_now)) and _same(db, dtable.read(read_now))):
+                return op
+            handed_out.append((pb, db, _bytes(pb, db)))
+    for pb, db, then in handed_out:  # copy on write: a read's arrays never change later
+        if _bytes(pb, db) != then:
+            return ops
+    return None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sim_loads_equal_a_load_table_op_for_op(seed: int) -> None:
+    peak: list[int] = []
+    book = SimLoads([f"prefill-{i}" for i in range(24)], [f"decode-{i}" for i in range(8)])
+    assert _diverges(book, seed, peak=peak) is None
+    # both of the table's sums are met: few running rows (Python) and many (numpy); SimLoads
+    # always sums in Python
+    assert min(peak) < MANY_RUNNING <= max(peak)
+
+
+class _BrokenUnwait(SimLoads):
+    def _unwait(self, at: int, predicted_s: float) -> None:  # the sum without InstanceState's max
+        waiting = self._waiting[at] = self._waiting[at] - 1
+        self._waiting_s[at] = self._waiting_s[at] - predicted_s if waiting else 0.0
+
+
+class _BrokenRunningOrder(SimLoads):
+    def start(self, at: int, request_id: str, now: float) -> None:  # newest first
+        super().start(at, request_id, now)
+        started = self._started[at]
+        items = list(started.items())
+        started.clear()
+        started.update(reversed(items))
+        self._prefill_row(at, 0)
+
+
+class _BrokenDecode(SimLoads):
+    def remove_decode(self, at: int, request_id: str) -> None:  # forgets the tokens
+        self._decoding[at].pop(request_id)
+        self._decode_row(at, -1, 0)
+
+
+class _NoCopyOnWrite(SimLoads):
+    def _prefill_row(self, at: int, queued_delta: int) -> None:
+        self._prefill_shared = False
+        super()._prefill_row(at, queued_delta)
+
+
+@pytest.mark.parametrize("broken", [_BrokenUnwait, _BrokenRunningOrder, _BrokenDecode,
+                                    _NoCopyOnWrite])  # fmt: skip
+def test_the_comparison_catches_a_broken_update(broken: type[SimLoads]) -> None:
+    ids = ([f"prefill-{i}" for i in range(24)], [f"decode-{i}" for i in range(8)])
+    assert any(_diverges(broken(*ids), seed) is not None for seed in range(6))
+
+
+def test_route_loads_decides_as_route_over_the_same_loads() -> None:
+    states = (
+        tuple(InstanceState(f"prefill-{i}", InstanceKind.PREFILL) for i in range(4)),
+        tuple(InstanceState(f"decode-{i}", InstanceKind.DECODE) for i in range(2)),
+    )
+    book = SimLoads([s.instance_id for s in states[0]], [s.instance_id for s in states[1]])
+    for i, predicted in enumerate((0.5, 0.1, 0.3, 0.2)):
+        states[0][i].enqueue(f"q{i}", predicted)
+        book.enqueue(i, f"q{i}", predicted)
+    states[0][1].start("q1", 1.0)
+    book.start(1, "q1", 1.0)
+    states[1][0].add_decode("d", 4000)
+    book.add_decode(0, "d", 4000)
+    index = LocalPrefixIndex(100)
+    index.insert("prefill-2", [b"k1"])
+    a, b = (
+        Conductor(RouterConfig(block_size=16), index, PREFILL, DECODE, TransferEstimator(1e9))
+        for _ in range(2)
+    )
+    req = RouteRequest("x", (b"k1", b"k2"), 40)
+    assert a.route(req, *states, now=1.05) == b.route_loads(req, book.prefill(1.05), book.decode())
+    assert np.array_equal(book.prefill(None).queued_requests, [1, 1, 1, 1])
