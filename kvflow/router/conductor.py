@@ -147,7 +147,11 @@ class Conductor:
         tie_break = zlib.crc32(req.request_id.encode())  # fair ties, still a pure decision
         with self._policy_lock:
             choice = self._policy.choose(table, tie_break)
-        best_decode = argmin_array(decode_table.tbt_s, tie_break)
+        tbt = decode_table.tbt_s  # argmin_array, inline (one call less per request)
+        best_decode = int(tbt.argmin())
+        tied = (tbt == tbt[best_decode]).nonzero()[0]
+        if len(tied) != 1:
+            best_decode = int(tied[tie_break % len(tied)])
         option = table.balanced(choice.index) if choice.pull else table.local(choice.index)
         rejection = check_slo(
             self.config,
@@ -274,11 +278,12 @@ class Conductor:
             candidates=LazyRecords(table.records),
             decode_candidates=LazyRecords(decode_table.records),
         )
-        logger.debug(
-            "req=%s prefill=%s decode=%s reused=%d pull=%s ttft=%.4f tbt=%.4f",
-            req.request_id, decision.prefill_id, decision.decode_id, decision.reused_blocks,
-            pull, decision.ttft_s, decision.tbt_s,
-        )  # fmt: skip
+        if logger.isEnabledFor(logging.DEBUG):  # what debug() checks first, without its call
+            logger.debug(
+                "req=%s prefill=%s decode=%s reused=%d pull=%s ttft=%.4f tbt=%.4f",
+                req.request_id, decision.prefill_id, decision.decode_id, decision.reused_blocks,
+                pull, decision.ttft_s, decision.tbt_s,
+            )  # fmt: skip
         return decision
 
 

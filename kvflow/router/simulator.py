@@ -52,6 +52,7 @@ from kvflow.router.trace import TraceRecord
 from kvflow.router.types import Rejection, RouteDecision, RouteRequest
 
 logger = logging.getLogger(__name__)
+_new = object.__new__
 
 PREFILL, DECODE = 0, 1
 PROGRESS_EVERY = 500
@@ -242,7 +243,15 @@ class _Cluster:
             request.rejected = DECODE_MEMORY
             return
         keys = record.block_keys
-        req = RouteRequest(request_id, keys, record.input_length)
+        if record.input_length >= 1:
+            # trusted path: a trace record's keys are non-empty bytes (``hash_id_key``), the id
+            # is non-empty, so RouteRequest's validation could not fail: skip it
+            req = _new(RouteRequest)
+            req.__dict__.update(
+                request_id=request_id, block_keys=keys, prompt_len=record.input_length
+            )
+        else:
+            req = RouteRequest(request_id, keys, record.input_length)  # raises the ValueError
         if self.fast is not None:
             book = self.book
             result = self.fast.route_loads(req, book.prefill(now), book.decode())
