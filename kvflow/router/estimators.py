@@ -211,7 +211,8 @@ class PrefillTimeModel:
             self.features(prompt_len, reused_len)  # raises the ValueError
         c0, c1, c2, c3 = self.coefficients
         new = prompt_len - reused_len
-        return max(0.0, c0 + c1 * new + c2 * (new * (prompt_len + reused_len)) + c3 * reused_len)
+        seconds = c0 + c1 * new + c2 * (new * (prompt_len + reused_len)) + c3 * reused_len
+        return seconds if seconds > 0.0 else 0.0  # max(0.0, seconds) without the call
 
     def to_dict(self) -> dict[str, Any]:
         return _to_document("prefill", self.model_id, self.coefficients, PREFILL_FEATURES)
@@ -279,7 +280,8 @@ class DecodeTimeModel:
         if batch_size < 0 or context_tokens < 0:
             self.features(batch_size, context_tokens)  # raises the ValueError
         c0, c1, c2 = self.coefficients
-        return max(0.0, c0 + c1 * batch_size + c2 * context_tokens)
+        seconds = c0 + c1 * batch_size + c2 * context_tokens
+        return seconds if seconds > 0.0 else 0.0  # max(0.0, seconds) without the call
 
     def predict_many(self, batch_sizes: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         """:meth:`predict` elementwise over two integer arrays of one shape (the same float

@@ -73,7 +73,7 @@ class DecodeInstance:
                 f"{self.capacity_tokens}"
             )
         self.advance(now)
-        self._waiting.append((request_id, prompt_len, max(1, output_len), now))
+        self._waiting.append((request_id, prompt_len, output_len if output_len > 1 else 1, now))
         return self._admit(now)
 
     def _admit(self, now: float) -> list[str]:
@@ -118,8 +118,8 @@ class DecodeInstance:
         """When the next member finishes, or None with an empty batch."""
         if not self._leave:
             return None
-        dv = max(0.0, self._leave[0][0] - self._v)
-        return self._t + dv * self._step_s
+        dv = self._leave[0][0] - self._v
+        return self._t + (dv if dv > 0.0 else 0.0) * self._step_s  # max(0.0, dv), no call
 
     def advance(self, now: float) -> list[tuple[str, float, float]]:
         """Run the batch up to ``now``: ``(request_id, joined_s, finished_s)`` of every member
@@ -156,5 +156,5 @@ class DecodeInstance:
     def _move_to(self, t: float, v: float) -> None:
         if self._members:
             self.busy_s += t - self._t
-        self._t = max(self._t, t)
+        self._t = t if t > self._t else self._t  # max(self._t, t), no call
         self._v = v if math.isfinite(v) else self._v

@@ -177,7 +177,8 @@ class _Cluster:
             holder = self.prefill_at[decision.pull.from_instance]
             nbytes = decision.pull.num_blocks * self.config.router.block_nbytes
             wire = self.config.transfer_latency_s + nbytes / self.config.bandwidth_bytes_per_s
-            start = max(now, self.link_busy_until[holder])
+            busy = self.link_busy_until[holder]
+            start = busy if busy > now else now  # max(now, busy), no call
             self.link_busy_until[holder] = ready = start + wire
             self.transfer.observe(nbytes, wire)
             self.index.insert(decision.pull.from_instance, request.keys[: decision.reused_blocks])
@@ -219,7 +220,10 @@ class _Cluster:
             request = self.requests[request_id]
             request.finish_s = finished_s
             request.decode_wait_s = joined_s - request.prefill_done_s
-            request.tbt_s = (finished_s - request.prefill_done_s) / max(1, request.output_len)
+            output_len = request.output_len
+            request.tbt_s = (finished_s - request.prefill_done_s) / (
+                output_len if output_len > 1 else 1
+            )
         self.after_decode_change(idx)
 
     def after_decode_change(self, idx: int) -> None:
