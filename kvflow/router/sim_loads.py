@@ -71,39 +71,40 @@ class SimLoads:
             raise ValueError(f"request_id {request_id!r} already queued on {self._pids[at]}")
         queue[request_id] = predicted_s
         self._waiting[at] += 1
-        self._waiting_s[at] += predicted_s
-        self._prefill_row(at, 1)
+        waiting_s = self._waiting_s[at] = self._waiting_s[at] + predicted_s
+        self._prefill_row(at, waiting_s)
+        self._queued[at] += 1
 
     def start(self, at: int, request_id: str, now: float) -> None:
         """``InstanceState.start`` of a request not started yet (KeyError if not queued)."""
         predicted_s = self._queue[at].pop(request_id)
-        self._unwait(at, predicted_s)
+        waiting = self._waiting[at] = self._waiting[at] - 1
+        # InstanceState._unwait, expression for expression (max(0.0, left) without the call)
+        left = self._waiting_s[at] - predicted_s
+        waiting_s = self._waiting_s[at] = (left if left > 0.0 else 0.0) if waiting else 0.0
         self._started[at][request_id] = (predicted_s, now)
-        self._prefill_row(at, 0)
+        self._prefill_row(at, waiting_s)
 
     def finish(self, at: int, request_id: str) -> None:
         """``InstanceState.finish`` (KeyError if not queued)."""
         predicted_s = self._queue[at].pop(request_id, None)
         if predicted_s is None:
             del self._started[at][request_id]
-        else:
-            self._unwait(at, predicted_s)
-        self._prefill_row(at, -1)
+            waiting_s = self._waiting_s[at]
+        else:  # _unwait, as in start
+            waiting = self._waiting[at] = self._waiting[at] - 1
+            left = self._waiting_s[at] - predicted_s
+            waiting_s = self._waiting_s[at] = (left if left > 0.0 else 0.0) if waiting else 0.0
+        self._prefill_row(at, waiting_s)
+        self._queued[at] -= 1
 
-    def _unwait(self, at: int, predicted_s: float) -> None:
-        waiting = self._waiting[at] = self._waiting[at] - 1
-        # InstanceState._unwait, expression for expression
-        self._waiting_s[at] = max(0.0, self._waiting_s[at] - predicted_s) if waiting else 0.0
-
-    def _prefill_row(self, at: int, queued_delta: int) -> None:
+    def _prefill_row(self, at: int, waiting_s: float) -> None:
+        """Row ``at``'s waiting and running terms (the caller then moves its queued count)."""
         if self._prefill_shared:  # copy on write: arrays handed out are never mutated
             self._queued = self._queued.copy()
             self._static = self._static.copy()
             self._prefill_shared = False
         self._prefill_last = None
-        waiting_s = self._waiting_s[at]
-        if queued_delta:
-            self._queued[at] += queued_delta
         self._static[at] = waiting_s + _EXTERNAL_S
         started = self._started[at]
         if started:
@@ -133,20 +134,24 @@ class SimLoads:
         if request_id in decoding:
             raise ValueError(f"request_id {request_id!r} already decoding on {self._dids[at]}")
         decoding[request_id] = context_tokens
-        self._decode_row(at, 1, context_tokens)
+        if self._decode_shared:  # copy on write, as for prefill
+            self._batch = self._batch.copy()
+            self._context = self._context.copy()
+            self._decode_shared = False
+        self._decode_last = None
+        self._batch[at] += 1
+        self._context[at] += context_tokens
 
     def remove_decode(self, at: int, request_id: str) -> None:
         """``InstanceState.remove_decode`` (KeyError if not decoding)."""
-        self._decode_row(at, -1, -self._decoding[at].pop(request_id))
-
-    def _decode_row(self, at: int, batch_delta: int, tokens_delta: int) -> None:
+        context_tokens = self._decoding[at].pop(request_id)
         if self._decode_shared:
             self._batch = self._batch.copy()
             self._context = self._context.copy()
             self._decode_shared = False
         self._decode_last = None
-        self._batch[at] += batch_delta
-        self._context[at] += tokens_delta
+        self._batch[at] -= 1
+        self._context[at] -= context_tokens
 
     def decode(self) -> LoadArrays:
         """The decode group's load (it does not depend on ``now``)."""

@@ -121,9 +121,12 @@ def test_sim_loads_equal_a_load_table_op_for_op(seed: int) -> None:
 
 
 class _BrokenUnwait(SimLoads):
-    def _unwait(self, at: int, predicted_s: float) -> None:  # the sum without InstanceState's max
-        waiting = self._waiting[at] = self._waiting[at] - 1
-        self._waiting_s[at] = self._waiting_s[at] - predicted_s if waiting else 0.0
+    def start(self, at: int, request_id: str, now: float) -> None:  # the sum without the max
+        left = self._waiting_s[at] - self._queue[at][request_id]
+        super().start(at, request_id, now)
+        if self._waiting[at]:
+            self._waiting_s[at] = left
+            self._prefill_row(at, left)
 
 
 class _BrokenRunningOrder(SimLoads):
@@ -133,19 +136,20 @@ class _BrokenRunningOrder(SimLoads):
         items = list(started.items())
         started.clear()
         started.update(reversed(items))
-        self._prefill_row(at, 0)
+        self._prefill_row(at, self._waiting_s[at])
 
 
 class _BrokenDecode(SimLoads):
     def remove_decode(self, at: int, request_id: str) -> None:  # forgets the tokens
-        self._decoding[at].pop(request_id)
-        self._decode_row(at, -1, 0)
+        tokens = self._decoding[at][request_id]
+        super().remove_decode(at, request_id)
+        self._context[at] += tokens  # not shared: remove_decode copied it if it was
 
 
 class _NoCopyOnWrite(SimLoads):
-    def _prefill_row(self, at: int, queued_delta: int) -> None:
+    def _prefill_row(self, at: int, waiting_s: float) -> None:
         self._prefill_shared = False
-        super()._prefill_row(at, queued_delta)
+        super()._prefill_row(at, waiting_s)
 
 
 @pytest.mark.parametrize("broken", [_BrokenUnwait, _BrokenRunningOrder, _BrokenDecode,
