@@ -18,6 +18,8 @@ from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, Transfer
 from kvflow.router.load_table import FloatArray, IntArray, LoadArrays
 from kvflow.router.types import RouteRequest
 
+_new = object.__new__
+
 
 class PrefillScorer:
     """Step 2 for one request: the local and the balanced option of every instance.
@@ -47,10 +49,13 @@ class PrefillScorer:
         if not held and n:  # nobody holds a prefix (most requests): one option, one array sum
             t_local = self._predict(req, 0)
             local_ttft = t_queue + t_local
-            return PrefillTable(
-                load.instance_ids, load.queued_requests, t_queue, local_ttft, local_ttft, held,
-                {0: (t_local, 0, 0, 0.0, t_local)},
+            table = _new(PrefillTable)  # as below
+            table.__dict__.update(
+                instance_ids=load.instance_ids, queued_requests=load.queued_requests,
+                t_queue=t_queue, local_ttft=local_ttft, balanced_ttft=local_ttft, held=held,
+                options={0: (t_local, 0, 0, 0.0, t_local)},
             )  # fmt: skip
+            return table
         options = self._options(req, held, with_zero=len(held) < n)
         # ``t_transfer + t_queue`` with t_transfer = 0.0 is t_queue itself (t_queue >= +0.0)
         if 0 in options:
@@ -68,10 +73,15 @@ class PrefillScorer:
             queued = float(t_queue[at])
             local_ttft[at] = queued + t_local
             balanced_ttft[at] = (t_transfer + queued) + t_prefill if pull else queued + t_local
-        return PrefillTable(
-            load.instance_ids, load.queued_requests, t_queue, local_ttft, balanced_ttft, held,
-            options,
+        # the frozen dataclass's fields in one dict update, not one object.__setattr__ each in
+        # its generated __init__: the same instance, cheaper
+        table = _new(PrefillTable)
+        table.__dict__.update(
+            instance_ids=load.instance_ids, queued_requests=load.queued_requests,
+            t_queue=t_queue, local_ttft=local_ttft, balanced_ttft=balanced_ttft, held=held,
+            options=options,
         )  # fmt: skip
+        return table
 
     def _options(
         self, req: RouteRequest, held: dict[int, int], with_zero: bool
@@ -120,4 +130,9 @@ class DecodeScorer:
             cache = self._cache = (batch, self._model.batch_terms(batch + 1))
         context = load.decode_context_tokens + req.prompt_len
         tbt = self._model.predict_from_batch_terms(cache[1], context)
-        return DecodeTable(load.instance_ids, batch, context, tbt)
+        table = _new(DecodeTable)  # as PrefillScorer.score builds its table
+        table.__dict__.update(
+            instance_ids=load.instance_ids, loaded_batch_size=batch, context_tokens=context,
+            tbt_s=tbt,
+        )
+        return table

@@ -9,6 +9,8 @@ from kvflow.router.candidates import PrefillTable
 from kvflow.router.policies.base import Policy, argmin, argmin_array
 from kvflow.router.types import PolicyChoice, PrefillCandidate
 
+_new = object.__new__
+
 
 class CacheAwarePolicy(Policy):
     """Lowest predicted TTFT over the balanced options (pulls the best match when it pays);
@@ -19,7 +21,9 @@ class CacheAwarePolicy(Policy):
 
     def choose(self, table: PrefillTable, tie_break: int = 0) -> PolicyChoice:
         index = argmin_array(table.balanced_ttft, tie_break)
-        return PolicyChoice(index, pull=table.pulls(index))
+        choice = _new(PolicyChoice)  # the frozen dataclass without its __init__'s setattrs
+        choice.__dict__.update(index=index, pull=table.pulls(index))
+        return choice
 
     def reference_choose(
         self, candidates: Sequence[PrefillCandidate], tie_break: int = 0
