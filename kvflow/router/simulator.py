@@ -86,12 +86,19 @@ class _Request:
     keys: tuple[bytes, ...] = ()  # its block keys while its prefill runs
 
     def outcome(self) -> RequestOutcome:
-        return RequestOutcome(
-            self.request_id, self.arrival_s, self.prompt_len, self.output_len, self.prefill_id,
-            self.decode_id, self.reused_tokens, self.local_hit_tokens, self.pulled_blocks,
-            self.predicted_ttft_s, self.ttft_s, self.prefill_done_s, self.decode_wait_s,
-            self.tbt_s, self.finish_s, self.rejected,
+        # the frozen dataclass's fields in one dict update (its __init__ sets them one
+        # object.__setattr__ call each): the same instance, cheaper
+        out = _new(RequestOutcome)
+        out.__dict__.update(
+            request_id=self.request_id, arrival_s=self.arrival_s, prompt_len=self.prompt_len,
+            output_len=self.output_len, prefill_id=self.prefill_id, decode_id=self.decode_id,
+            reused_tokens=self.reused_tokens, local_hit_tokens=self.local_hit_tokens,
+            pulled_blocks=self.pulled_blocks, predicted_ttft_s=self.predicted_ttft_s,
+            ttft_s=self.ttft_s, prefill_done_s=self.prefill_done_s,
+            decode_wait_s=self.decode_wait_s, tbt_s=self.tbt_s, finish_s=self.finish_s,
+            rejected=self.rejected,
         )  # fmt: skip
+        return out
 
 
 class _Cluster:
