@@ -171,8 +171,13 @@ class _Cluster:
             time, _, kind, idx, version = pop(events)
             if version != versions[kind][idx]:
                 continue
-            if kind == PREFILL:
-                self.schedule(PREFILL, idx, engines[idx].poke(time))
+            if kind == PREFILL:  # self.schedule(PREFILL, idx, engines[idx].poke(time)), inline
+                at = engines[idx].poke(time)
+                prefill_versions = versions[PREFILL]
+                version = prefill_versions[idx] = prefill_versions[idx] + 1
+                if at is not None:
+                    self.seq = seq = self.seq + 1
+                    heapq.heappush(events, (at, seq, PREFILL, idx, version))
             else:
                 self.decode_tick(idx, time)
 
