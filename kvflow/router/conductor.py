@@ -154,17 +154,19 @@ class Conductor:
         if len(tied) != 1:
             best_decode = int(tied[tie_break % len(tied)])
         option = table.balanced(choice.index) if choice.pull else table.local(choice.index)
-        rejection = check_slo(
-            self.config,
-            req.request_id,
-            table.instance_ids[choice.index],
-            option,
-            decode_table.instance_ids[best_decode],
-            float(decode_table.tbt_s[best_decode]),
-        )
-        if rejection is not None:
-            logger.info("req=%s %s", req.request_id, rejection.message())
-            return rejection
+        config = self.config
+        if config.ttft_slo_s is not None or config.tbt_slo_s is not None:  # else nothing to check
+            rejection = check_slo(
+                config,
+                req.request_id,
+                table.instance_ids[choice.index],
+                option,
+                decode_table.instance_ids[best_decode],
+                float(decode_table.tbt_s[best_decode]),
+            )
+            if rejection is not None:
+                logger.info("req=%s %s", req.request_id, rejection.message())
+                return rejection
         return self._decision(req, table, choice.index, option, decode_table, best_decode)
 
     def predict_prefill_s(self, prompt_len: int, reused_tokens: int) -> float:
