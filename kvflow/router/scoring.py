@@ -132,7 +132,9 @@ class DecodeScorer:
         tbt = self._model.predict_from_batch_terms(cache[1], context)
         table = _new(DecodeTable)  # as PrefillScorer.score builds its table
         table.__dict__.update(
-            instance_ids=load.instance_ids, loaded_batch_size=batch, context_tokens=context,
+            instance_ids=load.instance_ids,
+            loaded_batch_size=batch,
+            context_tokens=context,
             tbt_s=tbt,
         )
         return table
