@@ -262,7 +262,12 @@ class Conductor:
         pull = None
         if option.pull_blocks > 0:  # from the first holder of the best match
             holder = table.first_holder(option.prefix_blocks)
-            pull = PullPlan(table.instance_ids[holder], local_blocks, option.pull_blocks)
+            pull = _new(PullPlan)  # as the decision below, one dict update
+            pull.__dict__.update(
+                from_instance=table.instance_ids[holder],
+                start_block=local_blocks,
+                num_blocks=option.pull_blocks,
+            )
         # RouteDecision's fields without its generated __init__ (one object.__setattr__ per
         # field of a frozen dataclass): the same instance, a third of the cost
         decision = _new(RouteDecision)

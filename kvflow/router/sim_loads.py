@@ -24,6 +24,7 @@ import numpy as np
 
 from kvflow.router.load_table import LoadArrays, positions_of, running_seconds
 
+_tuple_new = tuple.__new__
 _EXTERNAL_S = 0.0  # the simulator's instances report no load booked elsewhere
 
 
@@ -120,8 +121,9 @@ class SimLoads:
         self._prefill_shared = True
         running = self._running
         seconds = running_seconds(self._static, running, now) if running else self._static
-        loads = LoadArrays(
-            self._pids, self._ppos, self._queued, seconds, self._pzeros, self._pzeros
+        loads = _tuple_new(  # LoadArrays(...) without the named tuple's __new__ frame
+            LoadArrays,
+            (self._pids, self._ppos, self._queued, seconds, self._pzeros, self._pzeros),
         )
         if not running:
             self._prefill_last = loads
