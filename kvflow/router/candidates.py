@@ -23,6 +23,7 @@ from kvflow.router.types import DecodeCandidate, Estimate, PrefillCandidate
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 T = TypeVar("T")
+_tuple_new = tuple.__new__
 
 
 # One way to prefill the request on an instance with a given local prefix (in blocks):
@@ -56,16 +57,18 @@ class PrefillTable:
     def local_blocks(self, i: int) -> int:
         return self.held.get(i, 0)
 
+    # Estimate(...) through tuple.__new__: the same named tuple without its __new__ frame
     def local(self, i: int) -> Estimate:
         local_len = self.held.get(i, 0)
-        return Estimate(local_len, 0, 0.0, float(self.t_queue[i]), self.options[local_len][0])
+        t_queue = float(self.t_queue[i])
+        return _tuple_new(Estimate, (local_len, 0, 0.0, t_queue, self.options[local_len][0]))
 
     def balanced(self, i: int) -> Estimate:
         local_len = self.held.get(i, 0)
         t_local, prefix, pull, t_transfer, t_prefill = self.options[local_len]
         if not pull:
-            return Estimate(local_len, 0, 0.0, float(self.t_queue[i]), t_local)
-        return Estimate(prefix, pull, t_transfer, float(self.t_queue[i]), t_prefill)
+            return _tuple_new(Estimate, (local_len, 0, 0.0, float(self.t_queue[i]), t_local))
+        return _tuple_new(Estimate, (prefix, pull, t_transfer, float(self.t_queue[i]), t_prefill))
 
     def pulls(self, i: int) -> bool:
         """Whether instance ``i``'s balanced option pulls blocks."""

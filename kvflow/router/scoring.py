@@ -47,7 +47,7 @@ class PrefillScorer:
         n = len(load.instance_ids)
         t_queue = load.queued_seconds
         if not held and n:  # nobody holds a prefix (most requests): one option, one array sum
-            t_local = self._predict(req, 0)
+            t_local = self._model.predict(req.prompt_len, 0)  # _predict(req, 0), inline
             local_ttft = t_queue + t_local
             table = _new(PrefillTable)  # as below
             table.__dict__.update(
