@@ -223,13 +223,7 @@ class ClusterMember:
             out.append(None if tier is None else ("dram" if tier is Tier.DRAM else "ssd"))
         missing = [i for i, src in enumerate(out) if src is None]
         if missing and self.peers is not None:
-            by_node: dict[NodeId, list[int]] = {}
-            for i, node in zip(
-                missing, self.peers.holders([keys[i] for i in missing]), strict=True
-            ):
-                if node is not None:
-                    by_node.setdefault(node, []).append(i)
-            for node, idx in by_node.items():
+            for node, idx in self._by_holder(keys, missing).items():
                 got = self.peers.read_into(node, [keys[i] for i in idx], [bufs[i] for i in idx])
                 for i, ok in zip(idx, got, strict=True):
                     out[i] = "remote" if ok else None
@@ -250,18 +244,23 @@ class ClusterMember:
         out = [self._read_local(shard, k, b, n) for k, b, n in zip(keys, bufs, sizes, strict=True)]
         missing = [i for i, f in enumerate(out) if f == MISS]
         if missing and self.peers is not None:
-            by_node: dict[NodeId, list[int]] = {}
-            for i, node in zip(
-                missing, self.peers.holders([keys[i] for i in missing]), strict=True
-            ):
-                if node is not None:
-                    by_node.setdefault(node, []).append(i)
-            for node, idx in by_node.items():
+            for node, idx in self._by_holder(keys, missing).items():
                 got = self.peers.read_fitting(node, [keys[i] for i in idx], [bufs[i] for i in idx])
                 for i, fetched in zip(idx, got, strict=True):
                     out[i] = fetched
         self._count([f.source for f in out if not f.too_small])
         return out
+
+    def _by_holder(self, keys: Sequence[bytes], missing: list[int]) -> dict[NodeId, list[int]]:
+        """Positions in ``keys`` of the ``missing`` ones, grouped by the live peer that holds
+        each (keys nobody holds are left out): one read per peer."""
+        assert self.peers is not None
+        by_node: dict[NodeId, list[int]] = {}
+        holders = self.peers.holders([keys[i] for i in missing])
+        for i, node in zip(missing, holders, strict=True):
+            if node is not None:
+                by_node.setdefault(node, []).append(i)
+        return by_node
 
     @staticmethod
     def _read_local(shard: Any, key: bytes, buf: np.ndarray, size: int | None) -> Fetched:
