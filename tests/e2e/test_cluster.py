@@ -21,13 +21,13 @@ import pytest
 
 from kvflow.kvdb import KVLayout, Namespace, block_keys
 from kvflow.replication import NodeId, RemoteMetadata
-from kvflow.security import SECRET_FILE_ENV
 from kvflow.security.grpc_auth import cluster_channel
 from kvflow.stages.api import node_pb2, node_pb2_grpc, pb2, pb2_grpc
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.tools.cli import main
 from kvflow.tools.supervise import LocalCluster
+from tests.cluster_member import running_as_member
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -46,15 +46,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         router_extra=("--policy", "round-robin"),
         routers=2,
     )
-    # This process reads the metadata and calls nodes as a member of the cluster: by its secret.
-    patch = pytest.MonkeyPatch()
-    patch.setenv(SECRET_FILE_ENV, str(c.secret_file))
-    try:
-        c.start(timeout_s=180)
+    with running_as_member(c, timeout_s=180):  # stops every process (paused ones too)
         yield c
-    finally:
-        c.stop()
-        patch.undo()
 
 
 def generate(

@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from kvflow.security import SECRET_FILE_ENV
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient
 from kvflow.tools.supervise import LocalCluster
+from tests.cluster_member import running_as_member
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -59,16 +59,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         ),
         router_extra=("--policy", "round-robin"),
     )
-    patch = pytest.MonkeyPatch()
-    patch.setenv(SECRET_FILE_ENV, str(c.secret_file))
-    try:
-        c.start(timeout_s=120)
+    with running_as_member(c, timeout_s=120):  # stops every process (paused ones too)
         yield c
-    finally:
-        for proc in c.procs.values():  # never leave a stopped process behind
-            proc.resume()
-        c.stop()
-        patch.undo()
 
 
 def _generate(

@@ -18,10 +18,10 @@ import pytest
 
 from kvflow.kvdb.proto import pb2 as kvdb_pb2
 from kvflow.kvdb.proto import pb2_grpc as kvdb_pb2_grpc
-from kvflow.security import SECRET_FILE_ENV
 from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.tools.cli import main
 from kvflow.tools.supervise import LocalCluster
+from tests.cluster_member import running_as_member
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -44,14 +44,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         extra=("--block-size", "16", "--num-pages", "128", "--dram-mb", "32"),
         router_extra=("--policy", "round-robin", "--api-key-file", str(keyfile)),
     )
-    patch = pytest.MonkeyPatch()
-    patch.setenv(SECRET_FILE_ENV, str(c.secret_file))
-    try:
-        c.start(timeout_s=180)
+    with running_as_member(c, timeout_s=180):  # stops every process (paused ones too)
         yield c
-    finally:
-        c.stop()
-        patch.undo()
 
 
 def bearer(key: str) -> list[tuple[str, str]]:

@@ -21,7 +21,6 @@ import pytest
 
 from kvflow.kvdb.proto import pb2 as admin_pb2
 from kvflow.kvdb.proto import pb2_grpc as admin_pb2_grpc
-from kvflow.security import SECRET_FILE_ENV
 from kvflow.security.grpc_auth import cluster_channel
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient
@@ -30,6 +29,7 @@ from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.stages.warmup.materialize import trace_block_tokens
 from kvflow.tools.cli import main
 from kvflow.tools.supervise import LocalCluster
+from tests.cluster_member import running_as_member
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -47,14 +47,8 @@ def cluster(small_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         extra=("--block-size", str(BLOCK), "--num-pages", "256", "--dram-mb", "96"),
         routers=2,
     )
-    patch = pytest.MonkeyPatch()
-    patch.setenv(SECRET_FILE_ENV, str(c.secret_file))
-    try:
-        c.start(timeout_s=180)
+    with running_as_member(c, timeout_s=180):  # stops every process (paused ones too)
         yield c
-    finally:
-        c.stop()
-        patch.undo()
 
 
 def stub(address: str) -> Any:
