@@ -208,7 +208,9 @@ class LocalPrefixIndex:
         if self._capacity is not None:
             chain = chain[: self._capacity]
         with self._lock:
-            held = self._blocks.setdefault(instance_id, OrderedDict())
+            held = self._blocks.get(instance_id)
+            if held is None:  # not setdefault: that would build an OrderedDict per call
+                held = self._blocks[instance_id] = OrderedDict()
             holders = self._holders
             owners_of = holders.get
             refresh = held.move_to_end

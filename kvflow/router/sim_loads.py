@@ -45,6 +45,8 @@ class SimLoads:
         self._dpos = positions_of(self._dids)
         # prefill: queued requests, waiting seconds, running entries in start order
         self._queued = np.zeros(n, dtype=np.int64)
+        self._queued_n = [0] * n  # the same counts as Python ints: an element write, not a
+        # numpy scalar read, add and write per change
         self._static = np.zeros(n, dtype=np.float64)  # waiting + external seconds
         self._waiting = [0] * n
         self._waiting_s = [0.0] * n
@@ -56,6 +58,8 @@ class SimLoads:
         # decode: batch size and context tokens
         self._batch = np.zeros(m, dtype=np.int64)
         self._context = np.zeros(m, dtype=np.int64)
+        self._batch_n = [0] * m  # as _queued_n
+        self._context_n = [0] * m
         self._decoding: list[dict[str, int]] = [{} for _ in range(m)]
         self._decode_shared = False
         self._decode_last: LoadArrays | None = None
@@ -74,7 +78,8 @@ class SimLoads:
         self._waiting[at] += 1
         waiting_s = self._waiting_s[at] = self._waiting_s[at] + predicted_s
         self._prefill_row(at, waiting_s)
-        self._queued[at] += 1
+        queued = self._queued_n[at] = self._queued_n[at] + 1
+        self._queued[at] = queued
 
     def start(self, at: int, request_id: str, now: float) -> None:
         """``InstanceState.start`` of a request not started yet (KeyError if not queued)."""
@@ -97,7 +102,8 @@ class SimLoads:
             left = self._waiting_s[at] - predicted_s
             waiting_s = self._waiting_s[at] = (left if left > 0.0 else 0.0) if waiting else 0.0
         self._prefill_row(at, waiting_s)
-        self._queued[at] -= 1
+        queued = self._queued_n[at] = self._queued_n[at] - 1
+        self._queued[at] = queued
 
     def _prefill_row(self, at: int, waiting_s: float) -> None:
         """Row ``at``'s waiting and running terms (the caller then moves its queued count)."""
@@ -141,8 +147,10 @@ class SimLoads:
             self._context = self._context.copy()
             self._decode_shared = False
         self._decode_last = None
-        self._batch[at] += 1
-        self._context[at] += context_tokens
+        batch = self._batch_n[at] = self._batch_n[at] + 1
+        context = self._context_n[at] = self._context_n[at] + context_tokens
+        self._batch[at] = batch
+        self._context[at] = context
 
     def remove_decode(self, at: int, request_id: str) -> None:
         """``InstanceState.remove_decode`` (KeyError if not decoding)."""
@@ -152,8 +160,10 @@ class SimLoads:
             self._context = self._context.copy()
             self._decode_shared = False
         self._decode_last = None
-        self._batch[at] -= 1
-        self._context[at] -= context_tokens
+        batch = self._batch_n[at] = self._batch_n[at] - 1
+        context = self._context_n[at] = self._context_n[at] - context_tokens
+        self._batch[at] = batch
+        self._context[at] = context
 
     def decode(self) -> LoadArrays:
         """The decode group's load (it does not depend on ``now``)."""
