@@ -62,8 +62,14 @@ def _field_int(doc: dict[str, Any], name: str, where: str, minimum: int) -> int:
     return value
 
 
-def parse_record(line: str, where: str = "trace") -> TraceRecord:
-    """Parse one JSON line; TraceFormatError names ``where`` (e.g. ``path:line``) and the field."""
+def parse_record(
+    line: str, where: str = "trace", keys: dict[int, bytes] | None = None
+) -> TraceRecord:
+    """Parse one JSON line; TraceFormatError names ``where`` (e.g. ``path:line``) and the field.
+
+    ``keys`` (hash id -> its block key), shared over the records of one trace, makes equal ids
+    one ``bytes`` object: the prefix index then matches a key by identity instead of comparing
+    bytes on every dictionary probe (3% of a simulation's instructions)."""
     try:
         doc = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -81,8 +87,21 @@ def parse_record(line: str, where: str = "trace") -> TraceRecord:
             f"{where}: field 'hash_ids' must be a list of integers in [0, 2**64)"
         )
     record = TraceRecord(timestamp, input_length, output_length, tuple(hash_ids))
-    record.block_keys  # noqa: B018 -- computed once here, at read (cached on the record)
+    if keys is None:
+        record.block_keys  # noqa: B018 -- computed once here, at read (cached on the record)
+    else:  # what the cached property stores, from the shared table
+        record.__dict__["block_keys"] = _shared_keys(record.hash_ids, keys)
     return record
+
+
+def _shared_keys(hash_ids: tuple[int, ...], keys: dict[int, bytes]) -> tuple[bytes, ...]:
+    out = []
+    for hash_id in hash_ids:  # ids were checked in range by the caller
+        key = keys.get(hash_id)
+        if key is None:
+            key = keys[hash_id] = hash_id_key(hash_id)
+        out.append(key)
+    return tuple(out)
 
 
 def read_trace(path: str | Path, start: int = 0, limit: int | None = None) -> list[TraceRecord]:
@@ -96,6 +115,7 @@ def read_trace(path: str | Path, start: int = 0, limit: int | None = None) -> li
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     records: list[TraceRecord] = []
+    keys: dict[int, bytes] = {}  # one bytes object per distinct hash id (see parse_record)
     index = 0
     with Path(path).open(encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):
@@ -104,6 +124,6 @@ def read_trace(path: str | Path, start: int = 0, limit: int | None = None) -> li
             if limit is not None and len(records) >= limit:
                 break
             if index >= start:
-                records.append(parse_record(line, f"{path}:{line_no}"))
+                records.append(parse_record(line, f"{path}:{line_no}", keys))
             index += 1
     return records
