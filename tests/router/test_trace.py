@@ -22,7 +22,6 @@ def test_reads_slice_with_start_and_limit():
     assert hash_id_key(1) == b"\x00" * 7 + b"\x01"
 
 
-
 def test_equal_hash_ids_share_one_key_object():
     records = read_trace(SLICE)
     by_id: dict[int, bytes] = {}
@@ -32,6 +31,7 @@ def test_equal_hash_ids_share_one_key_object():
             seen = by_id.setdefault(hash_id, key)
             assert seen is key, hash_id
     assert len(by_id) < sum(len(r.hash_ids) for r in records)  # the slice does share prefixes
+
 
 @pytest.mark.parametrize(
     ("line", "match"),
