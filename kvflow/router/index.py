@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import takewhile
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
 FEW_HOLDERS = 4
 """Up to this many holders of a request's first key, :meth:`LocalPrefixIndex.match_holders`
@@ -135,6 +135,17 @@ def walk_holders(
     return [get(instance_id, 0) for instance_id in instance_ids]
 
 
+_Owners: TypeAlias = str | dict[str, None]
+"""How :class:`LocalPrefixIndex` stores a key's holders: the instance id itself while it is the
+only holder (most keys: no dict built per new block), else a dict of two or more ids (values
+None). Read it through :func:`_holder_ids`."""
+
+
+def _holder_ids(owners: _Owners | None) -> Collection[str] | None:
+    """A stored :data:`_Owners` value as a collection of instance ids (``None`` passes through)."""
+    return (owners,) if type(owners) is str else owners
+
+
 class LocalPrefixIndex:
     """Instance id -> an LRU set of block keys, with an optional capacity in blocks per instance.
 
@@ -149,9 +160,10 @@ class LocalPrefixIndex:
             raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
         self._capacity = capacity_blocks
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
-        # key -> its holders as dict keys (values None): a dict of strings is not tracked by the
-        # garbage collector, a set is (one per cached block made collections cost ~5% of a run)
-        self._holders: dict[bytes, dict[str, None]] = {}
+        # key -> its holders (:data:`_Owners`). Two or more as dict keys (values None): a dict
+        # of strings is not tracked by the garbage collector, a set is (one per cached block
+        # made collections cost ~5% of a run)
+        self._holders: dict[bytes, _Owners] = {}
         self._evicted = 0
         self._lock = threading.Lock()
 
@@ -175,7 +187,7 @@ class LocalPrefixIndex:
         """See :class:`BatchPrefixIndex`: one reverse-map lookup per key."""
         with self._lock:
             holders = self._holders
-            return walk_holders(instance_ids, (holders.get(k) for k in keys))
+            return walk_holders(instance_ids, (_holder_ids(holders.get(k)) for k in keys))
 
     def match_holders(self, keys: Sequence[bytes]) -> dict[str, int]:
         """See :class:`HolderPrefixIndex`. Few holders of the first key (the common case under a
@@ -185,8 +197,11 @@ class LocalPrefixIndex:
             first = self._holders.get(keys[0]) if keys else None
             if first is None:
                 return {}
+            if type(first) is str:  # one holder (most keys)
+                held = self._blocks[first]
+                return {first: len(list(takewhile(held.__contains__, keys)))}
             if len(first) > FEW_HOLDERS:
-                return prefix_lengths(map(self._holders.get, keys))
+                return prefix_lengths(map(_holder_ids, map(self._holders.get, keys)))
             blocks = self._blocks
             return {
                 instance_id: len(list(takewhile(blocks[instance_id].__contains__, keys)))
@@ -196,7 +211,7 @@ class LocalPrefixIndex:
     def holders_of(self, key: bytes) -> frozenset[str]:
         """The instances holding ``key`` (empty when none)."""
         with self._lock:
-            return frozenset(self._holders.get(key, ()))
+            return frozenset(_holder_ids(self._holders.get(key)) or ())
 
     def insert(self, instance_id: str, keys: Sequence[bytes]) -> int:
         """Record that ``instance_id`` holds ``keys`` (a prefix chain) and refresh their recency.
@@ -221,25 +236,30 @@ class LocalPrefixIndex:
                     held[key] = None
                     owners = owners_of(key)
                     if owners is None:
-                        holders[key] = {instance_id: None}
+                        holders[key] = instance_id
+                    elif type(owners) is str:  # a second holder
+                        holders[key] = {owners: None, instance_id: None}
                     else:
                         owners[instance_id] = None
             evicted = 0 if self._capacity is None else max(0, len(held) - self._capacity)
             for _ in range(evicted):  # the least recently inserted first
                 key, _ = held.popitem(last=False)
-                owners = holders[key]
-                owners.pop(instance_id, None)
-                if not owners:
-                    del holders[key]
+                self._drop_holder(key, instance_id)
             self._evicted += evicted
             return evicted
 
     def _drop_holder(self, key: bytes, instance_id: str) -> None:
-        owners = self._holders.get(key)
-        if owners is not None:
-            owners.pop(instance_id, None)
-            if not owners:
-                del self._holders[key]
+        """Forget that ``instance_id`` holds ``key`` (its caller just dropped the key from that
+        instance's blocks, so it does): the last holder deletes the entry, the second-last one
+        is stored as its id again (a dict always has two or more)."""
+        holders = self._holders
+        owners = holders[key]
+        if type(owners) is str:  # instance_id itself
+            del holders[key]
+        else:
+            del owners[instance_id]
+            if len(owners) == 1:
+                (holders[key],) = owners  # the one left
 
     def remove(self, instance_id: str, keys: Iterable[bytes]) -> None:
         """Forget ``keys`` on ``instance_id`` (absent keys are ignored)."""

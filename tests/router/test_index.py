@@ -63,6 +63,62 @@ def test_match_all_equals_match_per_instance():
     assert isinstance(index, BatchPrefixIndex) and isinstance(index, HolderPrefixIndex)
 
 
+def test_a_key_keeps_every_holder_as_holders_come_and_go():
+    """A key's holders are stored as one id or a dict of several: every reader must see each
+    holder through the second one arriving, removals, eviction and a holder coming back."""
+    index = LocalPrefixIndex(capacity_blocks=3)
+    k = keys(3)
+    index.insert("a", k[:1])
+    assert index.holders_of(k[0]) == {"a"} and index.num_blocks() == 1
+    index.insert("b", k[:2])  # k0 gets a second holder
+    assert index.holders_of(k[0]) == {"a", "b"} and index.holders_of(k[1]) == {"b"}
+    assert index.num_blocks() == 2
+    assert index.match_holders(k) == {"a": 1, "b": 2}
+    assert index.match_all(["a", "b", "c"], k) == [1, 2, 0]
+    index.insert("c", k[:1])  # and a third
+    assert index.holders_of(k[0]) == {"a", "b", "c"}
+    index.remove("b", k[:1])
+    assert index.holders_of(k[0]) == {"a", "c"} and index.holders_of(k[1]) == {"b"}
+    assert index.match_holders(k) == {"a": 1, "c": 1}
+    index.remove("a", k[:1])  # one holder left
+    index.remove("x", k[:1])  # an unknown instance: nothing changes
+    assert index.holders_of(k[0]) == {"c"} and index.num_blocks() == 2
+    assert index.match_holders(k) == {"c": 1}
+    assert index.match_all(["a", "c"], k) == [0, 1]
+    index.insert("a", k[:1])  # a second holder again
+    assert index.holders_of(k[0]) == {"a", "c"}
+    assert index.insert("a", keys(3, "x")) == 1  # evicts a's k0, its oldest block
+    assert index.holders_of(k[0]) == {"c"} and index.match_holders(k) == {"c": 1}
+    index.insert("b", k[:1])
+    index.remove("c", k)
+    assert index.holders_of(k[0]) == {"b"} and index.match_holders(k) == {"b": 2}
+    index.remove("b", k)
+    assert index.holders_of(k[0]) == frozenset() and index.match_holders(k) == {}
+    assert index.num_blocks() == 3  # a's x0..x2
+
+
+def test_holders_and_block_count_agree_with_each_instance_blocks():
+    """Random inserts (past capacity), removals and probes: ``holders_of`` and ``num_blocks``
+    must equal what each instance's own blocks say, whatever a key's holder count went through."""
+    rng = random.Random(7)
+    index = LocalPrefixIndex(capacity_blocks=10)
+    ids = [f"i{n}" for n in range(7)]  # more than FEW_HOLDERS: both match_holders paths
+    universe = [*keys(8, "a"), *keys(8, "b")]
+    for _ in range(400):
+        instance_id = rng.choice(ids)
+        if rng.random() < 0.3:
+            index.remove(instance_id, rng.sample(universe, 3))
+        else:
+            index.insert(instance_id, keys(rng.randint(1, 8), rng.choice("ab")))
+        holders = {k: {i for i in ids if index.match(i, (k,)) == 1} for k in universe}
+        assert {k: index.holders_of(k) for k in universe} == holders
+        assert index.num_blocks() == sum(1 for owners in holders.values() if owners)
+        probe = keys(rng.randint(1, 9), rng.choice("ab"))
+        every = {i: index.match(i, probe) for i in ids}
+        assert index.match_holders(probe) == {i: n for i, n in every.items() if n > 0}
+        assert index.match_all(ids, probe) == list(every.values())
+
+
 def test_prefix_lengths_stops_at_the_first_key_nobody_left_holds():
     read: list[int] = []
 
