@@ -219,9 +219,9 @@ class LocalPrefixIndex:
         Returns the number of blocks evicted to stay within capacity. If ``keys`` alone exceed
         the capacity, only its leading ``capacity`` blocks are kept (the useful part of a chain).
         """
-        chain = list(keys)
-        if self._capacity is not None:
-            chain = chain[: self._capacity]
+        capacity = self._capacity
+        if capacity is not None and len(keys) > capacity:
+            keys = keys[:capacity]
         with self._lock:
             held = self._blocks.get(instance_id)
             if held is None:  # not setdefault: that would build an OrderedDict per call
@@ -229,7 +229,7 @@ class LocalPrefixIndex:
             holders = self._holders
             owners_of = holders.get
             refresh = held.move_to_end
-            for key in reversed(chain):
+            for key in reversed(keys):
                 if key in held:
                     refresh(key)
                 else:
