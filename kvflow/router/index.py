@@ -227,20 +227,19 @@ class LocalPrefixIndex:
             if held is None:  # not setdefault: that would build an OrderedDict per call
                 held = self._blocks[instance_id] = OrderedDict()
             holders = self._holders
-            owners_of = holders.get
+            claim = holders.setdefault  # one lookup: stores instance_id where nobody holds key
             refresh = held.move_to_end
             for key in reversed(keys):
                 if key in held:
                     refresh(key)
                 else:
                     held[key] = None
-                    owners = owners_of(key)
-                    if owners is None:
-                        holders[key] = instance_id
-                    elif type(owners) is str:  # a second holder
-                        holders[key] = {owners: None, instance_id: None}
-                    else:
-                        owners[instance_id] = None
+                    owners = claim(key, instance_id)
+                    if owners is not instance_id:  # already held, by others (key was not in held)
+                        if type(owners) is str:  # a second holder
+                            holders[key] = {owners: None, instance_id: None}
+                        else:
+                            owners[instance_id] = None
             evicted = 0 if self._capacity is None else max(0, len(held) - self._capacity)
             for _ in range(evicted):  # the least recently inserted first
                 key, _ = held.popitem(last=False)
