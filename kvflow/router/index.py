@@ -240,7 +240,9 @@ class LocalPrefixIndex:
                             holders[key] = {owners: None, instance_id: None}
                         else:
                             owners[instance_id] = None
-            evicted = 0 if self._capacity is None else max(0, len(held) - self._capacity)
+            if capacity is None or len(held) <= capacity:  # usual: no max(), no counter update
+                return 0
+            evicted = len(held) - capacity
             for _ in range(evicted):  # the least recently inserted first
                 key, _ = held.popitem(last=False)
                 self._drop_holder(key, instance_id)
