@@ -193,7 +193,9 @@ class LocalPrefixIndex:
         """See :class:`HolderPrefixIndex`. Few holders of the first key (the common case under a
         cache-aware policy): each one's prefix is counted over its own keys by a C-level
         ``takewhile``; else one reverse-map lookup per key (:func:`prefix_lengths`)."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not ``with``: ~800 fewer instructions a call (callgrind, Python 3.11)
+        try:
             first = self._holders.get(keys[0]) if keys else None
             if first is None:
                 return {}
@@ -207,6 +209,8 @@ class LocalPrefixIndex:
                 instance_id: len(list(takewhile(blocks[instance_id].__contains__, keys)))
                 for instance_id in first
             }
+        finally:
+            lock.release()
 
     def holders_of(self, key: bytes) -> frozenset[str]:
         """The instances holding ``key`` (empty when none)."""
@@ -222,7 +226,9 @@ class LocalPrefixIndex:
         capacity = self._capacity
         if capacity is not None and len(keys) > capacity:
             keys = keys[:capacity]
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not ``with`` (see match_holders)
+        try:
             held = self._blocks.get(instance_id)
             if held is None:  # not setdefault: that would build an OrderedDict per call
                 held = self._blocks[instance_id] = OrderedDict()
@@ -248,6 +254,8 @@ class LocalPrefixIndex:
                 self._drop_holder(key, instance_id)
             self._evicted += evicted
             return evicted
+        finally:
+            lock.release()
 
     def _drop_holder(self, key: bytes, instance_id: str) -> None:
         """Forget that ``instance_id`` holds ``key`` (its caller just dropped the key from that
