@@ -14,9 +14,8 @@ per instance (the difference between ~1 ms and ~20 ms per decision at 64 instanc
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from itertools import takewhile
+from itertools import islice, takewhile
 from typing import Protocol, TypeAlias, runtime_checkable
 
 FEW_HOLDERS = 4
@@ -159,7 +158,11 @@ class LocalPrefixIndex:
         if capacity_blocks is not None and capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1 or None, got {capacity_blocks}")
         self._capacity = capacity_blocks
-        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        # instance -> its keys, least recent first: a plain dict keeps insertion order, so a
+        # refreshed key is deleted and put back last. Not an OrderedDict: a dict of bytes keys
+        # and None values is not tracked by the garbage collector (an OrderedDict is, and its
+        # collections walked every cached key) and adds a key without a linked-list node
+        self._blocks: dict[str, dict[bytes, None]] = {}
         # key -> its holders (:data:`_Owners`). Two or more as dict keys (values None): a dict
         # of strings is not tracked by the garbage collector, a set is (one per cached block
         # made collections cost ~5% of a run)
@@ -230,14 +233,14 @@ class LocalPrefixIndex:
         lock.acquire()  # not ``with`` (see match_holders)
         try:
             held = self._blocks.get(instance_id)
-            if held is None:  # not setdefault: that would build an OrderedDict per call
-                held = self._blocks[instance_id] = OrderedDict()
+            if held is None:  # not setdefault: that would build a dict per call
+                held = self._blocks[instance_id] = {}
             holders = self._holders
             claim = holders.setdefault  # one lookup: stores instance_id where nobody holds key
-            refresh = held.move_to_end
             for key in reversed(keys):
                 if key in held:
-                    refresh(key)
+                    del held[key]  # and back in, last: the most recent
+                    held[key] = None
                 else:
                     held[key] = None
                     owners = claim(key, instance_id)
@@ -249,8 +252,10 @@ class LocalPrefixIndex:
             if capacity is None or len(held) <= capacity:  # usual: no max(), no counter update
                 return 0
             evicted = len(held) - capacity
-            for _ in range(evicted):  # the least recently inserted first
-                key, _ = held.popitem(last=False)
+            # the least recent first; one pass (each next(iter(held)) would re-skip the slots
+            # of the keys deleted before it, until the dict is next resized)
+            for key in list(islice(held, evicted)):
+                del held[key]
                 self._drop_holder(key, instance_id)
             self._evicted += evicted
             return evicted
