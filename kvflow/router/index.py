@@ -237,9 +237,9 @@ class LocalPrefixIndex:
                 held = self._blocks[instance_id] = {}
             holders = self._holders
             claim = holders.setdefault  # one lookup: stores instance_id where nobody holds key
+            take = held.pop  # one lookup for a held key (not ``in`` and ``del``)
             for key in reversed(keys):
-                if key in held:
-                    del held[key]  # and back in, last: the most recent
+                if take(key, True) is None:  # it was held (values are None): back in, last
                     held[key] = None
                 else:
                     held[key] = None
