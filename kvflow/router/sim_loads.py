@@ -53,7 +53,10 @@ class SimLoads:
         self._queue: list[dict[str, float]] = [{} for _ in range(n)]  # not started: predicted
         self._started: list[dict[str, tuple[float, float]]] = [{} for _ in range(n)]
         self._running: dict[int, tuple[float, tuple[tuple[float, float], ...], float]] = {}
-        self._prefill_shared = False  # whether the arrays were handed out (copy before writing)
+        # whether the arrays were handed out (copy before writing); the static seconds only are
+        # when no request runs (else a read hands out a fresh sum instead)
+        self._queued_shared = False
+        self._static_shared = False
         self._prefill_last: LoadArrays | None = None  # the last read, while it cannot change
         # decode: batch size and context tokens
         self._batch = np.zeros(m, dtype=np.int64)
@@ -107,10 +110,12 @@ class SimLoads:
 
     def _prefill_row(self, at: int, waiting_s: float) -> None:
         """Row ``at``'s waiting and running terms (the caller then moves its queued count)."""
-        if self._prefill_shared:  # copy on write: arrays handed out are never mutated
+        if self._queued_shared:  # copy on write: arrays handed out are never mutated
             self._queued = self._queued.copy()
+            self._queued_shared = False
+        if self._static_shared:
             self._static = self._static.copy()
-            self._prefill_shared = False
+            self._static_shared = False
         self._prefill_last = None
         self._static[at] = waiting_s + _EXTERNAL_S
         started = self._started[at]
@@ -124,9 +129,13 @@ class SimLoads:
         last = self._prefill_last
         if last is not None:
             return last
-        self._prefill_shared = True
+        self._queued_shared = True
         running = self._running
-        seconds = running_seconds(self._static, running, now) if running else self._static
+        if running:
+            seconds = running_seconds(self._static, running, now)  # a copy
+        else:
+            seconds = self._static
+            self._static_shared = True
         loads = _tuple_new(  # LoadArrays(...) without the named tuple's __new__ frame
             LoadArrays,
             (self._pids, self._ppos, self._queued, seconds, self._pzeros, self._pzeros),

@@ -148,12 +148,18 @@ class _BrokenDecode(SimLoads):
 
 class _NoCopyOnWrite(SimLoads):
     def _prefill_row(self, at: int, waiting_s: float) -> None:
-        self._prefill_shared = False
+        self._queued_shared = self._static_shared = False
+        super()._prefill_row(at, waiting_s)
+
+
+class _StaticNotCopied(SimLoads):  # the waiting seconds a read handed out when nothing ran
+    def _prefill_row(self, at: int, waiting_s: float) -> None:
+        self._static_shared = False
         super()._prefill_row(at, waiting_s)
 
 
 @pytest.mark.parametrize("broken", [_BrokenUnwait, _BrokenRunningOrder, _BrokenDecode,
-                                    _NoCopyOnWrite])  # fmt: skip
+                                    _NoCopyOnWrite, _StaticNotCopied])  # fmt: skip
 def test_the_comparison_catches_a_broken_update(broken: type[SimLoads]) -> None:
     ids = ([f"prefill-{i}" for i in range(24)], [f"decode-{i}" for i in range(8)])
     assert any(_diverges(broken(*ids), seed) is not None for seed in range(6))
