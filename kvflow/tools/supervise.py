@@ -38,7 +38,7 @@ from kvflow.security.grpc_auth import cluster_channel
 from kvflow.security.tls import ENV_NAMES as TLS_ENV_NAMES
 from kvflow.security.tls import PLAINTEXT, TlsSettings
 from kvflow.stages.api import pb2, pb2_grpc
-from kvflow.tools.args import free_port
+from kvflow.stages.serve.ports import PortPicker
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +182,9 @@ class LocalCluster:
             certs = local_certs(self.data_dir / "tls")
             self.tls = TlsSettings(certs.cert_file, certs.key_file, certs.ca_file)
         self.client_tls = TlsSettings(ca_file=self.tls.ca_file)
-        rafts = [f"127.0.0.1:{free_port()}" for _ in range(meta)]
-        grpcs = [free_port() for _ in range(meta)]
+        self._port = PortPicker()  # every port of the cluster distinct
+        rafts = [f"127.0.0.1:{self._port()}" for _ in range(meta)]
+        grpcs = [self._port() for _ in range(meta)]
         self.meta_addresses = [f"127.0.0.1:{p}" for p in grpcs]
         common = ["--data-dir", str(self.data_dir), *extra]
         if model is not None:
@@ -217,7 +218,7 @@ class LocalCluster:
         for kind, n in (("prefill", prefill), ("decode", decode)):
             for i in range(n):
                 name = f"{kind}-{i}"
-                self.node_ports[name] = free_port()
+                self.node_ports[name] = self._port()
                 self._add(
                     name,
                     [
@@ -235,12 +236,12 @@ class LocalCluster:
                     ],
                 )
         self.expected = (prefill, decode)
-        self.router_ports = [port + i if port else free_port() for i in range(routers)]
+        self.router_ports = [port + i if port else self._port() for i in range(routers)]
         self.port = self.router_ports[0]
         self.addresses = [f"127.0.0.1:{p}" for p in self.router_ports]
         self.address = self.addresses[0]
         # Each router's HTTP front (OpenAI, SGLang APIs) on a free port of its own.
-        self.http_ports = [free_port() for _ in range(routers)]
+        self.http_ports = [self._port() for _ in range(routers)]
         scheme = "https" if tls else "http"
         self.http_urls = [f"{scheme}://127.0.0.1:{p}" for p in self.http_ports]
         for i, router_port in enumerate(self.router_ports):
@@ -263,7 +264,7 @@ class LocalCluster:
     def _add(self, name: str, args: list[str]) -> None:
         """One supervised process, with a Prometheus port of its own (``metrics_ports``) and
         the cluster secret's path."""
-        self.metrics_ports[name] = free_port()
+        self.metrics_ports[name] = self._port()
         args = [*args, "--metrics-port", str(self.metrics_ports[name])]
         self.procs[name] = Proc(
             name,
@@ -414,8 +415,9 @@ class LocalMetaProcesses:
         if n < 1:
             raise ValueError(f"n: expected >= 1 replicas, got {n}")
         self.data_dir = data_dir
-        self.raft = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        self.grpc = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        port = PortPicker()  # every port of the group distinct
+        self.raft = [f"127.0.0.1:{port()}" for _ in range(n)]
+        self.grpc = [f"127.0.0.1:{port()}" for _ in range(n)]
         self.procs = [
             Proc(
                 f"meta-{i}",
