@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.stages.serve.ports import free_port as _free_port
+from kvflow.stages.serve.ports import PortPicker
+
+_PICKER = PortPicker("127.0.0.1")
 
 
 def pick_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    return _free_port("127.0.0.1")
+    """A TCP port on 127.0.0.1 that was free a moment ago, and never handed to this test
+    session before (the OS may give a just-closed port again)."""
+    return _PICKER()
 
 
 @pytest.fixture(scope="session")
