@@ -45,8 +45,9 @@ class SimLoads:
         self._dpos = positions_of(self._dids)
         # prefill: queued requests, waiting seconds, running entries in start order
         self._queued = np.zeros(n, dtype=np.int64)
-        self._queued_n = [0] * n  # the same counts as Python ints: an element write, not a
-        # numpy scalar read, add and write per change
+        # the same counts as Python ints: a change is one element write into the array, not a
+        # numpy scalar read, add and write (likewise _batch_n and _context_n)
+        self._queued_n = [0] * n
         self._static = np.zeros(n, dtype=np.float64)  # waiting + external seconds
         self._waiting = [0] * n
         self._waiting_s = [0.0] * n
@@ -61,7 +62,7 @@ class SimLoads:
         # decode: batch size and context tokens
         self._batch = np.zeros(m, dtype=np.int64)
         self._context = np.zeros(m, dtype=np.int64)
-        self._batch_n = [0] * m  # as _queued_n
+        self._batch_n = [0] * m
         self._context_n = [0] * m
         self._decoding: list[dict[str, int]] = [{} for _ in range(m)]
         self._decode_shared = False
