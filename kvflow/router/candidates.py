@@ -11,13 +11,14 @@ Arrays are never mutated after construction; readers must not mutate them either
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
 
+from kvflow.router.estimators import DecodeTimeModel
 from kvflow.router.types import DecodeCandidate, Estimate, PrefillCandidate
 
 FloatArray = npt.NDArray[np.float64]
@@ -106,6 +107,16 @@ class DecodeTable:
     def __len__(self) -> int:
         return len(self.instance_ids)
 
+    def best(self, tie_break: int = 0) -> tuple[int, float]:
+        """The position with the lowest TBT (exact ties: the ``tie_break mod ties``-th, as
+        :func:`~kvflow.router.policies.base.argmin` picks) and that TBT."""
+        tbt = self.tbt_s
+        best = int(tbt.argmin())
+        tied = (tbt == tbt[best]).nonzero()[0]
+        if len(tied) != 1:
+            best = int(tied[tie_break % len(tied)])
+        return best, float(tbt[best])
+
     def records(self) -> tuple[DecodeCandidate, ...]:
         return tuple(
             DecodeCandidate(*row)
@@ -117,6 +128,40 @@ class DecodeTable:
                 strict=True,
             )
         )
+
+
+DecodeGroups = Mapping[tuple[int, int], Sequence[int]]
+"""A decode group's instances by load: each distinct ``(batch size, context tokens)`` pair ->
+the positions with it, ascending (every position once)."""
+
+
+@dataclass(frozen=True, eq=False)
+class GroupedDecodeTable:
+    """A :class:`DecodeTable` whose choice was made over :data:`DecodeGroups` (one prediction
+    per distinct load, not one per instance: an idle group has one load for most instances):
+    ``lowest_tbt`` and the ``tied`` positions that reach it, ascending. The arrays are only
+    computed for :meth:`records`, from the loads' own (never mutated) arrays."""
+
+    instance_ids: tuple[str, ...]
+    loaded_batch_size: IntArray
+    loaded_context_tokens: IntArray
+    prompt_len: int
+    model: DecodeTimeModel
+    lowest_tbt: float
+    tied: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.instance_ids)
+
+    def best(self, tie_break: int = 0) -> tuple[int, float]:
+        """As :meth:`DecodeTable.best`: the same position and TBT."""
+        tied = self.tied
+        return (tied[0] if len(tied) == 1 else tied[tie_break % len(tied)]), self.lowest_tbt
+
+    def records(self) -> tuple[DecodeCandidate, ...]:
+        context = self.loaded_context_tokens + self.prompt_len
+        tbt = self.model.predict_many(self.loaded_batch_size + 1, context)
+        return DecodeTable(self.instance_ids, self.loaded_batch_size, context, tbt).records()
 
 
 class LazyRecords(Sequence[T]):

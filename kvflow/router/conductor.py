@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Sequence
 
 from kvflow.router.admission import check_slo, no_instance
-from kvflow.router.candidates import DecodeTable, LazyRecords, PrefillTable
+from kvflow.router.candidates import DecodeTable, GroupedDecodeTable, LazyRecords, PrefillTable
 from kvflow.router.config import RouterConfig
 from kvflow.router.errors import UnknownInstanceError
 from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, TransferEstimator
@@ -148,11 +148,7 @@ class Conductor:
         tie_break = zlib.crc32(req.request_id.encode())  # fair ties, still a pure decision
         with self._policy_lock:
             choice = self._policy.choose(table, tie_break)
-        tbt = decode_table.tbt_s  # argmin_array, inline (one call less per request)
-        best_decode = int(tbt.argmin())
-        tied = (tbt == tbt[best_decode]).nonzero()[0]
-        if len(tied) != 1:
-            best_decode = int(tied[tie_break % len(tied)])
+        best_decode, tbt_s = decode_table.best(tie_break)
         option = table.balanced(choice.index) if choice.pull else table.local(choice.index)
         config = self.config
         if config.ttft_slo_s is not None or config.tbt_slo_s is not None:  # else nothing to check
@@ -162,12 +158,12 @@ class Conductor:
                 table.instance_ids[choice.index],
                 option,
                 decode_table.instance_ids[best_decode],
-                float(decode_table.tbt_s[best_decode]),
+                tbt_s,
             )
             if rejection is not None:
                 logger.info("req=%s %s", req.request_id, rejection.message())
                 return rejection
-        return self._decision(req, table, choice.index, option, decode_table, best_decode)
+        return self._decision(req, table, choice.index, option, decode_table, best_decode, tbt_s)
 
     def predict_prefill_s(self, prompt_len: int, reused_tokens: int) -> float:
         """The prefill time model's prediction (seconds) for a prompt reusing a prefix."""
@@ -236,15 +232,15 @@ class Conductor:
         return {at: length for at, length in enumerate(lens) if length > 0}
 
     def _no_instance(
-        self, req: RouteRequest, table: PrefillTable, decode_table: DecodeTable
+        self, req: RouteRequest, table: PrefillTable, decode_table: DecodeTable | GroupedDecodeTable
     ) -> Rejection:
         prefill = decode = None
         if len(table):
             best = argmin_array(table.local_ttft)
             prefill = (table.instance_ids[best], table.local(best))
         if len(decode_table):
-            best = argmin_array(decode_table.tbt_s)
-            decode = (decode_table.instance_ids[best], float(decode_table.tbt_s[best]))
+            best, tbt_s = decode_table.best()
+            decode = (decode_table.instance_ids[best], tbt_s)
         rejection = no_instance(self.config, req.request_id, prefill, decode)
         logger.warning("req=%s %s", req.request_id, rejection.message())
         return rejection
@@ -255,8 +251,9 @@ class Conductor:
         table: PrefillTable,
         chosen: int,
         option: Estimate,
-        decode_table: DecodeTable,
+        decode_table: DecodeTable | GroupedDecodeTable,
         decode: int,
+        tbt_s: float,
     ) -> RouteDecision:
         local_blocks = table.local_blocks(chosen)
         pull = None
@@ -285,7 +282,7 @@ class Conductor:
             t_queue=option.t_queue,
             t_prefill=option.t_prefill,
             t_transfer=option.t_transfer,
-            tbt_s=float(decode_table.tbt_s[decode]),
+            tbt_s=tbt_s,
             candidates=LazyRecords(table.records),
             decode_candidates=LazyRecords(decode_table.records),
         )

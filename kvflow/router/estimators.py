@@ -23,15 +23,17 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvflow.router.errors import FitError, ProfileFormatError
+
+T = TypeVar("T")
 
 PROFILE_FILENAME = "kvflow_profile.json"
 """File name of the fitted profile, stored in the model directory (see :mod:`.profile`)."""
@@ -301,6 +303,41 @@ class DecodeTimeModel:
         """:meth:`predict_many` given :meth:`batch_terms` of the same batch sizes."""
         tbt = batch_terms + self.coefficients[2] * context_tokens
         return tbt if self._never_negative else np.maximum(0.0, tbt)
+
+    def predict_joined(self, states: Sequence[tuple[int, int]], prompt_len: int) -> list[float]:
+        """For each ``(batch size, context tokens)`` state, the prediction with one more
+        request of ``prompt_len`` tokens joined: ``predict(batch + 1, context + prompt_len)``,
+        as the value :meth:`predict_many` gives for that row (the same float operations in the
+        same order). In Python: over the few distinct states of a group of instances it costs
+        less than the array operations over every instance."""
+        c0, c1, c2 = self.coefficients
+        out = [(c0 + c1 * (b + 1)) + c2 * (c + prompt_len) for b, c in states]
+        if self._never_negative:
+            return out
+        return [t if t >= 0.0 else 0.0 for t in out]  # np.maximum(0.0, t), -0.0 kept as it does
+
+    def lowest_joined(
+        self, groups: Mapping[tuple[int, int], T], prompt_len: int
+    ) -> tuple[float, list[T]]:
+        """The lowest :meth:`predict_joined` value over the states that key ``groups``, and the
+        values of every state that reaches it, in ``groups``' order (a plain loop: no list of
+        predictions, no second pass, unless the lowest is clamped at 0.0)."""
+        c0, c1, c2 = self.coefficients
+        best = math.inf
+        tied: list[T] = []
+        for (b, c), value in groups.items():
+            t = (c0 + c1 * (b + 1)) + c2 * (c + prompt_len)
+            if t < best:
+                best = t
+                tied = [value]
+            elif t == best:
+                tied.append(value)
+        if best > 0.0 or self._never_negative:
+            return best, tied
+        # clamped at 0.0: every state at or below it ties
+        values = self.predict_joined(tuple(groups), prompt_len)
+        best = min(values)
+        return best, [value for value, t in zip(groups.values(), values, strict=True) if t == best]
 
     @cached_property
     def _never_negative(self) -> bool:

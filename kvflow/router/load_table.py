@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvflow.router.candidates import DecodeGroups
 from kvflow.router.instances import ChangeSet, InstanceKind, InstanceState
 
 FloatArray = npt.NDArray[np.float64]
@@ -48,6 +49,11 @@ class LoadArrays(NamedTuple):
     queued_seconds: FloatArray
     decode_batch_size: IntArray
     decode_context_tokens: IntArray
+    decode_groups: DecodeGroups | None = None
+    """The decode columns again as :data:`~kvflow.router.candidates.DecodeGroups`, when the
+    group's owner keeps them (the simulator's ``SimLoads``; a ``LoadTable`` does not). Unlike
+    the arrays it is the owner's live structure: valid until the owner's next change, so only
+    the route call it is passed to may read it (the decision keeps nothing of it)."""
 
 
 class LoadTable:

@@ -11,9 +11,11 @@ results are bit-identical to the reference's.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
-from kvflow.router.candidates import DecodeTable, Option, PrefillTable
+from kvflow.router.candidates import DecodeTable, GroupedDecodeTable, Option, PrefillTable
 from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, TransferEstimator
 from kvflow.router.load_table import FloatArray, IntArray, LoadArrays
 from kvflow.router.types import RouteRequest
@@ -123,7 +125,24 @@ class DecodeScorer:
         self._model = model
         self._cache: tuple[IntArray, FloatArray] | None = None
 
-    def score(self, req: RouteRequest, load: LoadArrays) -> DecodeTable:
+    def score(self, req: RouteRequest, load: LoadArrays) -> DecodeTable | GroupedDecodeTable:
+        """Every instance's TBT as arrays, or, when ``load`` has its groups, a table that
+        predicts once per group (:class:`GroupedDecodeTable`: the same choice and values)."""
+        groups = load.decode_groups
+        if groups is not None:  # one prediction per distinct load
+            lowest, tied = self._model.lowest_joined(groups, req.prompt_len)
+            table = _new(GroupedDecodeTable)  # as below
+            table.__dict__.update(
+                instance_ids=load.instance_ids,
+                loaded_batch_size=load.decode_batch_size,
+                loaded_context_tokens=load.decode_context_tokens,
+                prompt_len=req.prompt_len,
+                model=self._model,
+                lowest_tbt=lowest,
+                # a copy: the owner changes its groups in place after this call
+                tied=tuple(tied[0]) if len(tied) == 1 else tuple(sorted(chain.from_iterable(tied))),
+            )
+            return table
         batch = load.decode_batch_size
         cache = self._cache
         if cache is None or cache[0] is not batch:

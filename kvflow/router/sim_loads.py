@@ -18,6 +18,7 @@ healthy and have no external load (``0.0`` seconds, added as the table adds it).
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Sequence
 
 import numpy as np
@@ -65,6 +66,9 @@ class SimLoads:
         self._batch_n = [0] * m
         self._context_n = [0] * m
         self._decoding: list[dict[str, int]] = [{} for _ in range(m)]
+        # the same loads as DecodeGroups: what the conductor's decode choice reads (one
+        # prediction per distinct load, not a pass of array operations over every instance)
+        self._groups: dict[tuple[int, int], list[int]] = {(0, 0): list(range(m))} if m else {}
         self._decode_shared = False
         self._decode_last: LoadArrays | None = None
         # the other group's columns (never written)
@@ -139,7 +143,7 @@ class SimLoads:
             self._static_shared = True
         loads = _tuple_new(  # LoadArrays(...) without the named tuple's __new__ frame
             LoadArrays,
-            (self._pids, self._ppos, self._queued, seconds, self._pzeros, self._pzeros),
+            (self._pids, self._ppos, self._queued, seconds, self._pzeros, self._pzeros, None),
         )
         if not running:
             self._prefill_last = loads
@@ -152,28 +156,34 @@ class SimLoads:
         if request_id in decoding:
             raise ValueError(f"request_id {request_id!r} already decoding on {self._dids[at]}")
         decoding[request_id] = context_tokens
+        self._decode_row(at, self._batch_n[at] + 1, self._context_n[at] + context_tokens)
+
+    def remove_decode(self, at: int, request_id: str) -> None:
+        """``InstanceState.remove_decode`` (KeyError if not decoding)."""
+        context_tokens = self._decoding[at].pop(request_id)
+        self._decode_row(at, self._batch_n[at] - 1, self._context_n[at] - context_tokens)
+
+    def _decode_row(self, at: int, batch: int, context: int) -> None:
+        """Row ``at``'s new batch size and context tokens, in the arrays and the groups."""
         if self._decode_shared:  # copy on write, as for prefill
             self._batch = self._batch.copy()
             self._context = self._context.copy()
             self._decode_shared = False
         self._decode_last = None
-        batch = self._batch_n[at] = self._batch_n[at] + 1
-        context = self._context_n[at] = self._context_n[at] + context_tokens
-        self._batch[at] = batch
-        self._context[at] = context
-
-    def remove_decode(self, at: int, request_id: str) -> None:
-        """``InstanceState.remove_decode`` (KeyError if not decoding)."""
-        context_tokens = self._decoding[at].pop(request_id)
-        if self._decode_shared:
-            self._batch = self._batch.copy()
-            self._context = self._context.copy()
-            self._decode_shared = False
-        self._decode_last = None
-        batch = self._batch_n[at] = self._batch_n[at] - 1
-        context = self._context_n[at] = self._context_n[at] - context_tokens
-        self._batch[at] = batch
-        self._context[at] = context
+        groups = self._groups
+        old = (self._batch_n[at], self._context_n[at])
+        members = groups[old]
+        if len(members) == 1:
+            del groups[old]
+        else:
+            members.remove(at)
+        members = groups.get((batch, context))
+        if members is None:
+            groups[(batch, context)] = [at]
+        else:
+            insort(members, at)
+        self._batch_n[at] = self._batch[at] = batch
+        self._context_n[at] = self._context[at] = context
 
     def decode(self) -> LoadArrays:
         """The decode group's load (it does not depend on ``now``)."""
@@ -181,6 +191,7 @@ class SimLoads:
         if last is None:
             self._decode_shared = True
             last = self._decode_last = LoadArrays(
-                self._dids, self._dpos, self._dzeros_i, self._dzeros_f, self._batch, self._context
-            )
+                self._dids, self._dpos, self._dzeros_i, self._dzeros_f, self._batch, self._context,
+                self._groups,
+            )  # fmt: skip
         return last

@@ -146,3 +146,33 @@ def test_decode_predict_many_skips_the_clip_only_where_it_changes_no_bit():
         assert many == clipped
         pairs = zip(batches.tolist(), contexts.tolist(), strict=True)
         assert many == [model.predict(b, c) for b, c in pairs]
+
+
+@pytest.mark.parametrize(
+    "coefficients",
+    [
+        (2e-2, 2e-3, 1e-6),
+        (0.0, 0.0, 0.0),
+        (-0.0, -0.0, -0.0),
+        (-1.0, 1e-3, 0.0),
+        (1e-3, -1e-4, 2e-8),
+    ],
+)
+def test_decode_joined_predictions_equal_the_array_path(coefficients):
+    rng = random.Random(7)
+    # few batch sizes and contexts, so some states tie and some predictions clamp at 0.0
+    states = list(
+        {(rng.randrange(12), rng.choice((0, 1, 500, rng.randrange(90_000)))) for _ in range(40)}
+    )
+    model = DecodeTimeModel(coefficients)
+    for prompt_len in (0, 1, 700, 30_000):
+        batches = np.array([b for b, _ in states])
+        contexts = np.array([c for _, c in states])
+        want = model.predict_many(batches + 1, contexts + prompt_len).tolist()
+        joined = model.predict_joined(states, prompt_len)
+        assert [math.copysign(1.0, x) for x in joined] == [math.copysign(1.0, x) for x in want]
+        assert joined == want
+        groups = {state: f"members of {state}" for state in states}
+        lowest, tied = model.lowest_joined(groups, prompt_len)
+        assert lowest == min(want)
+        assert tied == [groups[s] for s, t in zip(states, want, strict=True) if t == min(want)]

@@ -15,27 +15,42 @@ from kvflow.router import (
     InstanceState,
     LocalPrefixIndex,
     PrefillTimeModel,
+    RouteDecision,
     RouterConfig,
     RouteRequest,
     TransferEstimator,
 )
 from kvflow.router.load_table import MANY_RUNNING, LoadArrays, LoadTable
+from kvflow.router.reference import ReferenceConductor
 from kvflow.router.sim_loads import SimLoads
 
 PREFILL = PrefillTimeModel((2e-3, 1e-4, 3e-9, 2e-6), "sim-loads")
 DECODE = DecodeTimeModel((1e-2, 1e-4, 2e-8), "sim-loads")
 
 
+_ARRAYS = slice(2, 6)  # LoadArrays' four columns
+
+
 def _same(a: LoadArrays, b: LoadArrays) -> bool:
     if a.instance_ids != b.instance_ids or a.positions != b.positions:
         return False
     return all(
-        x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a[2:], b[2:], strict=True)
+        x.dtype == y.dtype and x.tobytes() == y.tobytes()
+        for x, y in zip(a[_ARRAYS], b[_ARRAYS], strict=True)
     )
 
 
+def _groups_of(load: LoadArrays) -> dict[tuple[int, int], list[int]]:
+    """The decode groups a load's arrays describe (positions ascending)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    pairs = zip(load.decode_batch_size.tolist(), load.decode_context_tokens.tolist(), strict=True)
+    for at, state in enumerate(pairs):
+        groups.setdefault(state, []).append(at)
+    return groups
+
+
 def _bytes(pb: LoadArrays, db: LoadArrays) -> bytes:
-    return b"".join(a.tobytes() for a in (*pb[2:], *db[2:]))
+    return b"".join(a.tobytes() for a in (*pb[_ARRAYS], *db[_ARRAYS]))
 
 
 def _diverges(
@@ -103,6 +118,10 @@ def _diverges(
                 peak.append(len(book._running))
             if not (_same(pb, ptable.read(read_now)) and _same(db, dtable.read(read_now))):
                 return op
+            # the groups are read at once (the owner changes them in place): they must say what
+            # the arrays say, in position order
+            if pb.decode_groups is not None or db.decode_groups != _groups_of(db):
+                return op
             handed_out.append((pb, db, _bytes(pb, db)))
     for pb, db, then in handed_out:  # copy on write: a read's arrays never change later
         if _bytes(pb, db) != then:
@@ -146,6 +165,14 @@ class _BrokenDecode(SimLoads):
         self._context[at] += tokens  # not shared: remove_decode copied it if it was
 
 
+class _GroupsUnsorted(SimLoads):
+    def _decode_row(self, at: int, batch: int, context: int) -> None:  # appends, not insort
+        super()._decode_row(at, batch, context)
+        members = self._groups[(batch, context)]
+        members.remove(at)
+        members.append(at)
+
+
 class _NoCopyOnWrite(SimLoads):
     def _prefill_row(self, at: int, waiting_s: float) -> None:
         self._queued_shared = self._static_shared = False
@@ -159,7 +186,7 @@ class _StaticNotCopied(SimLoads):  # the waiting seconds a read handed out when 
 
 
 @pytest.mark.parametrize("broken", [_BrokenUnwait, _BrokenRunningOrder, _BrokenDecode,
-                                    _NoCopyOnWrite, _StaticNotCopied])  # fmt: skip
+                                    _GroupsUnsorted, _NoCopyOnWrite, _StaticNotCopied])  # fmt: skip
 def test_the_comparison_catches_a_broken_update(broken: type[SimLoads]) -> None:
     ids = ([f"prefill-{i}" for i in range(24)], [f"decode-{i}" for i in range(8)])
     assert any(_diverges(broken(*ids), seed) is not None for seed in range(6))
@@ -187,3 +214,43 @@ def test_route_loads_decides_as_route_over_the_same_loads() -> None:
     req = RouteRequest("x", (b"k1", b"k2"), 40)
     assert a.route(req, *states, now=1.05) == b.route_loads(req, book.prefill(1.05), book.decode())
     assert np.array_equal(book.prefill(None).queued_requests, [1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_route_loads_picks_the_reference_decode_instance_over_groups(seed: int) -> None:
+    """The decode choice over SimLoads' groups (one prediction per distinct load) against the
+    per-instance reference: idle instances tie exactly, busy ones sometimes share a load, and
+    requests hash to different tied picks. A pick off by one position, or a lost tie, differs."""
+    rng = random.Random(seed)
+    n, m = 3, 12
+    states = (
+        tuple(InstanceState(f"prefill-{i}", InstanceKind.PREFILL) for i in range(n)),
+        tuple(InstanceState(f"decode-{i}", InstanceKind.DECODE) for i in range(m)),
+    )
+    book = SimLoads([s.instance_id for s in states[0]], [s.instance_id for s in states[1]])
+    config = RouterConfig(block_size=16, tbt_slo_s=rng.choice([None, 0.0105]))
+    fast = Conductor(config, LocalPrefixIndex(100), PREFILL, DECODE, TransferEstimator(1e9))
+    reference = ReferenceConductor(
+        config, LocalPrefixIndex(100), PREFILL, DECODE, TransferEstimator(1e9)
+    )
+    decoding: list[list[str]] = [[] for _ in range(m)]
+    picked: set[str] = set()
+    for op in range(400):
+        d = rng.randrange(m)
+        if decoding[d] and rng.random() < 0.45:
+            rid = decoding[d].pop(rng.randrange(len(decoding[d])))
+            states[1][d].remove_decode(rid)
+            book.remove_decode(d, rid)
+        else:  # few distinct contexts, so busy instances share loads too
+            rid, tokens = f"d{op}", rng.choice((100, 200, rng.randrange(5000)))
+            states[1][d].add_decode(rid, tokens)
+            book.add_decode(d, rid, tokens)
+            decoding[d].append(rid)
+        req = RouteRequest(f"req-{op}", (), rng.randrange(1, 3000))
+        want = reference.route(req, *states, now=1.0)
+        got = fast.route_loads(req, book.prefill(1.0), book.decode())
+        assert got == want, f"op {op}"
+        if isinstance(got, RouteDecision):
+            assert list(got.decode_candidates) == list(want.decode_candidates)
+            picked.add(got.decode_id)
+    assert len(picked) > m // 2  # ties spread: the test saw many picks

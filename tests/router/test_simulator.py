@@ -73,3 +73,20 @@ def test_a_run_restores_the_garbage_collector(records):
     with pytest.raises(KeyboardInterrupt):  # restored when a run stops half-way too
         simulate(SimulationConfig(num_prefill=2, num_decode=2), records, stop)
     assert gc.get_threshold() == before and gc.get_freeze_count() == frozen
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "router"),
+    [(8, 4, {}), (16, 24, {}), (8, 12, {"tbt_slo_s": 0.026, "ttft_slo_s": 4.0})],
+)
+def test_fast_run_equals_the_reference_run(records, prefill, decode, router):
+    """Every report field and every request's outcome of the fast run (arrays, decode groups)
+    equal those of the per-instance reference conductor's run."""
+    base = SimulationConfig(num_prefill=prefill, num_decode=decode)
+    config = replace(base, router=replace(base.router, **router))
+    fast, reference = simulate(config, records), simulate(config, records, reference=True)
+    assert fast == reference
+    assert fast.outcomes == reference.outcomes
+    assert len({o.decode_id for o in fast.outcomes if o.decode_id}) > decode // 2
+    if router:  # both SLOs reject some requests, through the grouped choice's TBT too
+        assert set(fast.rejected_by_reason) == {"ttft_slo", "tbt_slo"}
