@@ -22,9 +22,9 @@ The model (one run is deterministic given the config, its seed and the records):
 
 Accounting is incremental (queue and batch sums written into the conductor's arrays where an
 instance changes, a virtual token clock per decode batch, a reverse holder index), and the
-conductor scores every instance as arrays (see the router README), so a decision costs a few
-array operations over the instances plus Python work per prefix holder and per running
-prefill. Per-request results are
+conductor scores every prefill instance as arrays and every distinct decode load once (see the
+router README), so a decision costs a few array operations over the instances plus Python work
+per prefix holder, per running prefill and per distinct decode load. Per-request results are
 kept in mutable records and frozen once at the end.
 """
 
