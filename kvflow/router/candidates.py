@@ -27,6 +27,14 @@ T = TypeVar("T")
 _tuple_new = tuple.__new__
 
 
+def argmin_array(values: FloatArray, tie_break: int = 0) -> int:
+    """:func:`~kvflow.router.policies.base.argmin` over a non-empty array without NaN (the same
+    index): the lowest value; exact ties go to the ``tie_break mod ties``-th tied index."""
+    first = int(values.argmin())  # C-level (``values.min()`` goes through a Python wrapper)
+    tied = (values == values[first]).nonzero()[0]
+    return first if len(tied) == 1 else int(tied[tie_break % len(tied)])
+
+
 # One way to prefill the request on an instance with a given local prefix (in blocks):
 # (t_local, balanced prefix blocks, balanced pull blocks, balanced t_transfer, balanced t_prefill)
 Option = tuple[float, int, int, float, float]
@@ -110,12 +118,8 @@ class DecodeTable:
     def best(self, tie_break: int = 0) -> tuple[int, float]:
         """The position with the lowest TBT (exact ties: the ``tie_break mod ties``-th, as
         :func:`~kvflow.router.policies.base.argmin` picks) and that TBT."""
-        tbt = self.tbt_s
-        best = int(tbt.argmin())
-        tied = (tbt == tbt[best]).nonzero()[0]
-        if len(tied) != 1:
-            best = int(tied[tie_break % len(tied)])
-        return best, float(tbt[best])
+        best = argmin_array(self.tbt_s, tie_break)
+        return best, float(self.tbt_s[best])
 
     def records(self) -> tuple[DecodeCandidate, ...]:
         return tuple(

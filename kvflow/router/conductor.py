@@ -33,14 +33,19 @@ import zlib
 from collections.abc import Sequence
 
 from kvflow.router.admission import check_slo, no_instance
-from kvflow.router.candidates import DecodeTable, GroupedDecodeTable, LazyRecords, PrefillTable
+from kvflow.router.candidates import (
+    DecodeTable,
+    GroupedDecodeTable,
+    LazyRecords,
+    PrefillTable,
+    argmin_array,
+)
 from kvflow.router.config import RouterConfig
 from kvflow.router.errors import UnknownInstanceError
 from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, TransferEstimator
 from kvflow.router.index import PrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceState
 from kvflow.router.load_table import LoadArrays, LoadTable
-from kvflow.router.policies.base import argmin_array
 from kvflow.router.policies.registry import make_policy
 from kvflow.router.scoring import DecodeScorer, PrefillScorer
 from kvflow.router.types import (

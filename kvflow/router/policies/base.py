@@ -17,9 +17,6 @@ import random
 from collections.abc import Sequence
 from typing import ClassVar
 
-import numpy as np
-import numpy.typing as npt
-
 from kvflow.router.candidates import PrefillTable
 from kvflow.router.types import PolicyChoice, PrefillCandidate
 
@@ -78,10 +75,3 @@ def argmin(values: Sequence[float], tie_break: int = 0) -> int:
                 return i
             pick -= 1
     raise AssertionError("unreachable: tie count out of step")
-
-
-def argmin_array(values: npt.NDArray[np.float64], tie_break: int = 0) -> int:
-    """:func:`argmin` over a non-empty array without NaN (the same index)."""
-    first = int(values.argmin())  # C-level (``values.min()`` goes through a Python wrapper)
-    tied = (values == values[first]).nonzero()[0]
-    return first if len(tied) == 1 else int(tied[tie_break % len(tied)])

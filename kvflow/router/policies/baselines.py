@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvflow.router.candidates import PrefillTable
-from kvflow.router.policies.base import Policy, argmin, argmin_array
+from kvflow.router.candidates import PrefillTable, argmin_array
+from kvflow.router.policies.base import Policy, argmin
 from kvflow.router.types import PolicyChoice, PrefillCandidate
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvflow.router.candidates import PrefillTable
-from kvflow.router.policies.base import Policy, argmin, argmin_array
+from kvflow.router.candidates import PrefillTable, argmin_array
+from kvflow.router.policies.base import Policy, argmin
 from kvflow.router.types import PolicyChoice, PrefillCandidate
 
 _new = object.__new__
