@@ -326,7 +326,7 @@ class DecodeTimeModel:
         best = math.inf
         tied: list[T] = []
         for (b, c), value in groups.items():
-            t = (c0 + c1 * (b + 1)) + c2 * (c + prompt_len)
+            t = (c0 + c1 * (b + 1)) + c2 * (c + prompt_len)  # predict_joined's, inline (no list)
             if t < best:
                 best = t
                 tied = [value]

@@ -34,8 +34,10 @@ class SimLoads:
 
     Mutators take the instance's position in its group; they raise ValueError or KeyError on a
     request booked twice or not booked (the simulator never does either). :meth:`prefill` and
-    :meth:`decode` hand out :class:`LoadArrays` that are never mutated afterwards (copy on
-    write), as ``LoadTable.read`` does. Not thread-safe: one simulator run owns it.
+    :meth:`decode` hand out :class:`LoadArrays` whose arrays are never mutated afterwards (copy
+    on write), as ``LoadTable.read`` does; the decode read's ``decode_groups`` is the live
+    structure, for the route call it is passed to only. Not thread-safe: one simulator run
+    owns it.
     """
 
     def __init__(self, prefill_ids: Sequence[str], decode_ids: Sequence[str]) -> None:
@@ -177,9 +179,10 @@ class SimLoads:
             del groups[old]
         else:
             members.remove(at)
-        members = groups.get((batch, context))
+        new = (batch, context)
+        members = groups.get(new)
         if members is None:
-            groups[(batch, context)] = [at]
+            groups[new] = [at]
         else:
             insort(members, at)
         self._batch_n[at] = self._batch[at] = batch
