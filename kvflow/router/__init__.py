@@ -22,8 +22,9 @@ from kvflow.router.estimators import (
     ProfileSample,
     TransferEstimator,
 )
-from kvflow.router.index import BatchPrefixIndex, HolderPrefixIndex, LocalPrefixIndex, PrefixIndex
+from kvflow.router.index import BatchPrefixIndex, HolderPrefixIndex, PrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceSnapshot, InstanceState
+from kvflow.router.local_index import LocalPrefixIndex
 from kvflow.router.metadata_index import MetadataPrefixIndex
 from kvflow.router.policies import make_policy, policy_names
 from kvflow.router.profile import Profile, load_profile

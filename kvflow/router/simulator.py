@@ -40,8 +40,8 @@ from functools import partial
 
 from kvflow.router.conductor import Conductor
 from kvflow.router.estimators import TransferEstimator
-from kvflow.router.index import LocalPrefixIndex
 from kvflow.router.instances import InstanceKind, InstanceState, UnlockedInstanceState
+from kvflow.router.local_index import LocalPrefixIndex
 from kvflow.router.reference import ReferenceConductor
 from kvflow.router.sim_config import SimulationConfig
 from kvflow.router.sim_decode import DecodeInstance
