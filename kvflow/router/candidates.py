@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import Any, TypeAlias, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -21,8 +21,8 @@ import numpy.typing as npt
 from kvflow.router.estimators import DecodeTimeModel
 from kvflow.router.types import DecodeCandidate, Estimate, PrefillCandidate
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
+FloatArray: TypeAlias = npt.NDArray[np.float64]
+IntArray: TypeAlias = npt.NDArray[np.int64]
 T = TypeVar("T")
 _tuple_new = tuple.__new__
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -27,8 +27,8 @@ import numpy.typing as npt
 from kvflow.router.candidates import DecodeGroups
 from kvflow.router.instances import ChangeSet, InstanceKind, InstanceState
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
+FloatArray: TypeAlias = npt.NDArray[np.float64]
+IntArray: TypeAlias = npt.NDArray[np.int64]
 
 MANY_RUNNING = 16
 """Rows with running requests from which their remainders are computed in numpy."""

@@ -27,7 +27,7 @@ None). Read it through :func:`_holder_ids`."""
 
 def _holder_ids(owners: _Owners | None) -> Collection[str] | None:
     """A stored :data:`_Owners` value as a collection of instance ids (``None`` passes through)."""
-    return (owners,) if type(owners) is str else owners
+    return (owners,) if isinstance(owners, str) else owners
 
 
 class LocalPrefixIndex:
@@ -87,7 +87,7 @@ class LocalPrefixIndex:
             first = self._holders.get(keys[0]) if keys else None
             if first is None:
                 return {}
-            if type(first) is str:  # one holder (most keys)
+            if isinstance(first, str):  # one holder (most keys)
                 held = self._blocks[first]
                 return {first: len(list(takewhile(held.__contains__, keys)))}
             if len(first) > FEW_HOLDERS:
@@ -130,7 +130,7 @@ class LocalPrefixIndex:
                     held[key] = None
                     owners = claim(key, instance_id)
                     if owners is not instance_id:  # already held, by others (key was not in held)
-                        if type(owners) is str:  # a second holder
+                        if isinstance(owners, str):  # a second holder
                             holders[key] = {owners: None, instance_id: None}
                         else:
                             owners[instance_id] = None
@@ -153,12 +153,12 @@ class LocalPrefixIndex:
         is stored as its id again (a dict always has two or more)."""
         holders = self._holders
         owners = holders[key]
-        if type(owners) is str:  # instance_id itself
+        if isinstance(owners, str):  # instance_id itself
             del holders[key]
         else:
             del owners[instance_id]
             if len(owners) == 1:
-                (holders[key],) = owners  # the one left
+                holders[key] = next(iter(owners))  # the one left
 
     def remove(self, instance_id: str, keys: Iterable[bytes]) -> None:
         """Forget ``keys`` on ``instance_id`` (absent keys are ignored)."""

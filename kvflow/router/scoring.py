@@ -149,11 +149,11 @@ class DecodeScorer:
             cache = self._cache = (batch, self._model.batch_terms(batch + 1))
         context = load.decode_context_tokens + req.prompt_len
         tbt = self._model.predict_from_batch_terms(cache[1], context)
-        table = _new(DecodeTable)  # as PrefillScorer.score builds its table
-        table.__dict__.update(
+        arrays = _new(DecodeTable)  # as PrefillScorer.score builds its table
+        arrays.__dict__.update(
             instance_ids=load.instance_ids,
             loaded_batch_size=batch,
             context_tokens=context,
             tbt_s=tbt,
         )
-        return table
+        return arrays

@@ -180,11 +180,11 @@ class SimLoads:
         else:
             members.remove(at)
         new = (batch, context)
-        members = groups.get(new)
-        if members is None:
+        joined = groups.get(new)
+        if joined is None:
             groups[new] = [at]
         else:
-            insort(members, at)
+            insort(joined, at)
         self._batch_n[at] = self._batch[at] = batch
         self._context_n[at] = self._context[at] = context
 

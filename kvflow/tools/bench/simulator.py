@@ -9,6 +9,8 @@ median beside it. Both must produce the same report (checked: a mismatch fails t
 Only ``simulate`` is timed (not reading the trace). Default settings of ``SimulationConfig``
 (the 70B preset's costs, unbounded chunks and decode memory, 10,000-block caches), policy
 ``--policy``. Prints one summary line; ``--json PATH`` writes every run, with the load average.
+Both say which build ran (``compiled``: setup.py's mypyc extensions, or ``interpreted``); a
+stale build (a compiled module older than its source) is refused.
 
     python -m kvflow.tools.bench.simulator [--sizes 8+4,32+32,64+64] [--repeat 3] [--json out]
 """
@@ -26,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvflow.compiled import compiled_modules, describe, stale_modules
 from kvflow.router import SimulationConfig, TraceRecord, policy_names, read_trace, simulate
 
 DEFAULT_TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
@@ -97,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    if stale_modules():
+        parser.error(f"the build is {describe()}: it would measure old code")
+    build = describe()
     records = read_trace(args.trace, limit=args.requests)
     load_before = os.getloadavg()
     results = [
@@ -110,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "policy": args.policy,
             "repeat": args.repeat,
             "cpus": os.cpu_count(),
+            "build": build,
+            "compiled_modules": compiled_modules(),
             "loadavg_before": load_before,
             "loadavg_after": load_after,
             "results": results,
@@ -122,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             text += f" reference {r['reference']['best_req_per_s']:,.0f}"
         parts.append(text + " req/s")
     print(
-        f"bench_simulator: {len(records)} requests, {args.policy}, best of {args.repeat}: "
+        f"bench_simulator: {len(records)} requests, {args.policy}, {build}, best of {args.repeat}: "
         + "; ".join(parts)
         + f" (load avg {load_before[0]:.2f} -> {load_after[0]:.2f})"
     )

@@ -1,0 +1,71 @@
+"""kvflow's build: the package as pyproject.toml declares it, plus C extensions of the modules in
+:data:`COMPILED`, made by mypyc from the same typed source (what the simulator and the
+conductor spend their time in; see the README's "Compiled modules").
+
+``KVFLOW_COMPILE=0`` builds the pure-Python package (no C compiler needed). A compiled build
+writes ``kvflow/_compiled.json`` (each compiled module's source hash) beside the package, which
+:mod:`kvflow.compiled` reads to say what runs compiled and to catch an extension older than
+its source. ``make compile`` rebuilds the extensions in place after a source change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+COMPILED = (
+    "kvflow/router/local_index.py",
+    "kvflow/router/estimators.py",
+    "kvflow/router/scoring.py",
+    "kvflow/router/conductor.py",
+    "kvflow/router/sim_loads.py",
+    "kvflow/router/sim_decode.py",
+    "kvflow/router/sim_prefill.py",
+    "kvflow/router/simulator.py",
+)
+MANIFEST = "kvflow/_compiled.json"
+ROOT = Path(__file__).resolve().parent
+
+
+def _module(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def _source_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class _BuildExt(build_ext):
+    """build_ext that also writes the manifest where the extensions went."""
+
+    def run(self) -> None:
+        super().run()
+        # <out>/kvflow/router/simulator.<abi>.so -> <out>
+        out = Path(self.get_ext_fullpath(_module(COMPILED[0]))).parents[2]
+        sources = {_module(p): _source_hash(ROOT / p) for p in COMPILED}
+        target = out / MANIFEST
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({"modules": sources}, indent=1, sort_keys=True) + "\n")
+
+
+def _extensions() -> list:
+    if os.environ.get("KVFLOW_COMPILE", "1") == "0":
+        return []
+    from mypyc.build import mypycify  # the build's requirement (pyproject.toml)
+
+    # [tool.mypy] in pyproject.toml: third-party packages are opaque (Any) to the build, so
+    # the generated C is the same whatever else is installed
+    # the shared library: a top-level module with a stable name (the default names it by a hash)
+    return mypycify(
+        ["--config-file", str(ROOT / "pyproject.toml"), *COMPILED],
+        opt_level="3",
+        group_name="kvflow_compiled",
+    )
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": _BuildExt})
