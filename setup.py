@@ -41,10 +41,21 @@ def _source_hash(path: Path) -> str:
 
 
 class _BuildExt(build_ext):
-    """build_ext that also writes the manifest where the extensions went."""
+    """build_ext that also writes the manifest where the extensions went; an in-place build
+    without them (``KVFLOW_COMPILE=0``) removes those of an earlier build, and the manifest."""
 
     def run(self) -> None:
         super().run()
+        if not self.extensions:
+            if self.inplace:
+                for path in COMPILED:
+                    source = ROOT / path
+                    for built in source.parent.glob(f"{source.stem}[.]*.so"):
+                        built.unlink()
+                    for built in source.parent.glob(f"{source.stem}__mypyc[.]*.so"):
+                        built.unlink()
+                (ROOT / MANIFEST).unlink(missing_ok=True)
+            return
         # <out>/kvflow/router/simulator.<abi>.so -> <out>
         out = Path(self.get_ext_fullpath(_module(COMPILED[0]))).parents[2]
         sources = {_module(p): _source_hash(ROOT / p) for p in COMPILED}
@@ -60,11 +71,11 @@ def _extensions() -> list:
 
     # [tool.mypy] in pyproject.toml: third-party packages are opaque (Any) to the build, so
     # the generated C is the same whatever else is installed
-    # the shared library: a top-level module with a stable name (the default names it by a hash)
+    # separate: each module with its own runtime library beside it, inside the package (the
+    # default is one top-level library named by a hash, which an editable install's finder
+    # does not know after an in-place rebuild); the same instruction count at 64+64
     return mypycify(
-        ["--config-file", str(ROOT / "pyproject.toml"), *COMPILED],
-        opt_level="3",
-        group_name="kvflow_compiled",
+        ["--config-file", str(ROOT / "pyproject.toml"), *COMPILED], opt_level="3", separate=True
     )
 
 
