@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 # in place (a few seconds when nothing they read changed; the tests refuse stale ones).
 COMPILED_STAMP := $(VENV)/.compiled
 COMPILED_INPUTS := setup.py pyproject.toml $(wildcard kvflow/router/*.py)
+BUILD_COMPILED := $(BIN)/python setup.py --quiet build_ext --inplace && touch $(COMPILED_STAMP)
 # Exact tested versions; pyproject.toml has ranges.
 CONSTRAINTS := constraints.txt
 # Installed without their dependencies (pinned in constraints.txt): sglang's wheel requires a
@@ -30,14 +31,12 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	touch $(STAMP)
 
 $(COMPILED_STAMP): $(STAMP) $(COMPILED_INPUTS)
-	$(BIN)/python setup.py --quiet build_ext --inplace
-	touch $(COMPILED_STAMP)
+	$(BUILD_COMPILED)
 
 # Always rebuilds (seconds when nothing changed): `KVFLOW_COMPILE=0 make compile` switches the
 # checkout to pure Python, `make compile` back.
 compile: $(STAMP)
-	$(BIN)/python setup.py --quiet build_ext --inplace
-	touch $(COMPILED_STAMP)
+	$(BUILD_COMPILED)
 
 run: $(COMPILED_STAMP)
 	$(BIN)/kvflow serve

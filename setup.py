@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -30,6 +31,9 @@ COMPILED = (
 )
 MANIFEST = "kvflow/_compiled.json"
 ROOT = Path(__file__).resolve().parent
+GENERATED = ROOT / "build" / "mypyc"
+"""Where mypyc writes the C it generates (kept between builds: unchanged files are not
+recompiled)."""
 
 
 def _module(path: str) -> str:
@@ -74,9 +78,15 @@ def _extensions() -> list:
     # separate: each module with its own runtime library beside it, inside the package (the
     # default is one top-level library named by a hash, which an editable install's finder
     # does not know after an in-place rebuild); the same instruction count at 64+64
-    return mypycify(
-        ["--config-file", str(ROOT / "pyproject.toml"), *COMPILED], opt_level="3", separate=True
-    )
+    args = ["--config-file", str(ROOT / "pyproject.toml"), "--no-incremental", *COMPILED]
+    try:
+        return mypycify(args, opt_level="3", separate=True, target_dir=str(GENERATED))
+    except ValueError:
+        # mypyc 2.4.1 can crash reusing what an earlier build left in GENERATED (seen when a
+        # type alias moved between modules); from scratch it does not
+        print(f"mypyc failed over {GENERATED.relative_to(ROOT)}: generating the C afresh")
+        shutil.rmtree(GENERATED, ignore_errors=True)
+        return mypycify(args, opt_level="3", separate=True, target_dir=str(GENERATED))
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": _BuildExt})

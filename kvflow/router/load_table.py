@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple
 
 import numpy as np
-import numpy.typing as npt
 
-from kvflow.router.candidates import DecodeGroups
+from kvflow.router.candidates import DecodeGroups, FloatArray, IntArray
 from kvflow.router.instances import ChangeSet, InstanceKind, InstanceState
-
-FloatArray: TypeAlias = npt.NDArray[np.float64]
-IntArray: TypeAlias = npt.NDArray[np.int64]
 
 MANY_RUNNING = 16
 """Rows with running requests from which their remainders are computed in numpy."""

@@ -15,9 +15,16 @@ from itertools import chain
 
 import numpy as np
 
-from kvflow.router.candidates import DecodeTable, GroupedDecodeTable, Option, PrefillTable
+from kvflow.router.candidates import (
+    DecodeTable,
+    FloatArray,
+    GroupedDecodeTable,
+    IntArray,
+    Option,
+    PrefillTable,
+)
 from kvflow.router.estimators import DecodeTimeModel, PrefillTimeModel, TransferEstimator
-from kvflow.router.load_table import FloatArray, IntArray, LoadArrays
+from kvflow.router.load_table import LoadArrays
 from kvflow.router.types import RouteRequest
 
 _new = object.__new__
