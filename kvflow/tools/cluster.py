@@ -1,11 +1,14 @@
 """`kvflow cluster`: start and supervise a multi-process cluster on this machine.
 
-    kvflow cluster --meta 3 --prefill 2 --decode 1 [--routers 2] [--model DIR] [--port 50051]
+    kvflow cluster --meta 3 --prefill 2 --decode 1 [--routers 2] [--model DIR] [--host H]
+                   [--port 50051] [--http-port 8000] [--port-base N] [--api-key-file F]
                    [--data-dir DIR] [--tls]
 
-starts 3 metadata replicas, the prefill and decode nodes and the routers (the first listening
-on --port, the next ones on the ports after it), each as its own `kvflow serve --role ...`
-process on 127.0.0.1, restarts any process that dies, and stops them all on Ctrl-C. The
+starts 3 metadata replicas, the prefill and decode nodes and the routers (gRPC on --port and
+the ports after it, HTTP on --http-port and the ports after it), each as its own
+`kvflow serve --role ...` process listening on --host; every other port comes from
+--port-base (docs/cluster.md: which process gets which) or, without it, is a free one. It
+restarts any process that dies, and stops them all on Ctrl-C. The
 supervisor itself is ``kvflow.tools.supervise.LocalCluster`` (also used by the benchmarks and
 tests). Clients that list every router (`kvflow generate --server A,B`) fail over when one dies.
 ``--tls``: every gRPC and HTTP port serves TLS (a local CA in DATA_DIR/tls; clients pass
@@ -28,7 +31,33 @@ def register(subparsers: Any) -> None:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--routers", type=int, default=2, help="routers, on --port and the next ports")
     p.add_argument("--model", type=Path)
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address every process listens on and registers (a node's peers and the "
+        "routers reach it there: give this host's own address, not 0.0.0.0)",
+    )
+    p.add_argument(
+        "--port", type=int, default=50051, help="routers' gRPC: this port and the next ones"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="routers' HTTP (OpenAI, SGLang APIs): this port and the next ones; 0 = free ports",
+    )
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=0,
+        help="every other port (Raft, metadata gRPC, nodes, transfer, metrics) is N, N+1, ... "
+        "in the order docs/cluster.md gives; 0 = free ports",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="handed to every router: clients' keys, lines 'KEY TENANT user|admin'",
+    )
     p.add_argument("--data-dir", type=Path, default=Path("data/cluster"))
     p.add_argument("--policy", default="cache-aware")
     p.add_argument(
@@ -41,8 +70,13 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvflow.tools.supervise import LocalCluster
+    from kvflow.stages.api.auth import ApiKeys
+    from kvflow.tools.supervise import LocalCluster, check_port_base
 
+    check_port_base(args.port_base)  # the user's mistakes, before the model import (seconds)
+    if args.api_key_file is not None:  # refused here, in one line, not in every router's log
+        ApiKeys.load(args.api_key_file)
+        args.api_key_file = args.api_key_file.resolve()
     if args.model is None:  # every process must serve the same model: import it once here
         from kvflow.stages.engine.default_model import ensure_default_model
 
@@ -58,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         router_extra=("--policy", args.policy),
         routers=args.routers,
         tls=args.tls,
+        host=args.host,
+        http_port=args.http_port,
+        port_base=args.port_base,
+        api_key_file=args.api_key_file,
     )
     stop = {"now": False}
 
@@ -78,9 +116,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  try: kvflow generate --server {routers}{ca} --prompt 'Hello'", flush=True)
         print(f"  HTTP (OpenAI, SGLang APIs): {', '.join(cluster.http_urls)}", flush=True)
         for name, port in cluster.node_ports.items():
-            print(f"  {name}: 127.0.0.1:{port}   (kvflow kvdb --server 127.0.0.1:{port} shards)")
+            where = f"{args.host}:{port}"
+            transfer = cluster.transfer_ports[name]
+            also = f", transfer {transfer}" if transfer else ""
+            print(f"  {name}: {where}{also}   (kvflow kvdb --server {where} shards)")
         ports = " ".join(f"{name}={port}" for name, port in cluster.metrics_ports.items())
-        print(f"  Prometheus metrics (http://127.0.0.1:PORT/metrics): {ports}", flush=True)
+        print(f"  Prometheus metrics (http://{args.host}:PORT/metrics): {ports}", flush=True)
         while not stop["now"]:
             cluster.supervise_once()
             time.sleep(0.5)

@@ -27,6 +27,7 @@ from kvflow.tools.args import (
     apply_tls,
     authenticator_from_args,
     engine_store_values,
+    memory_plan,
 )
 from kvflow.tools.meta import add_meta_arguments, run_meta
 
@@ -127,7 +128,7 @@ def _routing(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
+def config_from_args(args: argparse.Namespace, plan: Any) -> Any:
     from kvflow.stages.serve.config import ServeConfig
 
     return ServeConfig(
@@ -135,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         num_prefill=args.prefill,
         num_decode=args.decode,
         served_model_name=args.served_model_name,
-        **engine_store_values(args),
+        **engine_store_values(args, plan),
         **_routing(args),
     )
 
@@ -259,10 +260,16 @@ async def serve_embedded(
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from kvflow.stages.serve.config import NodeConfig
+    from kvflow.stages.engine import EngineError
+    from kvflow.stages.serve.build import ensure_model
+    from kvflow.stages.serve.config import EngineStoreConfig, NodeConfig
     from kvflow.stages.serve.node import NodeServer
 
     try:
+        args.model = ensure_model(
+            EngineStoreConfig(model_dir=args.model, data_dir=args.data_dir, seed=args.seed)
+        )
+        plan = memory_plan(args, args.model, engines=1, shards=1)
         config = NodeConfig(
             node_id=args.node_id or f"{args.kind}-{args.port}",
             kind=args.kind,
@@ -271,11 +278,12 @@ def run_node(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             transfer_port=args.transfer_port,
-            **engine_store_values(args),
+            **engine_store_values(args, plan),
         )
-    except ValueError as exc:
+    except (ValueError, EngineError) as exc:
         print(f"kvflow serve --role node: {exc}")
         return 2
+    print(f"kvflow node {config.node_id}: {plan.describe()}", flush=True)
 
     async def main() -> None:
         async with contextlib.AsyncExitStack() as stack:
@@ -378,10 +386,14 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None:
             args.model = ensure_default_model(args.data_dir, progress=_say)
         auth = authenticator_from_args(args)
-        config = config_from_args(args)
+        # every instance has an engine and a shard (DESIGN: decode instances store too)
+        instances = args.prefill + args.decode
+        plan = memory_plan(args, args.model, engines=instances, shards=instances)
+        config = config_from_args(args, plan)
         http = http_config(args)
     except (ValueError, EngineError) as exc:
         print(f"kvflow serve: {exc}")
         return 2
+    print(f"kvflow: {plan.describe()}", flush=True)
     asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port, http, auth))
     return 0

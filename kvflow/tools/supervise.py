@@ -144,9 +144,42 @@ class Proc:
             self.log = None
 
 
+def check_port_base(base: int) -> None:
+    """ValueError unless ``base`` is 0 (free ports) or a port in [1024, 65535]."""
+    if base and not 1024 <= base <= 65535:
+        raise ValueError(f"--port-base must be 0 or in [1024, 65535], got {base}")
+
+
+class ClusterPorts:
+    """Where each port of a local cluster comes from: ``base`` 0 picks free ports (distinct,
+    ``PortPicker``); otherwise ``base``, ``base + 1``, ... in the order the ports are asked
+    for, which ``LocalCluster`` fixes (docs/cluster.md has the table): per metadata replica
+    Raft, gRPC, metrics; per node (prefill ones, then decode) gRPC, transfer, metrics; per
+    router metrics, then its gRPC and HTTP ports when those flags are 0."""
+
+    def __init__(self, host: str, base: int = 0) -> None:
+        check_port_base(base)
+        self._picker = PortPicker(host)
+        self._next = base
+
+    def __call__(self) -> int:
+        if not self._next:
+            return self._picker()
+        port, self._next = self._next, self._next + 1
+        if port > 65535:
+            raise ValueError("--port-base: the cluster's ports run past 65535; lower it")
+        return port
+
+
 class LocalCluster:
-    """``meta`` replicas, ``prefill`` and ``decode`` nodes and ``routers`` routers, on
-    127.0.0.1. ``address`` is the first router's, ``addresses`` every router's.
+    """``meta`` replicas, ``prefill`` and ``decode`` nodes and ``routers`` routers, every
+    process listening on ``host`` (127.0.0.1). ``address`` is the first router's,
+    ``addresses`` every router's.
+
+    Ports: the routers' gRPC on ``port``, ``port + 1``, ... and their HTTP (OpenAI, SGLang
+    APIs) on ``http_port``, ``http_port + 1``, ...; everything else from ``port_base``
+    (``ClusterPorts``); each of the three, when 0, takes free ports.
+    ``api_key_file``: handed to every router (``--api-key-file``): clients then need a key.
 
     ``secure`` (default): every process gets the cluster secret ``secret_file``
     (``cluster_secret_file``) by path; ``secret`` is it, for this process's own calls.
@@ -168,11 +201,16 @@ class LocalCluster:
         routers: int = 1,
         secure: bool = True,
         tls: bool = False,
+        host: str = "127.0.0.1",
+        http_port: int = 0,
+        port_base: int = 0,
+        api_key_file: Path | None = None,
     ) -> None:
         if min(meta, prefill, decode, routers) < 1:
             raise ValueError("a cluster needs at least one of each: meta, prefill, decode, router")
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.host = host
         self.secret_file = cluster_secret_file(self.data_dir) if secure else None
         self.secret: ClusterSecret | None = (
             None if self.secret_file is None else load_secret_file(self.secret_file)
@@ -182,15 +220,20 @@ class LocalCluster:
             certs = local_certs(self.data_dir / "tls")
             self.tls = TlsSettings(certs.cert_file, certs.key_file, certs.ca_file)
         self.client_tls = TlsSettings(ca_file=self.tls.ca_file)
-        self._port = PortPicker()  # every port of the cluster distinct
-        rafts = [f"127.0.0.1:{self._port()}" for _ in range(meta)]
-        grpcs = [self._port() for _ in range(meta)]
-        self.meta_addresses = [f"127.0.0.1:{p}" for p in grpcs]
-        common = ["--data-dir", str(self.data_dir), *extra]
+        self._port = ClusterPorts(host, port_base)
+        common = ["--host", host, "--data-dir", str(self.data_dir), *extra]
         if model is not None:
             common += ["--model", str(model)]
         self.procs: dict[str, Proc] = {}
         self.metrics_ports: dict[str, int] = {}
+        rafts: list[str] = []
+        grpcs: list[int] = []
+        meta_metrics: list[int] = []
+        for _ in range(meta):
+            rafts.append(f"{host}:{self._port()}")
+            grpcs.append(self._port())
+            meta_metrics.append(self._port())
+        self.meta_addresses = [f"{host}:{p}" for p in grpcs]
         for i, raft in enumerate(rafts):
             peers = ",".join(r for r in rafts if r != raft)
             self._add(
@@ -212,13 +255,16 @@ class LocalCluster:
                     "0.8",
                     *common,
                 ],
+                meta_metrics[i],
             )
         meta_list = ",".join(self.meta_addresses)
         self.node_ports: dict[str, int] = {}
+        self.transfer_ports: dict[str, int] = {}  # 0: any free port, chosen by the node
         for kind, n in (("prefill", prefill), ("decode", decode)):
             for i in range(n):
                 name = f"{kind}-{i}"
                 self.node_ports[name] = self._port()
+                self.transfer_ports[name] = self._port() if port_base else 0
                 self._add(
                     name,
                     [
@@ -230,20 +276,25 @@ class LocalCluster:
                         name,
                         "--port",
                         str(self.node_ports[name]),
+                        "--transfer-port",
+                        str(self.transfer_ports[name]),
                         "--meta",
                         meta_list,
                         *common,
                     ],
+                    self._port(),
                 )
         self.expected = (prefill, decode)
+        router_metrics = [self._port() for _ in range(routers)]
         self.router_ports = [port + i if port else self._port() for i in range(routers)]
         self.port = self.router_ports[0]
-        self.addresses = [f"127.0.0.1:{p}" for p in self.router_ports]
+        self.addresses = [f"{host}:{p}" for p in self.router_ports]
         self.address = self.addresses[0]
-        # Each router's HTTP front (OpenAI, SGLang APIs) on a free port of its own.
-        self.http_ports = [self._port() for _ in range(routers)]
+        # Each router's HTTP front (OpenAI, SGLang APIs).
+        self.http_ports = [http_port + i if http_port else self._port() for i in range(routers)]
         scheme = "https" if tls else "http"
-        self.http_urls = [f"{scheme}://127.0.0.1:{p}" for p in self.http_ports]
+        self.http_urls = [f"{scheme}://{host}:{p}" for p in self.http_ports]
+        keys = () if api_key_file is None else ("--api-key-file", str(api_key_file))
         for i, router_port in enumerate(self.router_ports):
             self._add(
                 f"router-{i}",
@@ -256,15 +307,17 @@ class LocalCluster:
                     str(self.http_ports[i]),
                     "--meta",
                     meta_list,
+                    *keys,
                     *common,
                     *router_extra,
                 ],
+                router_metrics[i],
             )
 
-    def _add(self, name: str, args: list[str]) -> None:
-        """One supervised process, with a Prometheus port of its own (``metrics_ports``) and
-        the cluster secret's path."""
-        self.metrics_ports[name] = self._port()
+    def _add(self, name: str, args: list[str], metrics_port: int) -> None:
+        """One supervised process, with its Prometheus port (``metrics_ports``) and the
+        cluster secret's path."""
+        self.metrics_ports[name] = metrics_port
         args = [*args, "--metrics-port", str(self.metrics_ports[name])]
         self.procs[name] = Proc(
             name,

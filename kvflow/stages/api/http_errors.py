@@ -6,7 +6,7 @@ a request's error to an HTTP status.
 | error | status |
 | --- | --- |
 | bad input (InvalidArgument, malformed JSON, wrong types, bad UTF-8) | 400 |
-| no caller identity (reserved for API keys: api/auth.py) | 401 |
+| no valid API key where keys are configured (api/auth.py) | 401 |
 | unknown model or route | 404 |
 | body over the limit | 413 |
 | the conductor rejects it (TTFT/TBT SLO) | 429 with Retry-After |

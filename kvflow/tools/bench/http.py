@@ -121,8 +121,9 @@ def client_pass(
         return run_pass(lambda t: grpc_request(stub, t, max_tokens), prompts, clients)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The benchmark's flags, on ``p`` (``kvflow bench-http``) or a parser of its own."""
+    p = p or argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -133,8 +134,21 @@ def main(argv: list[str] | None = None) -> int:
         "--clients", default="process", choices=["process", "thread"], help="where they run"
     )
     p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+def register(subparsers: Any) -> None:
+    """``kvflow bench-http`` (cli.COMMANDS)."""
+    p = build_parser(subparsers.add_parser("bench-http", help="HTTP streaming vs gRPC"))
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,184 @@
+"""How much memory and disk a server reserves, decided once from the model and the machine.
+
+``kvflow serve`` (embedded, node) gives ``--num-pages``, ``--dram-mb`` and ``--ssd-mb`` no
+fixed default: ``plan_memory`` sizes each one left unset.
+
+- KV pages per engine (and the same number of slots in each staging area): enough for one
+  sequence of ``min(max_model_len, 4096)`` tokens, more when the KV budget allows — the
+  budget is 1/32 of the memory available now, at most 128 MiB per pool — and at most 512.
+- DRAM tier per shard: 1/32 of the available memory, between 64 MiB and 256 MiB.
+- SSD tier per shard: a quarter of the free disk under the data directory, at most 8 GiB.
+
+A value the user gives is kept as given. ``MemoryPlan.describe`` is the line the server
+prints at start: what it reserved and which flags change it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 1 << 20
+MAX_AUTO_PAGES = 512
+MAX_POOL_BYTES = 128 * MIB  # the KV budget of one pool, at most
+MIN_DRAM_BYTES = 64 * MIB
+MAX_DRAM_BYTES = 256 * MIB
+MAX_SSD_BYTES = 8 << 30
+MIN_SSD_BYTES = 256 * MIB
+MIN_SEQUENCE_TOKENS = 4096  # one sequence this long always fits (or max_model_len if shorter)
+ITEM_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def free_disk_bytes(path: Path) -> int | None:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    for p in (path, *path.resolve().parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one process reserves. ``engines`` engines each hold ``num_pages`` KV pages of
+    ``page_nbytes`` and a staging area of ``staging_pages``; ``shards`` kvdb shards each hold
+    a DRAM tier of ``dram_bytes`` and an SSD tier of ``ssd_bytes``; ``auto`` names the values
+    sized here (the others were given)."""
+
+    page_nbytes: int
+    num_pages: int
+    staging_pages: int
+    dram_bytes: int
+    ssd_bytes: int
+    engines: int
+    shards: int
+    weights_bytes: int
+    auto: tuple[str, ...]
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV pages and staging slots of every engine, allocated at start."""
+        return self.engines * (self.num_pages + self.staging_pages) * self.page_nbytes
+
+    def describe(self) -> str:
+        """One line: what is reserved, and the flags that change it."""
+
+        def mib(n: int) -> str:
+            return f"{n / MIB:,.0f} MiB"
+
+        def tag(name: str) -> str:
+            return " (auto)" if name in self.auto else ""
+
+        return (
+            f"memory: {self.engines} engine(s) x ({self.num_pages} KV pages{tag('num_pages')} "
+            f"+ {self.staging_pages} staging) x {self.page_nbytes / MIB:.2f} MiB = "
+            f"{mib(self.kv_bytes)} reserved, weights about "
+            f"{mib(self.engines * self.weights_bytes)}; DRAM tier {mib(self.dram_bytes)}"
+            f"{tag('dram_mb')} x {self.shards} shard(s), filled as blocks are cached; SSD tier "
+            f"{mib(self.ssd_bytes)}{tag('ssd_mb')} x {self.shards} shard(s). Change with "
+            "--num-pages, --dram-mb, --ssd-mb"
+        )
+
+
+def page_nbytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str
+) -> int:
+    """Bytes of one KV page: ``[layers, 2, kv_heads, block_size, head_dim]`` of ``dtype``."""
+    return num_layers * 2 * num_kv_heads * block_size * head_dim * ITEM_SIZE[dtype]
+
+
+def plan_memory(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_model_len: int,
+    num_params: int,
+    dtype: str,
+    block_size: int,
+    engines: int,
+    shards: int,
+    num_pages: int | None = None,
+    dram_bytes: int | None = None,
+    ssd_bytes: int | None = None,
+    available: int | None = None,
+    free_disk: int | None = None,
+) -> MemoryPlan:
+    """The plan for a process of ``engines`` engines and ``shards`` shards of this model.
+    ``available`` / ``free_disk``: the machine's (None: unknown; the caps are used)."""
+    page = page_nbytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
+    auto: list[str] = []
+    if num_pages is None:
+        auto.append("num_pages")
+        one_sequence = -(-min(max_model_len, MIN_SEQUENCE_TOKENS) // block_size)
+        budget = MAX_POOL_BYTES if available is None else min(MAX_POOL_BYTES, available // 32)
+        num_pages = max(one_sequence, min(MAX_AUTO_PAGES, budget // page))
+    if dram_bytes is None:
+        auto.append("dram_mb")
+        share = MAX_DRAM_BYTES if available is None else available // 32
+        dram_bytes = max(MIN_DRAM_BYTES, min(MAX_DRAM_BYTES, share)) // MIB * MIB
+    if ssd_bytes is None:
+        auto.append("ssd_mb")
+        share = MAX_SSD_BYTES if free_disk is None else free_disk // 4
+        ssd_bytes = max(MIN_SSD_BYTES, min(MAX_SSD_BYTES, share)) // MIB * MIB
+    return MemoryPlan(
+        page_nbytes=page,
+        num_pages=num_pages,
+        staging_pages=num_pages,
+        dram_bytes=dram_bytes,
+        ssd_bytes=ssd_bytes,
+        engines=engines,
+        shards=shards,
+        weights_bytes=num_params * ITEM_SIZE[dtype],
+        auto=tuple(auto),
+    )
+
+
+def plan_for_model(
+    model_dir: Path,
+    *,
+    dtype: str,
+    block_size: int,
+    engines: int,
+    shards: int,
+    data_dir: Path,
+    num_pages: int | None = None,
+    dram_bytes: int | None = None,
+    ssd_bytes: int | None = None,
+) -> MemoryPlan:
+    """``plan_memory`` for the model in ``model_dir`` (its config.json only; no weights are
+    read) on this machine."""
+    from kvflow.stages.engine.spec import load_spec
+
+    spec, _ = load_spec(model_dir)
+    return plan_memory(
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_model_len=spec.max_position_embeddings,
+        num_params=spec.num_params,
+        dtype=dtype,
+        block_size=block_size,
+        engines=engines,
+        shards=shards,
+        num_pages=num_pages,
+        dram_bytes=dram_bytes,
+        ssd_bytes=ssd_bytes,
+        available=available_memory_bytes(),
+        free_disk=free_disk_bytes(data_dir),
+    )
