@@ -1,5 +1,5 @@
 """Cluster trust and client identity: the one cluster secret, the authenticated gRPC channels
-between kvflow processes, and API keys (see ``README.md`` of the project, section Security).
+between kvflow processes, and API keys (see ``docs/security.md``).
 
 A leaf package: it imports nothing of kvflow, so every other package may build on it.
 """

@@ -4,7 +4,7 @@ Why a token and not mTLS: a cluster already shares one secret (Raft needs it for
 password, the transfer engine for its handshake), so a token derived from it costs no PKI —
 no CA, no per-node certificates to issue, rotate or revoke — and one metadata comparison per
 call (the benchmark ``kvflow.tools.bench.auth`` measures it). The token is sent in clear over
-an insecure channel: on 127.0.0.1, the threat model of the README (a local user without root),
+an insecure channel: on 127.0.0.1, the threat model of docs/security.md (a local user without root),
 nobody can read loopback traffic. A cluster spread over an untrusted network adds TLS under
 the token (``security/tls.py``: ``--tls-cert/--tls-key`` on servers, ``--tls-ca`` on
 clients); the channels below carry the same metadata over it.

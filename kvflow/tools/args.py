@@ -93,7 +93,7 @@ def memory_plan(args: argparse.Namespace, model_dir: Path, engines: int, shards:
 
 
 def add_security_flags(p: argparse.ArgumentParser | Any) -> None:
-    """The cluster secret and the API keys (README, section Security)."""
+    """The cluster secret and the API keys (docs/security.md)."""
     p.add_argument(
         "--cluster-secret-file",
         type=Path,

@@ -68,3 +68,8 @@ def test_block_reads_the_block_after_its_marker(
     assert found[1].text == "```\ninner\n```\n"
     with pytest.raises(LookupError, match="0 blocks marked doc-test: two"):
         block("p.md", "two")
+
+
+def test_readme_stays_short() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move the detail into docs/"

@@ -1,0 +1,60 @@
+"""The memory plan (stages/serve/memory.py): sizes from the model and the machine when not
+given, the given ones kept, and the line the server prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvflow.stages.serve.memory import MIB, page_nbytes, plan_for_model, plan_memory
+
+# SmolLM2-135M-Instruct's shapes (the default model)
+SMOL = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "max_model_len": 8192}
+GIB = 1 << 30
+
+
+def smol(**kw: object) -> object:
+    base = {**SMOL, "num_params": 134_515_008, "dtype": "float32", "block_size": 64}
+    return plan_memory(**{**base, "engines": 2, "shards": 2, **kw})  # type: ignore[arg-type]
+
+
+def test_page_size_of_the_default_model() -> None:
+    assert page_nbytes(30, 3, 64, 64, "float32") == 2_949_120  # 2.81 MiB
+    assert page_nbytes(30, 3, 64, 64, "bfloat16") == 2_949_120 // 2
+
+
+def test_a_laptop_gets_one_4096_token_sequence_and_small_tiers() -> None:
+    plan = smol(available=8 * GIB, free_disk=100 * GIB)
+    assert plan.num_pages == plan.staging_pages == 64  # 4096 tokens; the budget allows fewer
+    assert plan.dram_bytes == 256 * MIB and plan.ssd_bytes == 8 * GIB
+    assert plan.kv_bytes == 2 * 128 * 2_949_120  # 720 MiB for both engines
+    assert plan.auto == ("num_pages", "dram_mb", "ssd_mb")
+
+
+def test_a_small_machine_and_disk_shrink_the_tiers() -> None:
+    plan = smol(available=1 * GIB, free_disk=2 * GIB)
+    assert plan.num_pages == 64  # never fewer than one sequence
+    assert plan.dram_bytes == 64 * MIB  # the floor (1/32 of 1 GiB is 32 MiB)
+    assert plan.ssd_bytes == 512 * MIB  # a quarter of the free disk
+
+
+def test_a_small_model_gets_more_pages_up_to_512() -> None:
+    tiny = plan_memory(num_layers=2, num_kv_heads=2, head_dim=16, max_model_len=2048,
+                       num_params=100_000, dtype="float32", block_size=16, engines=2,
+                       shards=2, available=16 * GIB)  # fmt: skip
+    assert tiny.num_pages == 512
+
+
+def test_given_values_are_kept() -> None:
+    plan = smol(num_pages=512, dram_bytes=1024 * MIB, ssd_bytes=8192 * MIB, available=GIB)
+    assert (plan.num_pages, plan.dram_bytes, plan.ssd_bytes) == (512, 1024 * MIB, 8192 * MIB)
+    assert plan.auto == ()
+    line = plan.describe()
+    assert "512 KV pages +" in line and "(auto)" not in line
+    assert line.endswith("Change with --num-pages, --dram-mb, --ssd-mb")
+
+
+def test_plan_for_a_model_directory(tiny_model: Path, tmp_path: Path) -> None:
+    plan = plan_for_model(tiny_model, dtype="float32", block_size=16, engines=1, shards=1,
+                          data_dir=tmp_path / "not-yet")  # fmt: skip
+    assert plan.num_pages >= 1 and plan.dram_bytes >= 64 * MIB
+    assert "1 engine(s)" in plan.describe() and "(auto)" in plan.describe()
