@@ -6,7 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.docs.blocks import DOCS, ROOT
+
+pytestmark = pytest.mark.slow  # a fresh interpreter imports torch and every command
 
 
 def test_configuration_reference_is_generated_from_the_parsers() -> None:

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.docs.blocks import block
+
+pytestmark = pytest.mark.slow  # a fresh interpreter imports torch and every command
 
 
 def test_python_engine_api(tiny_model: Path, tmp_path: Path) -> None:
