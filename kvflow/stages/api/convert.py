@@ -19,7 +19,7 @@ from kvflow.pipeline import (
 )
 from kvflow.router import PullPlan
 from kvflow.stages.api import node_pb2
-from kvflow.stages.engine import SamplingParams, TokenLogprob
+from kvflow.stages.engine import GrammarSpec, SamplingParams, TokenLogprob
 from kvflow.stages.errors import (
     InvalidArgument,
     NoCapacity,
@@ -70,7 +70,22 @@ def sampling_fields(msg: Any) -> dict[str, Any]:
         "presence_penalty": float(msg.presence_penalty),
         "logprobs": int(msg.logprobs) if msg.HasField("logprobs") else None,
         "prompt_logprobs": int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
+        "logit_bias": tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())),
+        "grammar": grammar_of(msg.grammar_kind, msg.grammar),
     }
+
+
+def grammar_of(kind: str, source: str) -> GrammarSpec | None:
+    """The GrammarSpec a message's grammar_kind / grammar fields state ("" kind: none); a bad
+    kind or text is InvalidArgument."""
+    if not kind:
+        if source:
+            raise InvalidArgument("grammar is set without grammar_kind")
+        return None
+    try:
+        return GrammarSpec(kind, source)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
 
 
 def sampling_from(msg: Any, max_tokens: int) -> SamplingParams:
@@ -100,6 +115,10 @@ def sampling_to_msg(s: SamplingParams) -> Any:
         msg.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         msg.prompt_logprobs = s.prompt_logprobs
+    for token, bias in s.logit_bias:
+        msg.logit_bias[token] = bias
+    if s.grammar is not None:
+        msg.grammar_kind, msg.grammar = s.grammar.kind, s.grammar.source
     return msg
 
 

@@ -26,8 +26,9 @@ from kvflow.stages.api.auth import (
     tenant_for,
     viewer_for,
 )
+from kvflow.stages.api.choices import start_generation
 from kvflow.stages.api.convert import logprobs_to_msgs, sampling_fields, status_for
-from kvflow.stages.api.generation import GenerateInput, Generation, Usage, request_id_of
+from kvflow.stages.api.generation import GenerateInput, Usage, request_id_of
 from kvflow.stages.api.limits import TokenizerPool, check_prompt_bytes
 from kvflow.stages.errors import InvalidArgument, NoCapacity, RateLimited
 
@@ -44,6 +45,7 @@ class Frontend(Protocol):
     config: Any
     pipeline: Any
     tokenizer: Any
+    grammars: Any  # a GrammarCompiler: requests' grammars are compiled (checked) before queueing
     serving_metrics: Any
     tenant_limits: Any
     conductor: Any
@@ -125,7 +127,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
         try:
             if request.WhichOneof("input") is None:
                 raise InvalidArgument("give a prompt or token_ids")
-            gen = Generation(self._cluster, self._input(request, tenant, rid))
+            gen = await start_generation(self._cluster, self._input(request, tenant, rid))
         except (InvalidArgument, RateLimited, Overloaded, PipelineClosed) as exc:
             code, details = status_for(exc)
             await context.abort(code, details)

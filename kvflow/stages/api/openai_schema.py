@@ -1,17 +1,104 @@
 """The OpenAI request bodies kvflow reads (/v1/completions, /v1/chat/completions), and their
-translation into a GenerateInput. Fields kvflow has no use for are ignored; fields it cannot
-honour (n > 1, echo, best_of) are a 400."""
+translation into a GenerateInput.
+
+Every field of OpenAI's request schemas is honoured or refused with a 400 that names it
+(tests/stages/api/test_openai_fields.py walks the openai package's types): ``REFUSED`` lists
+what kvflow cannot do; ``ADVISORY`` the fields that by OpenAI's own definition do not change
+the output (end-user ids, cache-routing hints: kvflow's prefix cache is automatic), accepted
+and documented as such. Fields outside OpenAI's schema (other servers' extensions) are
+ignored, as vLLM and SGLang ignore them."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvflow.stages.api.generation import GenerateInput
 from kvflow.stages.api.http_errors import HttpError
 from kvflow.stages.api.http_io import Body, check_text
-from kvflow.stages.engine import ModelCard
+from kvflow.stages.engine import GrammarSpec, ModelCard
+
+REFUSED: dict[str, str] = {
+    "audio": "audio output is not supported",
+    "modalities": 'only the "text" modality is supported',
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "functions is deprecated: use tools",
+    "function_call": "function_call is deprecated: use tool_choice",
+    "reasoning_effort": "this model has no reasoning effort setting",
+    "verbosity": "verbosity is not supported",
+    "moderation": "moderation is not supported",
+    "store": "stored completions are not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+"""OpenAI fields kvflow refuses (400) when given a value other than null or their no-op."""
+
+ADVISORY = (
+    "user",
+    "safety_identifier",
+    "metadata",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "service_tier",
+)
+"""OpenAI fields accepted without an effect on the output (see the module docstring)."""
+
+_NO_OP: dict[str, tuple[Any, ...]] = {
+    "modalities": (["text"],),
+    "store": (False,),
+}
+
+
+def refuse_unsupported(data: Any) -> Any:
+    """A 400 naming the first REFUSED field that ``data`` (a request body) sets."""
+    if isinstance(data, dict):
+        for name, why in REFUSED.items():
+            value = data.get(name)
+            if value is not None and value not in _NO_OP.get(name, ()):
+                raise HttpError(400, f"{name}: {why}", param=name)
+    return data
+
+
+def grammar_of_response_format(fmt: Any) -> GrammarSpec | None:
+    """The grammar of OpenAI's response_format ({"type": "text" | "json_object" |
+    "json_schema", "json_schema": {"name", "schema", "strict"}}); 400 naming what is wrong."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise HttpError(400, "response_format must be an object with a type", "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise HttpError(
+                400, "response_format.json_schema.schema must be a JSON schema", "response_format"
+            )
+        return GrammarSpec("json_schema", json.dumps(schema))
+    raise HttpError(
+        400,
+        f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+        "response_format",
+    )
+
+
+def logit_bias_of(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; 400 for a key that is not an id."""
+    if not bias:
+        return None
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise HttpError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 class StreamOptions(Body):
@@ -33,13 +120,17 @@ class SamplingBody(Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=16)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+
+    _refuse = model_validator(mode="before")(refuse_unsupported)
 
     def sampling(self) -> dict[str, Any]:
         """The SamplingParams fields the caller gave (None: not given)."""
@@ -52,6 +143,8 @@ class SamplingBody(Body):
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "repetition_penalty": self.repetition_penalty,
+            "logit_bias": logit_bias_of(self.logit_bias),
+            "grammar": grammar_of_response_format(self.response_format),
         }
         out = {k: v for k, v in given.items() if v is not None}
         if self.ignore_eos:
@@ -62,14 +155,9 @@ class SamplingBody(Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return tuple(check_text(s, "stop") for s in stop)
 
-    def check(self) -> None:
-        if self.n != 1:
-            raise HttpError(400, "n must be 1 (one choice per request)", param="n")
-
     def input(
         self, card: ModelCard, tenant: str, max_tokens: int | None, **kw: Any
     ) -> GenerateInput:
-        self.check()
         return GenerateInput(
             tenant=tenant,
             max_tokens=max_tokens,
@@ -86,12 +174,19 @@ class CompletionBody(SamplingBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=16)
+
+    def choices(self) -> tuple[int, int]:
+        """(generated, answered): best_of generations, the n best answered."""
+        best_of = self.best_of or self.n
+        if best_of < self.n:
+            raise HttpError(400, f"best_of ({best_of}) must be >= n ({self.n})", param="best_of")
+        if best_of > self.n and self.stream:
+            raise HttpError(400, "best_of > n cannot stream", param="best_of")
+        return best_of, self.n
 
     def prompt_fields(self) -> dict[str, Any]:
         """prompt_text or prompt_ids of the one prompt (a batch is a 400)."""
-        if self.echo or (self.best_of or 1) != 1:
-            raise HttpError(400, "echo and best_of are not supported")
         p = self.prompt
         if isinstance(p, str):
             return {"prompt_text": check_text(p, "prompt")}
@@ -111,6 +206,8 @@ class ChatBody(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

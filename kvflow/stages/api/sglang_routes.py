@@ -11,6 +11,7 @@ returns no tokens."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import Field
 
+from kvflow.stages.api.choices import check_grammar
 from kvflow.stages.api.generation import GenerateInput, Generation
 from kvflow.stages.api.http_errors import HttpError, http_error_for
 from kvflow.stages.api.http_io import (
@@ -33,11 +35,33 @@ from kvflow.stages.api.http_io import (
     sse_stream,
     unless_disconnected,
 )
-from kvflow.stages.engine import TokenLogprob
+from kvflow.stages.engine import GrammarSpec, TokenLogprob
 
 # sampling_params keys kvflow cannot honour: accepted only when empty (the frontend sends
 # them all, mostly empty).
-_UNSUPPORTED = ("regex", "json_schema", "ebnf", "stop_regex", "structural_tag")
+_UNSUPPORTED = ("stop_regex", "structural_tag")
+# The constrained-decoding keys (SGLang's): at most one per request, text each.
+_GRAMMARS = ("regex", "json_schema", "ebnf")
+
+
+def _grammar_of(sp: SamplingParamsBody) -> GrammarSpec | None:
+    """The grammar SGLang's sampling_params ask for (regex, json_schema or ebnf); 400 for two
+    at once or a value that is not text (json_schema may also be an object)."""
+    given = [(k, getattr(sp, k)) for k in _GRAMMARS if getattr(sp, k) not in (None, "")]
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(k for k, _ in given)
+        raise HttpError(400, f"sampling_params: give one of regex, json_schema, ebnf (got {names})")
+    kind, value = given[0]
+    if kind == "json_schema" and isinstance(value, dict):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise HttpError(400, f"sampling_params.{kind} must be a string", param=kind)
+    try:
+        return GrammarSpec(kind, value)
+    except ValueError as exc:
+        raise HttpError(400, f"sampling_params.{kind}: {exc}", param=kind) from None
 
 
 class SamplingParamsBody(Body):
@@ -166,6 +190,8 @@ class SGLangApi:
             for p, sp in zip(prompts, params_list, strict=True)
         ]
         runs: list[tuple[Generation, SamplingParamsBody]] = []
+        for inp in inputs:
+            await check_grammar(self._frontend, inp)  # a bad grammar: 400 before any work
         try:
             for inp, sp in zip(inputs, params_list, strict=True):
                 runs.append((Generation(self._frontend, inp), sp))
@@ -220,6 +246,7 @@ class SGLangApi:
                 raise HttpError(400, f"sampling_params.{name} is not supported", param=name)
         if sp.n != 1 or sp.min_new_tokens or sp.min_p:
             raise HttpError(400, "sampling_params: n must be 1; min_new_tokens and min_p 0")
+        grammar = _grammar_of(sp)
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         sampling: dict[str, Any] = {
             "temperature": sp.temperature,
@@ -232,6 +259,8 @@ class SGLangApi:
             "frequency_penalty": sp.frequency_penalty,
             "presence_penalty": sp.presence_penalty,
         }
+        if grammar is not None:
+            sampling["grammar"] = grammar
         if body.return_logprob:
             sampling["logprobs"] = body.top_logprobs_num
             if body.logprob_start_len >= 0:

@@ -14,6 +14,7 @@ from kvflow.stages.engine.errors import (
     PageLayoutError,
     UnknownRequestError,
 )
+from kvflow.stages.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.engine.pages import KVLayout
 from kvflow.stages.engine.sequence import RequestOutput, TokenLogprob
@@ -25,6 +26,9 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineError",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarSpec",
     "InvalidRequestError",
     "KVLayout",
     "ModelCard",

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.stages.engine.grammar import GrammarSpec
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -79,6 +81,10 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
+MAX_LOGIT_BIAS = 100.0
+"""The largest |bias| of one logit_bias entry (OpenAI's limit)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen for one request.
@@ -106,6 +112,10 @@ class SamplingParams:
             (RequestOutput.prompt_logprobs): positions num_prefix_tokens + 1 .. prompt_len - 1.
             A token's logprob comes from the previous position's output, so imported (cached)
             prefix positions and position 0 have none.
+        logit_bias: (token id, bias) pairs added to the logits before sampling, bias in
+            [-100, 100] (OpenAI's rule: -100 bans a token, +100 all but forces it).
+        grammar: a GrammarSpec the output must match (structured output: a JSON schema, any
+            JSON object, a regex, an EBNF grammar); None = free text.
     """
 
     max_tokens: int = 16
@@ -120,6 +130,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         _positive("max_tokens", self.max_tokens)
@@ -141,6 +153,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stops)
         self._check_penalties()
+        self._check_bias()
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             bad = isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS
@@ -155,6 +170,20 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+
+    def _check_bias(self) -> None:
+        pairs = tuple((k, v) for k, v in dict(self.logit_bias).items())
+        for token, bias in pairs:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise ValueError(f"logit_bias[{token}] must be a number, got {bias!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias!r}"
+                )
+        object.__setattr__(self, "logit_bias", tuple((int(k), float(v)) for k, v in pairs))
 
     @property
     def penalized(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import threading
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from kvflow.stages.engine.errors import (
     UnknownRequestError,
 )
 from kvflow.stages.engine.gguf_import import gguf_hint
+from kvflow.stages.engine.grammar import Constraint, GrammarCompiler
 from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model import CausalLM
 from kvflow.stages.engine.model_card import ModelCard
@@ -75,6 +77,26 @@ class Engine:
         self._pending: list[RequestOutput] = []  # aborts reported by the next step
         self._arrivals = 0
         self._steps = 0
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The engine's grammar compiler (built on first use; thread-safe, so a front may
+        compile a request's grammar before queueing it, and the engine's compile hits its
+        cache)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                stops = set(self.spec.eos_token_ids) | set(self.card.eos_token_ids)
+                self._grammars = GrammarCompiler.for_tokenizer(
+                    self.tokenizer.inner, self.spec.vocab_size, stops
+                )
+            return self._grammars
+
+    def use_grammars(self, compiler: GrammarCompiler) -> None:
+        """Share another engine's (or a front's) compiler of the same tokenizer and cache."""
+        with self._grammars_lock:
+            self._grammars = compiler
 
     @classmethod
     def open(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -162,6 +184,7 @@ class Engine:
         num_prefix_tokens: int = 0,
         retain_pages: bool = False,
         verify_pages: bool = True,
+        num_output_tokens: int = 0,
     ) -> None:
         """Queue a request. Its first `num_prefix_tokens` tokens already have their KV in
         `prefix_pages` (page i holds tokens [i*B, (i+1)*B); the last page may be partial);
@@ -169,6 +192,9 @@ class Engine:
         max_tokens) are reserved now. Imported pages are copied once, straight into the pool; the
         caller keeps its buffers. ``verify_pages=False`` skips the scan for non-finite values
         (for pages whose integrity is already checked, e.g. checksummed by kvdb).
+        ``num_output_tokens``: the last that many of `token_ids` were already generated (a
+        disaggregated decode continues after the prefill instance's first token): a grammar
+        (``sampling.grammar``) starts after them.
 
         Raises InvalidRequestError (duplicate id, empty or out-of-vocabulary tokens, prompt
         longer than max_model_len, bad num_prefix_tokens), PageLayoutError (wrong page count,
@@ -185,6 +211,7 @@ class Engine:
         longest = max(len(tokens), self.max_model_len - 1)
         kv_tokens = min(len(tokens) + sampling.max_tokens - 1, longest)
         generator = self._generator(request_id, sampling)  # may raise: before any page is taken
+        constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
         page_ids = self._pool.allocate(-(-kv_tokens // bs))
         self._pool.write_pages(page_ids[: len(pages)], pages)
         self._seqs[request_id] = Sequence(
@@ -199,6 +226,7 @@ class Engine:
             retain_pages=retain_pages,
             arrival=self._arrivals,
             generator=generator,
+            constraint=constraint,
         )
         self._arrivals += 1
         logger.debug("req=%s added: %d tokens, %d imported", request_id, len(tokens), n_prefix)
@@ -240,6 +268,28 @@ class Engine:
                 f"tokens, got {len(pages)}"
             )
         return n_prefix
+
+    def _constraint(
+        self, request_id: str, sampling: SamplingParams, tokens: list[int], num_output: int
+    ) -> Constraint | None:
+        vocab = self.spec.vocab_size
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"request {request_id!r}: logit_bias token {bad[0]} is outside the vocabulary "
+                f"(size {vocab})"
+            )
+        if sampling.grammar is None:
+            return None
+        if not 0 <= num_output < len(tokens):
+            raise InvalidRequestError(f"num_output_tokens must be in [0, {len(tokens)})")
+        constraint = self.grammars.constraint(sampling.grammar)
+        for token in tokens[len(tokens) - num_output :]:
+            if not constraint.accept(token):
+                raise InvalidRequestError(
+                    f"request {request_id!r}: generated token {token} does not match its grammar"
+                )
+        return constraint
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         stops = set(sampling.stop_token_ids)
@@ -330,7 +380,7 @@ class Engine:
         lps: tuple[TokenLogprob, ...] = ()
         if logits is not None:
             history = [(seq.token_ids, seq.prompt_len)]
-            new = sample(logits, [seq.sampling], [seq.generator], history)
+            new = sample(logits, [seq.sampling], [seq.generator], history, [seq.constraint])
             if seq.sampling.logprobs is not None:
                 lps = tuple(token_logprobs(logits, new, seq.sampling.logprobs))
             if seq.append_token(new[0]) is not None:

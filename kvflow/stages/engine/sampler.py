@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from kvflow.stages.engine.config import SamplingParams
+from kvflow.stages.engine.grammar import Constraint
 from kvflow.stages.engine.sequence import Sequence as Seq
 from kvflow.stages.engine.sequence import TokenLogprob
 
@@ -17,9 +18,12 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     histories: Sequence[tuple[Sequence[int], int]] | None = None,
+    constraints: Sequence[Constraint | None] | None = None,
 ) -> list[int]:
     """One token per row of float32 logits [N, vocab]. `histories[row]` is (token ids so far,
-    prompt length), needed only for rows whose params set a penalty. Greedy rows take the
+    prompt length), needed only for rows whose params set a penalty. `constraints[row]`, where
+    given, masks the row to the tokens its grammar allows (after logit_bias and penalties);
+    the constraint is not advanced here. Greedy rows take the
     argmax of the penalized logits (ties to the lowest id); others sample with their own
     generator, which advances; a row whose distribution is not finite falls back to its argmax,
     so one request can never fail the rows sampled beside it. Does not modify `logits`."""
@@ -31,9 +35,26 @@ def sample(
                 raise ValueError("penalties need the token history of each row")
             ids, prompt_len = histories[row]
             row_logits = apply_penalties(row_logits, ids, prompt_len, p)
+        if p.logit_bias:
+            row_logits = apply_logit_bias(row_logits, p.logit_bias)
+        constraint = constraints[row] if constraints is not None else None
+        if constraint is not None:
+            row_logits = constraint.mask(row_logits)
         best = int(row_logits.argmax())
         tokens.append(best if p.greedy else _sample_row(row_logits, p, gen, fallback=best))
     return tokens
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """A copy of one float32 row [vocab] with each (token id, bias) added (ids past the row
+    are ignored: the engine refuses them before a request runs)."""
+    vocab = logits.shape[-1]
+    pairs = [(t, b) for t, b in bias if t < vocab]
+    if not pairs:
+        return logits
+    ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=logits.device)
+    vals = torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(0, ids, vals)
 
 
 def apply_penalties(

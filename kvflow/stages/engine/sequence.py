@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.stages.engine.config import SamplingParams
+from kvflow.stages.engine.grammar import Constraint
 
 
 class Phase(enum.Enum):
@@ -46,6 +47,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     last_decode_step: int = -1
     page_table: torch.Tensor | None = field(default=None, repr=False)
+    constraint: Constraint | None = field(default=None, repr=False)
 
     @property
     def remaining(self) -> int:
@@ -61,7 +63,11 @@ class Sequence:
         """Record a sampled token; returns (and records) the finish reason if it ends here."""
         self.token_ids.append(token)
         self.num_generated += 1
-        if token in self.stop_ids:
+        grammar_done = False
+        if self.constraint is not None:
+            self.constraint.accept(token)
+            grammar_done = self.constraint.terminated
+        if token in self.stop_ids or grammar_done:
             self.finish_reason = FinishReason.STOP
         elif self.num_generated >= self.sampling.max_tokens or len(self.token_ids) >= self.max_len:
             self.finish_reason = FinishReason.LENGTH

@@ -31,6 +31,11 @@ class Tokenizer:
             raise ModelLoadError(f"cannot load {path}: {exc}") from exc
 
     @property
+    def inner(self) -> HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (read-only use: its vocabulary)."""
+        return self._inner
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the tokenizer can produce (including added special tokens)."""
         return int(self._inner.get_vocab_size(with_added_tokens=True))

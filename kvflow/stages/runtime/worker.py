@@ -41,6 +41,7 @@ class WorkItem:
     num_prefix_tokens: int = 0
     retain_pages: bool = False
     verify_pages: bool = True
+    num_output_tokens: int = 0
     on_admitted: Callable[[Engine], None] | None = field(default=None)
 
 
@@ -139,6 +140,7 @@ class EngineWorker:
                 num_prefix_tokens=item.num_prefix_tokens,
                 retain_pages=item.retain_pages,
                 verify_pages=item.verify_pages,
+                num_output_tokens=item.num_output_tokens,
             )
         except Exception as exc:
             _safe_call(item.on_error, exc)

@@ -101,6 +101,11 @@ class EmbeddedCluster:
         self.layout = kv_layout(first)
         for i in range(c.num_decode):
             self._add_decode(f"decode-{i}")
+        # One grammar compiler (and cache) for the fronts and every engine: a request's grammar
+        # is compiled once, off the event loop, before it is queued.
+        self.grammars = first.grammars
+        for inst in [*self.prefill.values(), *self.decode.values()]:
+            inst.worker.engine.use_grammars(self.grammars)
         self.conductor = build_conductor(
             RouterConfig(
                 policy=c.policy,

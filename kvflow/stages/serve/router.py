@@ -41,7 +41,7 @@ from kvflow.stages.api.convert import layout_from_info
 from kvflow.stages.api.generation import of_tenant
 from kvflow.stages.api.limits import TenantLimits
 from kvflow.stages.api.node_guard import NodeGuard
-from kvflow.stages.engine import ModelCard, Tokenizer
+from kvflow.stages.engine import GrammarCompiler, ModelCard, Tokenizer
 from kvflow.stages.hash import HashStage
 from kvflow.stages.remote_generate import RemoteGenerateStage
 from kvflow.stages.route import RouteStage
@@ -135,6 +135,10 @@ class RouterServer:
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
         self.layout = layout_from_info(info)
+        # Grammars are checked (compiled) here before routing; decode nodes apply them.
+        self.grammars = GrammarCompiler.for_tokenizer(
+            self.tokenizer.inner, info.vocab_size, self.card.eos_token_ids
+        )
         s = self.settings
         self.conductor: Conductor = build_conductor(
             RouterConfig(
