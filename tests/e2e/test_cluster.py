@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -126,6 +127,49 @@ def test_http_and_logprobs_through_a_router(cluster, tiny_model):
     assert last.prompt_logprobs_start <= 20
     assert [p.token_id for p in last.prompt_logprobs][-20:] == ids[20:]
     conn.close()
+
+
+def test_a_grammar_travels_to_the_nodes(cluster):
+    """Structured output in a cluster: the router checks the grammar (a bad one is a 400 /
+    INVALID_ARGUMENT before routing), the prefill node samples the first token under it and
+    the decode node continues it; the tiny model's random weights never write this alone."""
+    import http.client
+
+    phone = r"[0-9]{3}-[0-9]{4}"
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_ports[0], timeout=120)
+    for seed in range(3):
+        body = {
+            "text": "Call me at ",
+            "sampling_params": {
+                "max_new_tokens": 24,
+                "temperature": 1.0,
+                "sampling_seed": seed,
+                "regex": phone,
+            },
+        }
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        doc = json.loads(resp.read())
+        assert resp.status == 200, doc
+        assert re.fullmatch(phone, doc["text"]), doc["text"]
+    bad = {
+        "model": "tiny",
+        "prompt": "x",
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "nope"}},
+        },
+    }
+    conn.request("POST", "/v1/completions", json.dumps(bad), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 400 and b"json_schema" in resp.read()
+    conn.close()
+    with InferenceClient(cluster.addresses) as client:
+        req = pb2.GenerateRequest(prompt="Call me at ", max_tokens=24)
+        req.sampling.grammar_kind, req.sampling.grammar = "regex", phone
+        req.sampling.temperature = 1.0
+        text = "".join(m.text for m in client.generate(req, timeout=120))
+    assert re.fullmatch(phone, text), text
 
 
 def test_a_prefix_computed_on_one_node_is_served_by_the_other_over_tcp(cluster, tiny_model):

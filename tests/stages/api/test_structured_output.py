@@ -306,3 +306,34 @@ def test_sglang_frontend_gen_regex(server: ServerThread) -> None:
 
     state = phone.run(backend=backend, temperature=0.7)
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", state["number"]), state["number"]
+
+
+@pytest.mark.parametrize("block_id", ["structured-json-schema", "structured-tools"])
+def test_the_docs_python_blocks_run(server: ServerThread, block_id: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.docs.blocks import block
+
+    assert server.http is not None
+    code = block("structured-output.md", block_id).replace("http://127.0.0.1:8000", server.http.url)
+    assert server.http.url in code
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+
+
+def test_the_docs_regex_curl_runs(server: ServerThread) -> None:
+    import subprocess
+
+    from tests.docs.blocks import block
+
+    assert server.http is not None
+    cmd = block("structured-output.md", "structured-regex").replace(
+        "127.0.0.1:8000", server.http.url.removeprefix("http://")
+    )
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", json.loads(out.stdout)["text"])
