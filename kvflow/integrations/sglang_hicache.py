@@ -5,16 +5,21 @@ Loaded by SGLang's dynamic backend option::
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "kvflow",
         "module_path": "kvflow.integrations.sglang_hicache",
-        "class_name": "KvflowHiCacheStorage",
+        "class_name": "KvflowHiCacheStorage", "interface_v1": 1,
         "kvflow_meta": "10.0.0.1:7200,10.0.0.2:7200,10.0.0.3:7200",
         "kvflow_data_dir": "/data/kvflow", "kvflow_dram_bytes": 8589934592,
         "kvflow_ssd_bytes": 137438953472, "kvflow_tenant": "default"}'
 
 SGLang's cache controller constructs it as ``cls(storage_config, kwargs)``, then calls
 ``register_mem_pool_host(host_pool)`` (the member opens there: the pool fixes the namespace
-and the value size), then ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1`` from its
-prefetch and backup threads. Every method is thread-safe and never raises for a miss or a dead
-peer; a broken contract (indices not matching the keys) is logged and fails that batch.
+and the value size; a layout kvflow cannot store bit-exact is refused there with a
+ValueError, which fails SGLang's attach), then ``batch_exists`` and, from its prefetch and
+backup threads, ``batch_get_v1`` / ``batch_set_v1`` (zero-copy, when the extra config has
+``"interface_v1": 1``: SGLang's controller takes that path for a ``dynamic`` backend only
+then) or ``batch_get`` / ``batch_set`` of flat pages (its generic path). Both paths store the
+same values under the same keys, so a page written on one reads back bit-exact on the other.
+Every method is thread-safe and never raises for a miss or a dead peer; a broken contract
+(indices not matching the keys) is logged and fails that batch.
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ from typing import Any
 from kvflow.integrations.config import MemberConfig
 from kvflow.integrations.member import ClusterMember, MemberCounters
 from kvflow.integrations.sglang_contract import load_contract, new_storage_metrics
-from kvflow.integrations.sglang_pages import PageGeometry, PageKeys, PoolViews, pool_namespace
+from kvflow.integrations.sglang_pages import (
+    FlatPageOrder,
+    PageGeometry,
+    PageKeys,
+    PoolViews,
+    pool_namespace,
+)
 
 _contract = load_contract()
 HiCacheStorage = _contract.HiCacheStorage
@@ -58,6 +69,8 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self.member: ClusterMember | None = None
         self.keys: PageKeys | None = None
         self.views: PoolViews | None = None
+        self.flat_order: FlatPageOrder | None = None
+        self.interface_v1 = bool(extra.get("interface_v1", 0))
         self._metrics = new_storage_metrics()
 
     # ----------------------------------------------------------------- setup
@@ -68,6 +81,14 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         if self.member is not None:
             return
         geometry = PageGeometry.of_pool(mem_pool_host)
+        flat_order = FlatPageOrder.of_pool(mem_pool_host, geometry)
+        if flat_order is None and not self.interface_v1:
+            raise ValueError(
+                f"kvflow HiCache storage: layout {geometry.layout!r} has no flat data page "
+                "made of whole segments, so SGLang's generic page path cannot be served "
+                'bit-exact: set "interface_v1": 1 in the extra config'
+            )
+        self.flat_order = flat_order
         ns = pool_namespace(
             mem_pool_host, geometry, self.storage_config, self.member_config.tenant, self.model
         )
@@ -180,21 +201,38 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             return False
         return True
 
-    def _split(self, value: Any) -> list[Any]:
+    def _chunks(self, key: str, value: Any) -> tuple[list[bytes], list[Any]] | None:
+        """The segment keys of page ``key`` and the matching byte views of ``value`` (a flat
+        page as SGLang's ``get_data_page`` gives it), or None (logged) when this pool has no
+        flat page order."""
         import torch
 
         _, pk, _ = self._ready()
+        if self.flat_order is None:
+            logger.error(
+                "layout %r: SGLang's generic page path is not served (use interface_v1)",
+                pk.geometry.layout,
+            )
+            return None
         flat = value.reshape(-1).view(torch.uint8)
         size = pk.geometry.segment_bytes
-        return [flat[i * size : (i + 1) * size] for i in range(pk.geometry.segments)]
+        seg_keys = pk.of(key)
+        keys = [seg_keys[s] for s in self.flat_order.chunks]
+        return keys, [flat[i * size : (i + 1) * size] for i in range(pk.geometry.segments)]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """Read page ``key`` into ``target_location`` (a contiguous CPU tensor of one page's
-        bytes: its segments in ``get_page_buffer_meta`` order); it, or None on a miss."""
-        member, pk, _ = self._ready()
-        if target_location is None or not self._check_page(target_location):
+        bytes laid out as ``get_data_page(flat=True)``; None: a new one from the pool's
+        ``get_dummy_flat_data_page``); it, or None on a miss."""
+        member, _, views = self._ready()
+        if target_location is None:
+            target_location = views.pool.get_dummy_flat_data_page()
+        if not self._check_page(target_location):
             return None
-        got = member.read_into(pk.of(key), self._split(target_location))
+        chunks = self._chunks(key, target_location)
+        if chunks is None:
+            return None
+        got = member.read_into(*chunks)
         return target_location if all(g is not None for g in got) else None
 
     def batch_get(
@@ -206,14 +244,19 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
     ) -> bool:
-        """Store one page (``value``: a contiguous CPU tensor, laid out as for ``get``)."""
+        """Store one page (``value``: a contiguous CPU tensor laid out as ``get_data_page``'s
+        flat page), under the same keys as ``batch_set_v1`` stores it."""
         member, pk, _ = self._ready()
         if value is None or not self._check_page(value):
             return False
+        chunks = self._chunks(key, value)
+        if chunks is None:
+            return False
+        by_key = dict(zip(*chunks, strict=True))
         ok = True
         parent = None
-        for seg_key, seg in zip(pk.of(key), self._split(value), strict=True):
-            ok = member.put(seg_key, seg, parent) and ok
+        for seg_key in pk.of(key):  # chained in segment order, as batch_set_v1 does
+            ok = member.put(seg_key, by_key[seg_key], parent) and ok
             parent = seg_key
         return ok
 
@@ -224,7 +267,8 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        return all(self.set(k, v) for k, v in zip(keys, values or [None] * len(keys), strict=True))
+        results = [self.set(k, v) for k, v in zip(keys, values or [None] * len(keys), strict=True)]
+        return all(results)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

@@ -2,11 +2,21 @@
 
 SGLang's host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) say where a page's
 bytes are with ``get_page_buffer_meta(host_indices) -> (pointers, sizes)``: per page one
-contiguous segment per (K, V) in ``page_first`` MHA, per (layer, K/V) in ``layer_first`` MHA,
-one per page in ``page_first`` MLA and per layer in ``layer_first`` MLA. kvflow stores each
-segment as one value under ``named_key(namespace, page hash, segment)``, so a page moves with
-no gather or staging copy: the shard copies a segment straight between its DRAM pool and a
-view of the host pool, and a remote read lands straight in the (registered) host pool.
+contiguous segment per (K, V) in MHA ``page_first``/``page_first_direct``/``page_head``, per
+(layer, K/V) in MHA ``layer_first``, one per page in MLA ``page_first``/``page_first_direct``
+and per layer in MLA ``layer_first``. kvflow stores each segment as one value under
+``named_key(namespace, page hash, segment)``, so a page moves with no gather or staging copy
+(SGLang's zero-copy ``batch_get_v1``/``batch_set_v1``): the shard copies a segment straight
+between its DRAM pool and a view of the host pool, and a remote read lands straight in the
+(registered) host pool.
+
+SGLang's generic path (``get``/``set`` of one page as ``get_data_page(flat=True)``, written
+back with ``set_from_flat_data_page``) holds the same segments in another order where the
+layout interleaves them (MHA ``layer_first``: all K layers, then all V layers, where the
+pointers go K0 V0 K1 V1 ...). ``FlatPageOrder`` is derived once from the pool's own
+``get_data_page`` view and ``get_page_buffer_meta`` pointers, so a page written on one path
+reads back bit-exact on the other; a layout whose flat page is not made of whole segments has
+no order and its generic calls are refused.
 
 The namespace holds the tenant, SGLang's model name, the attention kind (MHA/MLA), the pool
 layout, the page's segment geometry and (MHA) the tensor-parallel rank: two models, layouts,
@@ -27,6 +37,12 @@ from kvflow.kvdb.keys import DTYPE_SIZES, named_key
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:/+=-]")
 
 
+SUPPORTED_LAYOUTS = (
+    "MHA layer_first, page_first, page_first_direct, page_head; "
+    "MLA layer_first, page_first, page_first_direct"
+)
+
+
 @dataclass(frozen=True)
 class PageGeometry:
     """Segments per page and their size, for one host pool (see the module doc)."""
@@ -38,19 +54,90 @@ class PageGeometry:
 
     @classmethod
     def of_pool(cls, pool: Any) -> PageGeometry:
-        """Probe ``pool.get_page_buffer_meta`` with one page. Raises ValueError if its
-        segments differ in size (a layout kvflow does not store)."""
+        """Probe ``pool.get_page_buffer_meta`` with one page. Raises ValueError naming the
+        layout if SGLang gives no pointers for it (e.g. ``page_unified``), if the segments
+        differ in size (``page_first_kv_split``, MHA with a V width unlike K's) or if the pool
+        splits pages across decode-context-parallel ranks."""
         import torch
 
+        layout = str(getattr(pool, "layout", "?"))
+        kind = type(pool).__name__
+        if int(getattr(pool, "dcp_size", 1)) > 1:
+            raise ValueError(
+                f"kvflow HiCache storage: {kind} layout {layout!r} with dcp_size="
+                f"{pool.dcp_size}: decode-context-parallel host pools are not supported"
+            )
         page_size = int(pool.page_size)
-        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+        try:
+            ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+        except (ValueError, NotImplementedError, AssertionError) as exc:
+            raise ValueError(
+                f"kvflow HiCache storage: {kind} layout {layout!r} is not supported: SGLang "
+                f"gives no page segments for it ({exc}); supported: {SUPPORTED_LAYOUTS}"
+            ) from exc
         flat_sizes = _flatten(sizes)
         if not flat_sizes or len(set(flat_sizes)) != 1 or len(_flatten(ptrs)) != len(flat_sizes):
-            raise ValueError(f"host pool layout {pool.layout!r}: unequal or no page segments")
-        return cls(page_size, len(flat_sizes), flat_sizes[0], str(pool.layout))
+            raise ValueError(
+                f"kvflow HiCache storage: {kind} layout {layout!r} is not supported: its page "
+                f"segments are {sorted(set(flat_sizes))} bytes (kvflow stores equal segments); "
+                f"supported: {SUPPORTED_LAYOUTS}"
+            )
+        return cls(page_size, len(flat_sizes), flat_sizes[0], layout)
 
     def page_bytes(self) -> int:
         return self.segments * self.segment_bytes
+
+
+@dataclass(frozen=True)
+class FlatPageOrder:
+    """Where each segment sits in SGLang's flat data page: ``chunks[i]`` is the index (in
+    ``get_page_buffer_meta`` order) of the segment held by the flat page's i-th
+    ``segment_bytes`` chunk."""
+
+    chunks: tuple[int, ...]
+
+    @classmethod
+    def of_pool(cls, pool: Any, geometry: PageGeometry) -> FlatPageOrder | None:
+        """Derive the order from the byte addresses of ``pool.get_data_page(0, flat=False)``
+        (a view of ``kv_buffer``) against ``get_page_buffer_meta`` for the same page. None if
+        the pool has no flat page for its layout, the view is a copy, or a chunk is not one
+        whole segment."""
+        import torch
+
+        try:
+            view = pool.get_data_page(0, flat=False)
+        except (ValueError, NotImplementedError, TypeError):
+            return None
+        buffer = pool.kv_buffer
+        if (
+            view.device.type != "cpu"
+            or view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+        ):
+            return None
+        item = view.element_size()
+        seg_bytes = geometry.segment_bytes
+        if seg_bytes % item or view.numel() * item != geometry.page_bytes():
+            return None
+        addresses = torch.zeros((), dtype=torch.int64)
+        for dim, (size, stride) in enumerate(zip(view.shape, view.stride(), strict=True)):
+            shape = [1] * view.dim()
+            shape[dim] = size
+            addresses = addresses + (torch.arange(size, dtype=torch.int64) * stride).view(shape)
+        flat = (addresses.reshape(-1) * item + view.data_ptr()).numpy()
+        ptrs, _ = pool.get_page_buffer_meta(torch.arange(geometry.page_size, dtype=torch.int64))
+        where = {ptr: i for i, ptr in enumerate(_flatten(ptrs))}
+        per = seg_bytes // item
+        step = np.arange(per, dtype=np.int64) * item
+        chunks = []
+        for c in range(geometry.segments):
+            run = flat[c * per : (c + 1) * per]
+            seg = where.get(int(run[0]))
+            if seg is None or not np.array_equal(run - run[0], step):
+                return None
+            chunks.append(seg)
+        if sorted(chunks) != list(range(geometry.segments)):
+            return None
+        return cls(tuple(chunks))
 
 
 def _flatten(values: Any) -> list[int]:
@@ -134,4 +221,11 @@ class PoolViews:
         return views
 
 
-__all__ = ["PageGeometry", "PageKeys", "PoolViews", "pool_namespace"]
+__all__ = [
+    "SUPPORTED_LAYOUTS",
+    "FlatPageOrder",
+    "PageGeometry",
+    "PageKeys",
+    "PoolViews",
+    "pool_namespace",
+]

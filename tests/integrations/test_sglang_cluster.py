@@ -18,7 +18,7 @@ from kvflow.replication import MetadataConfig, MetadataGroup
 from kvflow.replication.service import create_meta_server
 from tests.conftest import pick_free_port
 from tests.integrations.conftest import create_backend
-from tests.integrations.sglang_pools import fill, indices, make_pool
+from tests.integrations.sglang_pools import fill, indices, make_pool, page
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = 12
@@ -75,7 +75,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 def _expected() -> list[torch.Tensor]:
     pool = make_pool("mha", "page_first", pages=PAGES)
     fill(pool, SEED)
-    return [pool.get_data_page(p * pool.page_size) for p in range(PAGES)]
+    return [page(pool, p) for p in range(PAGES)]
 
 
 def _reader(meta: str, model: str = "org/model-a"):

@@ -10,13 +10,16 @@ import torch
 
 from kvflow.integrations.sglang_hicache import HiCacheStorage, KvflowHiCacheStorage
 from tests.integrations.conftest import create_backend
-from tests.integrations.sglang_pools import fill, indices, make_pool
+from tests.integrations.sglang_pools import fill, indices, make_pool, page
 
 LAYOUTS = [
     ("mha", "page_first"),
     ("mha", "layer_first"),
+    ("mha", "page_first_direct"),
+    ("mha", "page_head"),
     ("mla", "page_first"),
     ("mla", "layer_first"),
+    ("mla", "page_first_direct"),
 ]
 
 
@@ -47,7 +50,7 @@ def test_pages_round_trip_bit_exact_between_pool_slots(
     try:
         fill(pool, seed=1)
         ps = pool.page_size
-        written = {p: pool.get_data_page(p * ps) for p in (0, 1, 2)}
+        written = {p: page(pool, p) for p in (0, 1, 2)}
         keys = ["h0", "h1", "h2"]
         assert backend.batch_set_v1(keys, indices([0, 1, 2], ps)) == [True] * 3
         pool.kv_buffer.zero_()
@@ -99,16 +102,16 @@ def test_misses_and_broken_contract_return_false_without_raising(tmp_path: Path)
 def test_single_page_get_set_and_clear(tmp_path: Path) -> None:
     pool, backend = _backend("mha", "page_first", tmp_path)
     try:
-        page = torch.randn(backend.keys.geometry.page_bytes() // 2).to(torch.bfloat16)
-        assert backend.set("p", page)
+        data = torch.randn(backend.keys.geometry.page_bytes() // 2).to(torch.bfloat16)
+        assert backend.set("p", data)
         assert backend.exists("p")
-        out = torch.zeros_like(page)
-        assert backend.get("p", out) is out and torch.equal(out, page)
-        assert backend.get("q", torch.zeros_like(page)) is None
+        out = torch.zeros_like(data)
+        assert backend.get("p", out) is out and torch.equal(out, data)
+        assert backend.get("q", torch.zeros_like(data)) is None
         assert not backend.set("bad", torch.zeros(3, dtype=torch.bfloat16))  # wrong size
         # set of a flat page == the pool's page_first data page layout: batch_get_v1 agrees
         assert backend.batch_get_v1(["p"], indices([4], pool.page_size)) == [True]
-        assert torch.equal(pool.get_data_page(4 * pool.page_size).reshape(-1), page)
+        assert torch.equal(pool.get_data_page(4 * pool.page_size).reshape(-1), data)
         backend.clear()
         assert not backend.exists("p")
     finally:
@@ -136,7 +139,7 @@ def test_pages_survive_a_restart_on_ssd(tmp_path: Path) -> None:
     pool = make_pool("mla", "layer_first")
     fill(pool, seed=4)
     ps = pool.page_size
-    expected = pool.get_data_page(0)
+    expected = page(pool, 0)
     cfg = {"kvflow_node_id": "n0", "kvflow_data_dir": str(tmp_path), "kvflow_engine": "rocksdb"}
     first = create_backend(pool, True, **cfg)
     assert first.batch_set_v1(["a"], indices([0], ps)) == [True]
