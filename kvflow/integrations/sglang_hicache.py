@@ -224,22 +224,37 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         """Read page ``key`` into ``target_location`` (a contiguous CPU tensor of one page's
         bytes laid out as ``get_data_page(flat=True)``; None: a new one from the pool's
         ``get_dummy_flat_data_page``); it, or None on a miss."""
-        member, _, views = self._ready()
-        if target_location is None:
-            target_location = views.pool.get_dummy_flat_data_page()
-        if not self._check_page(target_location):
-            return None
-        chunks = self._chunks(key, target_location)
-        if chunks is None:
-            return None
-        got = member.read_into(*chunks)
-        return target_location if all(g is not None for g in got) else None
+        return self.batch_get([key], [target_location])[0]
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[Any]:
-        targets = target_locations or [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
+        """``get`` of each page, in one read of all their segments; per page its target, or
+        None (a miss, or a target of the wrong size)."""
+        member, pk, views = self._ready()
+        targets = list(target_locations or [None] * len(keys))
+        if not keys:
+            return []
+        start = time.perf_counter()
+        seg_keys: list[bytes] = []
+        seg_views: list[Any] = []
+        wanted: list[int] = []
+        for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
+            if target is None:
+                target = targets[i] = views.pool.get_dummy_flat_data_page()
+            chunks = self._chunks(key, target) if self._check_page(target) else None
+            if chunks is not None:
+                seg_keys.extend(chunks[0])
+                seg_views.extend(chunks[1])
+                wanted.append(i)
+        got = member.read_into(seg_keys, seg_views) if seg_keys else []
+        out: list[Any] = [None] * len(keys)
+        n = pk.geometry.segments
+        for j, i in enumerate(wanted):
+            if all(g is not None for g in got[j * n : (j + 1) * n]):
+                out[i] = targets[i]
+        self._record("prefetch", sum(o is not None for o in out), time.perf_counter() - start)
+        return out
 
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None

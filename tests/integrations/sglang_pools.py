@@ -1,5 +1,5 @@
 """SGLang host pools for the integrations tests (SGLang's own MHA/MLA host pool code, see
-sglang_source.py) and seeded contents for them."""
+kvflow/tools/bench/sglang_source.py) and seeded contents for them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tests.integrations.sglang_source import host_pool
+from kvflow.tools.bench.sglang_source import host_pool
 
 
 def make_pool(kind: str, layout: str, pages: int = 16, page_size: int = 4) -> Any:

@@ -1,8 +1,8 @@
 """Every host pool layout SGLang offers, MHA and MLA, written through one of SGLang's cache
 controller page paths and read through the other: bit-exact, or refused with a clear error.
 
-SGLang's own code runs throughout (sglang_source.py): the host pools' ``init_kv_buffer``,
-``get_page_buffer_meta``, ``get_data_page``, ``get_dummy_flat_data_page`` and
+SGLang's own code runs throughout (kvflow/tools/bench/sglang_source.py): the host pools'
+``init_kv_buffer``, ``get_page_buffer_meta``, ``get_data_page``, ``get_dummy_flat_data_page`` and
 ``set_from_flat_data_page``; the controller's ``attach_storage_backend``,
 ``_page_set_zero_copy`` / ``_generic_page_set`` (backup) and ``_page_get_zero_copy`` /
 ``_generic_page_get`` (prefetch); the backend factory and ``HiCacheStorageConfig``.
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvflow.tools.bench.sglang_source import bare_controller, prefetch_operation
 from tests.integrations.conftest import storage_config
 from tests.integrations.sglang_docs import doc_block
 from tests.integrations.sglang_pools import fill, indices, make_pool, page
-from tests.integrations.sglang_source import bare_controller, prefetch_operation
 
 # read from the installed sglang 0.5.23: pool_host/mha.py and mla.py init_kv_buffer
 SUPPORTED = [

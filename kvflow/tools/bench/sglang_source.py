@@ -191,13 +191,16 @@ def _init_mla(
     _base_init(self, layout, pages, page_size, dtype)
 
 
-def host_pool(kind: str, layout: str, pages: int = 16, page_size: int = 4) -> Any:
-    """A real SGLang host pool (see the module doc): kind "mha" (3 layers, 2 heads of 8) or
-    "mla" (3 layers, kv_lora_rank 16 + rope 8)."""
+def host_pool(kind: str, layout: str, pages: int = 16, page_size: int = 4, **geometry: int) -> Any:
+    """A real SGLang host pool (see the module doc): kind "mha" (by default 3 layers, 2 heads
+    of 8: ``layer_num``, ``head_num``, ``head_dim``) or "mla" (3 layers, kv_lora_rank 16 +
+    rope 8: ``layer_num``, ``kv_lora_rank``, ``qk_rope_head_dim``); bfloat16."""
     cls = _pool_class(kind)
     if kind == "mha":
-        return cls(layout, pages, page_size, layer_num=3, head_num=2, head_dim=8)
-    return cls(layout, pages, page_size, layer_num=3, kv_lora_rank=16, qk_rope_head_dim=8)
+        dims = {"layer_num": 3, "head_num": 2, "head_dim": 8, **geometry}
+    else:
+        dims = {"layer_num": 3, "kv_lora_rank": 16, "qk_rope_head_dim": 8, **geometry}
+    return cls(layout, pages, page_size, **dims)
 
 
 # ----------------------------------------------------------------- the cache controller
