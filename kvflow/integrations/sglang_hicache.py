@@ -214,7 +214,7 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                 pk.geometry.layout,
             )
             return None
-        flat = value.reshape(-1).view(torch.uint8).numpy()  # numpy views: the copy fast path
+        flat = value.reshape(-1).view(torch.uint8).numpy()  # views, as PoolViews gives v1
         size = pk.geometry.segment_bytes
         seg_keys = pk.of(key)
         keys = [seg_keys[s] for s in self.flat_order.chunks]
