@@ -1,7 +1,7 @@
 """A second SGLang-like process for the cluster tests: joins the cluster through the HiCache
 backend, writes seeded pages, prints one READY line, and serves until its stdin closes.
 
-python -m tests.integrations.sglang_writer META_ADDRESS NODE_ID MODEL SEED PAGES
+python -m tests.integrations.sglang_writer META_ADDRESS NODE_ID MODEL SEED PAGES [LAYOUT]
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from tests.integrations.sglang_pools import fill, indices, make_pool
 
 def main(argv: list[str]) -> int:
     meta, node_id, model, seed, pages = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4])
-    pool = make_pool("mha", "page_first", pages=max(pages, 1))
+    layout = argv[5] if len(argv) > 5 else "page_first"
+    pool = make_pool("mha", layout, pages=max(pages, 1))
     fill(pool, seed)
     backend = create_backend(
         pool, False, model=model, kvflow_meta=meta, kvflow_node_id=node_id, kvflow_engine="memory"

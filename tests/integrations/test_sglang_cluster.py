@@ -10,12 +10,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvflow.replication import MetadataConfig, MetadataGroup
 from kvflow.replication.service import create_meta_server
+from kvflow.tools.bench.sglang_source import controller_class, prefetch_operation
 from tests.conftest import pick_free_port
 from tests.integrations.conftest import create_backend
 from tests.integrations.sglang_pools import fill, indices, make_pool, page
@@ -38,7 +40,9 @@ def meta() -> Iterator[str]:
     group.close()
 
 
-def _writer(meta: str, node_id: str, model: str) -> subprocess.Popen[str]:
+def _writer(
+    meta: str, node_id: str, model: str, layout: str = "page_first"
+) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -49,6 +53,7 @@ def _writer(meta: str, node_id: str, model: str) -> subprocess.Popen[str]:
             model,
             str(SEED),
             str(PAGES),
+            layout,
         ],
         cwd=ROOT,
         stdin=subprocess.PIPE,
@@ -72,14 +77,14 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             proc.wait(5)
 
 
-def _expected() -> list[torch.Tensor]:
-    pool = make_pool("mha", "page_first", pages=PAGES)
+def _expected(layout: str = "page_first") -> list[torch.Tensor]:
+    pool = make_pool("mha", layout, pages=PAGES)
     fill(pool, SEED)
     return [page(pool, p) for p in range(PAGES)]
 
 
-def _reader(meta: str, model: str = "org/model-a"):
-    pool = make_pool("mha", "page_first", pages=PAGES)
+def _reader(meta: str, model: str = "org/model-a", layout: str = "page_first"):
+    pool = make_pool("mha", layout, pages=PAGES)
     backend = create_backend(
         pool, False, model=model, kvflow_meta=meta, kvflow_node_id="reader", kvflow_engine="memory"
     )
@@ -173,3 +178,28 @@ def test_member_killed_mid_read_gives_misses_never_errors_or_wrong_bytes(meta: s
     assert errors == [] and wrong == []
     assert results[0] == [True] * PAGES
     assert results[-1] == [False] * PAGES  # the holder is gone: misses
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_zero_copy_writer_and_generic_reader_in_two_processes(meta: str) -> None:
+    """MHA layer_first, where the two paths order a page's segments differently: a process
+    backing up with batch_set_v1, another prefetching through SGLang's generic path."""
+    writer = _writer(meta, "writer", "org/model-a", "layer_first")
+    pool, backend = _reader(meta, layout="layer_first")
+    try:
+        keys = [f"page-{i}" for i in range(PAGES)]
+        controller = SimpleNamespace(storage_host_pool=pool, storage_backend=backend)
+        controller.page_size = pool.page_size
+        order = list(reversed(range(PAGES)))
+        hits = controller_class()._generic_page_get(
+            controller, prefetch_operation(), keys, indices(order, pool.page_size)
+        )
+        assert hits == PAGES
+        expected = _expected("layer_first")
+        for i, slot in enumerate(order):
+            assert torch.equal(page(pool, slot), expected[i]), i
+        assert backend.get_stats().kvflow_tiers["remote"] == 2 * 3 * PAGES  # K, V per layer
+    finally:
+        backend.close()
+        _stop(writer)
