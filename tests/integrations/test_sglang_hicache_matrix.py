@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvflow.tools.bench.sglang_source import bare_controller, prefetch_operation
-from tests.integrations.conftest import storage_config
+from kvflow.tools.bench.sglang_source import bare_controller, host_pool, prefetch_operation
+from tests.integrations.conftest import create_backend, storage_config
 from tests.integrations.sglang_docs import doc_block
 from tests.integrations.sglang_pools import fill, indices, make_pool, page
 
@@ -121,6 +121,13 @@ def test_k_and_v_land_where_sglang_put_them(kind: str, layout: str) -> None:
 def test_layouts_without_page_segments_are_refused_at_attach(kind: str, layout: str) -> None:
     with pytest.raises(ValueError, match=rf"layout '{layout}' is not supported.*supported: MHA"):
         _attach(kind, layout, {**doc_config(), **MEMBER})
+
+
+def test_decode_context_parallel_host_pools_are_refused_at_attach() -> None:
+    pool = host_pool("mla", "page_first", dcp_size=2)
+    assert pool.dcp_size == 2 and pool.logical_page_size == 4  # SGLang's DCP sizing ran
+    with pytest.raises(ValueError, match=r"dcp_size=2: decode-context-parallel"):
+        create_backend(pool, True, **MEMBER)
 
 
 def doc_config() -> dict[str, Any]:

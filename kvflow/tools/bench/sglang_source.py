@@ -132,7 +132,9 @@ def _pool_class(kind: str) -> type:
     return cls
 
 
-def _base_init(self: Any, layout: str, pages: int, page_size: int, dtype: torch.dtype) -> None:
+def _base_init(
+    self: Any, layout: str, pages: int, page_size: int, dtype: torch.dtype, dcp_size: int = 1
+) -> None:
     base = type(self).__mro__[1]
     budget = _module("sglang.srt.mem_cache.pool_host.base").host_memory_budget_scope
     with budget(1 << 40):  # SGLang keeps 10 GB of the machine free; the test pools are KBs
@@ -149,7 +151,8 @@ def _base_init(self: Any, layout: str, pages: int, page_size: int, dtype: torch.
             layout=layout,
             pin_memory=False,
             device="cpu",
-            host_token_capacity=pages * page_size,
+            host_token_capacity=pages * page_size // dcp_size,
+            dcp_size=dcp_size,
         )
 
 
@@ -180,6 +183,7 @@ def _init_mla(
     kv_lora_rank: int,
     qk_rope_head_dim: int,
     dtype: torch.dtype = torch.bfloat16,
+    dcp_size: int = 1,
 ) -> None:
     # the attributes MLATokenToKVPoolHost.__init__ takes from its MLA buffer info
     self.dtype, self.kv_lora_rank, self.qk_rope_head_dim = dtype, kv_lora_rank, qk_rope_head_dim
@@ -188,7 +192,7 @@ def _init_mla(
     self._size_per_token = self.kv_cache_dim * dtype.itemsize * layer_num
     self._native_buffers = None
     self._transfer_device = torch.device("cpu")
-    _base_init(self, layout, pages, page_size, dtype)
+    _base_init(self, layout, pages, page_size, dtype, dcp_size)
 
 
 def host_pool(kind: str, layout: str, pages: int = 16, page_size: int = 4, **geometry: int) -> Any:
