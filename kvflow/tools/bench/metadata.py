@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -51,6 +52,7 @@ def _free_address() -> str:
 
 def _start_group(replicas: int, journal_root: Path | None) -> list[MetadataGroup]:
     addresses = [_free_address() for _ in range(replicas)]
+    password = secrets.token_hex(16)  # the group's own: a group never runs open
     groups = []
     for i, address in enumerate(addresses):
         config = MetadataConfig(
@@ -60,6 +62,7 @@ def _start_group(replicas: int, journal_root: Path | None) -> list[MetadataGroup
             commit_timeout_s=30.0,
             raft_min_timeout_s=0.25,
             raft_max_timeout_s=0.6,
+            password=password,
         )
         groups.append(MetadataGroup(config))
     for group in groups:
