@@ -75,14 +75,26 @@ class Role:
 
 
 def listening_ports(pid: int) -> set[int]:
-    """The TCP ports a process and its children listen on."""
+    """The TCP ports a process and its children listen on, read from /proc (psutil's
+    ``net_connections`` trips over the ``socket.inet_ntop`` that pysyncobj replaces)."""
     procs = [psutil.Process(pid)]
     procs += procs[0].children(recursive=True)
-    ports: set[int] = set()
+    inodes: set[str] = set()
     for proc in procs:
-        for conn in proc.net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN:
-                ports.add(conn.laddr.port)
+        fd_dir = Path(f"/proc/{proc.pid}/fd")
+        for fd in fd_dir.iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rpartition(":")[2], 16))
     return ports
 
 
