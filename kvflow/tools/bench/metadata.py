@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import secrets
 import statistics
@@ -40,6 +41,7 @@ from kvflow.replication import (
     ReplicationError,
     Tier,
 )
+from kvflow.security import SECRET_FILE_ENV
 from kvflow.tools.args import free_port
 from kvflow.tools.supervise import LocalMetaProcesses
 
@@ -197,6 +199,7 @@ def run_processes(blocks: int, batch: int, writers: int, kills: int, seed: int) 
         tempfile.TemporaryDirectory(prefix="kvflow-bench-meta-") as tmp,
         LocalMetaProcesses(Path(tmp)) as procs,
     ):
+        os.environ.setdefault(SECRET_FILE_ENV, str(procs.secret_file))  # the clients' secret
         procs.start_all()
         probes = [RemoteMetadata([a], 1.0, 0.5, cache_ttl_s=0) for a in procs.grpc]
         client = RemoteMetadata(procs.grpc, timeout_s=60.0)
