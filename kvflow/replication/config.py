@@ -62,22 +62,28 @@ class MetadataConfig:
     password: str | None = field(default_factory=lambda: _process_raft_password(), repr=False)
     """pysyncobj's password: every Raft message is encrypted and authenticated with it
     (Fernet), so nothing reaches ``pickle.loads`` without it. Default: derived from this
-    process's cluster secret (``KVFLOW_CLUSTER_SECRET_FILE``); ``None`` runs open, except
-    for a lone replica (no partners), which gets a random password."""
+    process's cluster secret (``KVFLOW_CLUSTER_SECRET_FILE``); a lone replica (no
+    partners) without one gets a random password; a replica with partners refuses ``None``
+    (a group never runs open: pysyncobj unpickles what its port receives)."""
 
     def __post_init__(self) -> None:
         check_address("self_address", self.self_address)
         if self.password is None and not self.partner_addresses:
             # A lone replica talks to nobody: a random password closes its Raft port to all.
             object.__setattr__(self, "password", secrets.token_hex(16))
-        if self.password is not None and (not isinstance(self.password, str) or not self.password):
-            raise ValueError("password: must be a non-empty string or None")
         if not isinstance(self.partner_addresses, tuple):
             raise ValueError("partner_addresses: must be a tuple of 'host:port' strings")
         for address in self.partner_addresses:
             check_address("partner_addresses", address)
         if self.self_address in self.partner_addresses:
             raise ValueError("partner_addresses: must not contain self_address")
+        if self.password is None:
+            raise ValueError(
+                "password: a metadata replica with partners needs the cluster secret "
+                "(--cluster-secret-file or KVFLOW_CLUSTER_SECRET_FILE)"
+            )
+        if not isinstance(self.password, str) or not self.password:
+            raise ValueError("password: must be a non-empty string")
         if len(set(self.partner_addresses)) != len(self.partner_addresses):
             raise ValueError("partner_addresses: contains duplicates")
         if self.journal_dir is not None and not isinstance(self.journal_dir, Path):

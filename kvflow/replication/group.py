@@ -37,6 +37,7 @@ from kvflow.replication.raft import (
     raise_for,
     syncobj_conf,
 )
+from kvflow.replication.raft_gate import GatedTransport
 from kvflow.replication.shell import ReplicatedTable
 from kvflow.replication.types import NodeId, Tier
 from kvflow.replication.view import MetadataView
@@ -101,6 +102,7 @@ class MetadataGroup:
                     list(self._config.partner_addresses),
                     conf=syncobj_conf(self._config),
                     consumers=[self._shell],
+                    transportClass=GatedTransport,
                 )
             except SyncObjException as exc:
                 raise MetadataUnavailableError(

@@ -56,13 +56,22 @@ class ClusterSecret:
 
 
 def generate_secret_file(path: Path) -> ClusterSecret:
-    """Write a new random secret to ``path`` (mode 0600, created exclusively: an existing
-    file is an error, so a cluster's secret is never overwritten by accident)."""
+    """Write a new random secret to ``path`` (mode 0600). The file appears whole or not at
+    all (written aside, then hard-linked into place), and an existing file is an error
+    (FileExistsError), so a cluster's secret is never overwritten and two processes that
+    generate at once agree on the winner's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     value = secrets.token_bytes(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(value.hex().encode() + b"\n")
+    aside = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(value.hex().encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
     return ClusterSecret(value)
 
 

@@ -6,11 +6,14 @@ Light on purpose (no torch, no servers): ``kvflow --help`` imports it.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from kvflow.stages.serve.ports import free_port
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["add_engine_store_flags", "address_list", "engine_store_values", "free_port"]
 
@@ -97,7 +100,14 @@ def add_security_flags(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument(
         "--cluster-secret-file",
         type=Path,
-        help="the cluster's secret (a file, chmod 600); default: $KVFLOW_CLUSTER_SECRET_FILE",
+        help="the cluster's secret (a file, chmod 600); default: $KVFLOW_CLUSTER_SECRET_FILE, "
+        "else DATA_DIR/cluster.secret (generated on first start unless the role joins peers "
+        "beyond loopback)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve the inference API beyond loopback without API keys (logged as a warning)",
     )
     p.add_argument("--api-key", help="require this key (Bearer) from clients: one admin key")
     p.add_argument(
@@ -136,16 +146,35 @@ def apply_tls(args: argparse.Namespace) -> None:
     process_tls().check()  # the variables set before this process started, too
 
 
-def apply_cluster_secret(args: argparse.Namespace) -> None:
-    """Make ``--cluster-secret-file`` this process's secret (the environment variable that
-    ``kvflow.security.process_secret`` reads); ValueError for an unusable file."""
-    path = getattr(args, "cluster_secret_file", None)
-    if path is None:
-        return
-    from kvflow.security import SECRET_FILE_ENV, load_secret_file
+def apply_cluster_secret(
+    args: argparse.Namespace, role: str, binds: tuple[str, ...] = (), peers: tuple[str, ...] = ()
+) -> None:
+    """Give this process its cluster secret by the one rule of
+    ``kvflow.security.bootstrap`` (given, environment, data dir, else generated unless the
+    role joins peers beyond loopback) and make it the secret its children inherit;
+    ValueError (or OSError) saying which flag or file to pass."""
+    from kvflow.security.bootstrap import install_secret, resolve_secret
 
-    load_secret_file(path)
-    os.environ[SECRET_FILE_ENV] = str(path.resolve())
+    data_dir = Path(getattr(args, "data_dir", None) or "data")
+    given = getattr(args, "cluster_secret_file", None)
+    install_secret(resolve_secret(role, data_dir, given, binds, peers))
+
+
+def check_api_exposure(args: argparse.Namespace) -> None:
+    """An inference API (gRPC, HTTP) beyond loopback needs API keys unless ``--insecure``
+    is given, which logs a warning; ValueError saying what to pass."""
+    from kvflow.security.bootstrap import is_loopback
+
+    if is_loopback(args.host) or getattr(args, "api_key", None) or args.api_key_file:
+        return
+    if not getattr(args, "insecure", False):
+        raise ValueError(
+            f"--host {args.host} serves the inference API beyond loopback without API keys: "
+            "pass --api-key or --api-key-file (or --insecure to serve it open)"
+        )
+    logger.warning(
+        "--insecure: the inference API on %s accepts every caller (no API keys)", args.host
+    )
 
 
 def authenticator_from_args(args: argparse.Namespace) -> Any:

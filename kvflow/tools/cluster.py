@@ -70,6 +70,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvflow.security.bootstrap import is_loopback
     from kvflow.stages.api.auth import ApiKeys
     from kvflow.tools.supervise import LocalCluster, check_port_base
 
@@ -77,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key_file is not None:  # refused here, in one line, not in every router's log
         ApiKeys.load(args.api_key_file)
         args.api_key_file = args.api_key_file.resolve()
+    elif not is_loopback(args.host):  # the routers would refuse it (docs/security.md)
+        raise ValueError(
+            f"--host {args.host} serves the inference API beyond loopback: pass --api-key-file"
+        )
     if args.model is None:  # every process must serve the same model: import it once here
         from kvflow.stages.engine.default_model import ensure_default_model
 

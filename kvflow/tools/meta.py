@@ -25,7 +25,8 @@ from kvflow.pipeline import Metrics, MetricsServer, serve_metrics
 from kvflow.replication import MetadataConfig, MetadataGroup, ReplicationError
 from kvflow.replication.journal_guard import JournalClaim, claim_journal_dir
 from kvflow.replication.service import create_meta_server
-from kvflow.tools.args import add_tls_flags, apply_tls
+from kvflow.security.bootstrap import host_of
+from kvflow.tools.args import add_tls_flags, apply_cluster_secret, apply_tls
 
 logger = logging.getLogger(__name__)
 
@@ -169,20 +170,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_meta_arguments(parser)
     add_tls_flags(parser, server=True)
+    parser.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        help="the cluster's secret (chmod 600); default: $KVFLOW_CLUSTER_SECRET_FILE, else "
+        "DATA_DIR/cluster.secret (generated when every address is loopback)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        apply_tls(args)
-    except ValueError as exc:
-        print(f"kvflow meta: {exc}")
-        return 2
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        raft = (host_of(args.address),) if args.address else ()
+        peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+        apply_cluster_secret(args, "meta", (args.host, *raft), peers)
+        apply_tls(args)
+    except (OSError, ValueError) as exc:
+        print(f"kvflow meta: {exc}")
+        return 2
     return run_meta(args)
 
 

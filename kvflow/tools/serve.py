@@ -26,6 +26,7 @@ from kvflow.tools.args import (
     apply_cluster_secret,
     apply_tls,
     authenticator_from_args,
+    check_api_exposure,
     engine_store_values,
     memory_plan,
 )
@@ -361,6 +362,22 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+def _binds_and_peers(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The hosts this role listens on and the ``HOST:PORT`` of the peers it joins (what
+    decides whether it may generate its own cluster secret)."""
+    from kvflow.security.bootstrap import host_of
+
+    def split(value: str | None) -> tuple[str, ...]:
+        return tuple(a.strip() for a in (value or "").split(",") if a.strip())
+
+    if args.role == "meta":
+        raft = (host_of(args.address),) if args.address else ()
+        return (args.host, *raft), split(args.peers)
+    if args.role in ("node", "router"):
+        return (args.host,), split(args.meta)
+    return (args.host,), ()
+
+
 METRICS_PORTS = {"embedded": 9464, "router": 9464, "node": 9465, "meta": 9466}
 
 
@@ -368,7 +385,10 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is None:
         args.metrics_port = METRICS_PORTS[args.role]
     try:
-        apply_cluster_secret(args)  # light: a meta replica starts without torch
+        binds, peers = _binds_and_peers(args)
+        apply_cluster_secret(args, args.role, binds, peers)  # light: meta starts without torch
+        if args.role in ("embedded", "router"):
+            check_api_exposure(args)
         apply_tls(args)
     except (OSError, ValueError) as exc:
         print(f"kvflow serve: {exc}")

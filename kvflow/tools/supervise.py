@@ -468,6 +468,10 @@ class LocalMetaProcesses:
         if n < 1:
             raise ValueError(f"n: expected >= 1 replicas, got {n}")
         self.data_dir = data_dir
+        # This process's secret when it has one (its clients then reach the group), else the
+        # group's own, generated under data_dir.
+        own = os.environ.get(SECRET_FILE_ENV)
+        self.secret_file = Path(own) if own else cluster_secret_file(data_dir)
         port = PortPicker()  # every port of the group distinct
         self.raft = [f"127.0.0.1:{port()}" for _ in range(n)]
         self.grpc = [f"127.0.0.1:{port()}" for _ in range(n)]
@@ -489,6 +493,7 @@ class LocalMetaProcesses:
                 ],
                 data_dir / f"meta-{i}.log",
                 module=("kvflow.tools.meta",),
+                secret_file=self.secret_file,
             )
             for i, raft in enumerate(self.raft)
         ]

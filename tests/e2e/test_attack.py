@@ -118,3 +118,20 @@ def test_a_pickle_never_gets_past_the_raft_port(cluster, tmp_path: Path) -> None
         req = pb2.GenerateRequest(max_tokens=2)
         req.token_ids.ids.extend(range(7, 30))
         assert len([t for m in client.generate(req, timeout=60) for t in m.token_ids]) == 2
+
+
+@pytest.mark.faults
+def test_the_pickle_probe_runs_no_code_on_any_listener(cluster, tmp_path: Path) -> None:
+    """Every port any process of the cluster listens on (asked of the kernel), not only the
+    Raft port: the frame is sent as a first message and after a hello; no file appears."""
+    from ..faults.roles import listening_ports
+
+    ports: set[int] = set()
+    for proc in cluster.procs.values():
+        assert proc.popen is not None
+        ports |= listening_ports(proc.popen.pid)
+    assert len(ports) >= 12  # meta, 2 nodes, router: gRPC, metrics, Raft, transfer, HTTP
+    for port in sorted(ports):
+        send_pickle(f"127.0.0.1:{port}", tmp_path / f"pwned-{port}", wait_s=0.4)
+    assert not list(tmp_path.glob("pwned-*"))
+    assert all(proc.alive() for proc in cluster.procs.values())

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.replication import MetadataConfig, MetadataGroup
+from kvflow.security import SECRET_FILE_ENV, generate_secret_file
 from tests.conftest import pick_free_port
 from tests.replication.procs import MetaCluster
 
@@ -21,11 +22,26 @@ FAST_RAFT = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cluster_secret(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every test module here runs as one cluster: replica processes (which inherit the
+    environment) and the test's own clients share this secret."""
+    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    generate_secret_file(path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SECRET_FILE_ENV, str(path))
+        yield path
+
+
+TEST_PASSWORD = "kvflow-test-group"
+"""The in-process groups' password (a group with partners never runs open)."""
+
+
 def make_config(
     address: str, partners: tuple[str, ...] = (), **overrides: object
 ) -> MetadataConfig:
     """A test config with short Raft timeouts."""
-    fields: dict[str, object] = {**FAST_RAFT, **overrides}
+    fields: dict[str, object] = {**FAST_RAFT, "password": TEST_PASSWORD, **overrides}
     return MetadataConfig(self_address=address, partner_addresses=partners, **fields)  # type: ignore[arg-type]
 
 

@@ -19,6 +19,8 @@ import grpc
 
 from kvflow.replication import RemoteMetadata
 from kvflow.replication.wire import pb2, pb2_grpc
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_channel
 from tests.conftest import pick_free_port
 
 RAFT_ARGS = ("--raft-min-timeout-s", "0.3", "--raft-max-timeout-s", "0.8")
@@ -126,7 +128,7 @@ class MetaCluster:
 
     def status(self, i: int, timeout: float = 2.0) -> object:
         """Replica ``i``'s StatusReply (raises grpc.RpcError when it does not answer)."""
-        with grpc.insecure_channel(self.replicas[i].grpc) as channel:
+        with cluster_channel(self.replicas[i].grpc, process_secret()) as channel:
             stub = pb2_grpc.MetadataServiceStub(channel)
             return stub.Status(pb2.StatusRequest(), timeout=timeout)
 

@@ -74,9 +74,16 @@ def test_config_paths_and_size(tmp_path: Path) -> None:
         self_address="127.0.0.1:1",
         partner_addresses=("127.0.0.1:2", "127.0.0.1:3"),
         journal_dir=tmp_path,
+        password="group-password",
     )
     assert config.num_replicas == 3
     assert config.journal_path == tmp_path / "raft.journal"
     assert config.dump_path == tmp_path / "raft.dump"
     memory = MetadataConfig(self_address="127.0.0.1:1")
     assert memory.journal_path is None and memory.dump_path is None
+
+
+def test_a_replica_with_partners_never_runs_without_a_password(monkeypatch) -> None:
+    monkeypatch.delenv("KVFLOW_CLUSTER_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match="cluster secret"):
+        MetadataConfig(self_address="127.0.0.1:1", partner_addresses=("127.0.0.1:2",))

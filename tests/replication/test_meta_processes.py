@@ -14,6 +14,8 @@ from kvflow.kvdb import open_store
 from kvflow.kvdb.replicas import MetadataReplicas
 from kvflow.replication import NodeId, Tier
 from kvflow.replication.wire import pb2, pb2_grpc
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_channel
 from tests.kvdb.conftest import NAMESPACE, NBYTES, config, keys
 from tests.replication.helpers import blocks, key, wait_until
 from tests.replication.procs import MetaCluster
@@ -66,7 +68,7 @@ def test_three_processes_elect_a_leader_and_serve_writes_and_reads(
 
 def test_bad_input_is_invalid_argument_and_writes_nothing(running_cluster: MetaCluster) -> None:
     address = running_cluster.replicas[0].grpc
-    with grpc.insecure_channel(address) as channel:
+    with cluster_channel(address, process_secret()) as channel:
         stub = pb2_grpc.MetadataServiceStub(channel)
         before = stub.Status(pb2.StatusRequest(), timeout=5).commands_applied
         bad = [

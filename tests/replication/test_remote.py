@@ -9,7 +9,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvflow.replication import (
@@ -30,6 +29,8 @@ from kvflow.replication.wire import (
     pb2,
     pb2_grpc,
 )
+from kvflow.security import process_secret
+from kvflow.security.grpc_auth import cluster_channel
 from kvflow.tools import meta
 from tests.conftest import pick_free_port
 from tests.replication.conftest import GroupFactory, make_config
@@ -197,7 +198,7 @@ def test_meta_tool_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_status_reports_this_replica(served: tuple[MetadataGroup, str]) -> None:
     _, address = served
-    with grpc.insecure_channel(address) as channel:
+    with cluster_channel(address, process_secret()) as channel:
         stub = pb2_grpc.MetadataServiceStub(channel)
         status = stub.Status(pb2.StatusRequest(), timeout=5)
         assert status.is_leader and status.ready and status.leader == status.raft_address

@@ -7,10 +7,14 @@ import subprocess
 import sys
 
 from kvflow.replication import NodeId, RemoteMetadata, Tier
+from kvflow.security import SECRET_FILE_ENV, generate_secret_file
 from tests.conftest import pick_free_port
 
 
-def test_serve_role_meta_single_replica(tmp_path):
+def test_serve_role_meta_single_replica(tmp_path, monkeypatch):
+    secret = tmp_path / "given.secret"
+    generate_secret_file(secret)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(secret))  # the child's and this client's
     raft, grpc_port = pick_free_port(), pick_free_port()
     cmd = [
         sys.executable,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -63,10 +64,38 @@ async def read_json(request: Request, limit: int) -> Any:
         text = bytes(body).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise HttpError(400, f"request body is not valid UTF-8: {exc.reason}") from None
+    if nests_deeper(text, MAX_JSON_DEPTH):
+        raise HttpError(
+            400, f"request body nests deeper than the limit of {MAX_JSON_DEPTH} (max_json_depth)"
+        )
     try:
         return json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise HttpError(400, f"request body is not valid JSON: {exc}") from None
+
+
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a request body may have: checked before the
+body is parsed (Python's parser recursed into a RecursionError, a 500, at ~1,000)."""
+
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def nests_deeper(text: str, limit: int) -> bool:
+    """Whether the arrays and objects of ``text`` nest deeper than ``limit`` (brackets inside
+    strings skipped): linear, no recursion, for any input, valid JSON or not."""
+    if text.count("[") + text.count("{") <= limit:
+        return False  # cannot nest deeper than it has brackets
+    depth = 0
+    for match in _JSON_TOKENS.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in ("]", "}"):
+            depth -= 1
+    return False
 
 
 def parse(model: type[M], data: Any) -> M:

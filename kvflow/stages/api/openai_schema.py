@@ -113,7 +113,7 @@ class SamplingBody(Body):
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM: -1 or 0 off, >= vocab all
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

@@ -69,7 +69,7 @@ class SamplingParamsBody(Body):
     min_new_tokens: int = 0
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: int = Field(default=-1, ge=-1)
     min_p: float = 0.0
     seed: int | None = Field(default=None, alias="sampling_seed")
     stop: str | list[str] | None = None

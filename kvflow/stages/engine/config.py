@@ -28,6 +28,8 @@ MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5
 """A temperature below this samples greedily (as vLLM's _SAMPLING_EPS)."""
 MAX_SEED = 2**64 - 1
+TOP_K_ALL = 2**31 - 1
+"""A top_k above this (no vocabulary is that large) is stored as 0: every token."""
 """The largest seed: what torch.Generator.manual_seed takes (and gRPC's uint64)."""
 
 
@@ -92,7 +94,9 @@ class SamplingParams:
     Fields:
         max_tokens: stop after this many generated tokens (finish_reason "length").
         temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
-        top_k: keep the k most likely tokens before sampling; 0 keeps all.
+        top_k: keep the k most likely tokens before sampling; 0 keeps all, and so does any k
+            at or above the vocabulary size (vLLM's rule; a k over TOP_K_ALL becomes 0, so it
+            fits the wire's uint32).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p.
         seed: seeds this request's sampling generator, in [0, 2**64); None derives one from
             the engine seed and the request id (stable across runs).
@@ -142,6 +146,8 @@ class SamplingParams:
             )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.top_k > TOP_K_ALL:  # vLLM's rule: top_k >= the vocabulary keeps every token
+            object.__setattr__(self, "top_k", 0)
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         seed = self.seed

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from kvflow.replication import (
     ReplicationError,
     Tier,
 )
+from kvflow.security import SECRET_FILE_ENV
 from kvflow.tools.args import free_port
 from kvflow.tools.supervise import LocalMetaProcesses
 
@@ -51,6 +54,7 @@ def _free_address() -> str:
 
 def _start_group(replicas: int, journal_root: Path | None) -> list[MetadataGroup]:
     addresses = [_free_address() for _ in range(replicas)]
+    password = secrets.token_hex(16)  # the group's own: a group never runs open
     groups = []
     for i, address in enumerate(addresses):
         config = MetadataConfig(
@@ -60,6 +64,7 @@ def _start_group(replicas: int, journal_root: Path | None) -> list[MetadataGroup
             commit_timeout_s=30.0,
             raft_min_timeout_s=0.25,
             raft_max_timeout_s=0.6,
+            password=password,
         )
         groups.append(MetadataGroup(config))
     for group in groups:
@@ -194,6 +199,7 @@ def run_processes(blocks: int, batch: int, writers: int, kills: int, seed: int) 
         tempfile.TemporaryDirectory(prefix="kvflow-bench-meta-") as tmp,
         LocalMetaProcesses(Path(tmp)) as procs,
     ):
+        os.environ.setdefault(SECRET_FILE_ENV, str(procs.secret_file))  # the clients' secret
         procs.start_all()
         probes = [RemoteMetadata([a], 1.0, 0.5, cache_ttl_s=0) for a in procs.grpc]
         client = RemoteMetadata(procs.grpc, timeout_s=60.0)

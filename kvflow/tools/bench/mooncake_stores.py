@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import subprocess
 import tempfile
 import time
@@ -75,12 +76,15 @@ class Control:
 def control_plane(with_mooncake: bool) -> Iterator[Control]:
     """Start kvflow's metadata replica and (``with_mooncake``) Mooncake's master; stop both
     on exit. Their logs go to a temporary directory (removed on exit)."""
+    from kvflow.security import SECRET_FILE_ENV
     from kvflow.tools.supervise import LocalMetaProcesses
 
     with (
         tempfile.TemporaryDirectory(prefix="kvflow-bench-mooncake-") as tmp,
         LocalMetaProcesses(Path(tmp) / "meta", n=1) as meta,
     ):
+        # The members (this process's and its children) hold the replica's secret.
+        os.environ.setdefault(SECRET_FILE_ENV, str(meta.secret_file))
         meta.start_all()
         master: subprocess.Popen[bytes] | None = None
         address = None

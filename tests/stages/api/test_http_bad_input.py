@@ -196,3 +196,40 @@ def test_client_gone_before_a_non_streaming_answer_cancels_it(
     assert ok._value.get() == ok_before  # none ran to its end
     assert_no_leaks(server)
     assert post(server, "/v1/completions", json.dumps(GOOD).encode())[0] == 200
+
+
+@pytest.mark.faults
+def test_json_nested_past_the_limit_is_400_naming_it(server: ServerThread) -> None:
+    """Issue 25: 1,000+ levels gave a 500 (the parser's RecursionError); the depth is
+    checked before parsing, brackets inside strings do not count."""
+    from kvflow.stages.api.http_io import MAX_JSON_DEPTH
+
+    for depth in (MAX_JSON_DEPTH + 1, 1_000, 4_000):
+        body = b'{"model": "tiny-chat", "prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            status, msg = error_of(server, body, path)
+            assert status == 400 and "max_json_depth" in msg and str(MAX_JSON_DEPTH) in msg
+    nested_ok = json.dumps({**GOOD, "x": [[[1]]], "prompt": "[" * 3000}).encode()
+    assert post(server, "/v1/completions", nested_ok)[0] == 200
+    assert post(server, "/v1/completions", json.dumps(GOOD).encode())[0] == 200
+
+
+@pytest.mark.faults
+def test_top_k_as_vllm_takes_it(server: ServerThread) -> None:
+    """vLLM (sampling_params.py, gpu_input_batch.py): -1 and 0 keep every token, so does any
+    top_k at or above the vocabulary; below -1 is a 400."""
+    greedy = {**GOOD, "temperature": 0.0, "max_tokens": 4}
+    texts = set()
+    for top_k in (-1, 0, 10**6, 2**40, 10**30):
+        status, doc, _ = post(
+            server, "/v1/completions", json.dumps({**greedy, "top_k": top_k}).encode()
+        )
+        assert status == 200, (top_k, doc)
+        texts.add(doc["choices"][0]["text"])
+    assert len(texts) == 1
+    status, msg = error_of(server, json.dumps({**GOOD, "top_k": -2}).encode())
+    assert status == 400 and "top_k" in msg
+    sglang = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "top_k": 10**30}}
+    assert post(server, "/generate", json.dumps(sglang).encode())[0] == 200
+    bad = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "top_k": -5}}
+    assert error_of(server, json.dumps(bad).encode(), "/generate")[0] == 400
