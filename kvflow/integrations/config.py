@@ -29,9 +29,11 @@ class MemberConfig:
         member on one machine). port / transfer_port: 0 = any free port. data_dir: the
         shard's SSD files and manifest; None = an in-memory SSD engine (nothing survives a
         restart). dram_bytes / ssd_bytes: the DRAM pool and SSD budget this process gives
-        the cluster. engine: "rocksdb", "lmdb" or "memory". tenant: the key namespace's
-        tenant (tenants never see each other's blocks). heartbeat_s: the member's heartbeat
-        period; peer_dead_after_s: a peer whose last heartbeat is older is not read from.
+        the cluster; both 0 (clustered only) = a client that holds nothing: its puts go to
+        peers, Mooncake's ``global_segment_size=0``. engine: "rocksdb", "lmdb" or "memory".
+        tenant: the key namespace's tenant (tenants never see each other's blocks).
+        heartbeat_s: the member's heartbeat period; peer_dead_after_s: a peer whose last
+        heartbeat is older is not read from.
     """
 
     node_id: str
@@ -64,8 +66,11 @@ class MemberConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if self.dram_bytes == 0 and self.ssd_bytes == 0:
-            raise ValueError("dram_bytes and ssd_bytes: at least one tier must have room")
+        if self.dram_bytes == 0 and self.ssd_bytes == 0 and not self.meta:
+            raise ValueError(
+                "dram_bytes and ssd_bytes: at least one tier must have room (both 0 = a "
+                "client that holds nothing, which needs meta)"
+            )
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}")
         if self.engine != "memory" and self.data_dir is None:
@@ -84,6 +89,11 @@ class MemberConfig:
     @property
     def clustered(self) -> bool:
         return bool(self.meta)
+
+    @property
+    def holds_nothing(self) -> bool:
+        """A client member: no tier has room; every put is pushed to peers."""
+        return self.dram_bytes == 0 and self.ssd_bytes == 0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], **defaults: Any) -> MemberConfig:

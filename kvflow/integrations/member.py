@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,10 @@ from kvflow.integrations.fetched import MISS, Fetched
 from kvflow.integrations.peers import Peers, format_member_address
 from kvflow.kvdb import (
     BlockPinnedError,
+    BlockToCopy,
     Namespace,
+    NotEnoughReplicasError,
+    ReplicaWriter,
     ShardRef,
     StaticAdminSource,
     StoreConfig,
@@ -48,6 +51,8 @@ from kvflow.transfer import TransferConfig, TransferEngine
 logger = logging.getLogger(__name__)
 
 MEMBER_KIND = "store"  # the metadata's node kind: routers never schedule requests on it
+CLIENT_KIND = "store-client"  # a member that holds nothing (takes no copies)
+MESSAGE_BYTES = 96 << 20  # a pushed copy carries up to one 64 MiB value
 METADATA_READY_S = 30.0
 
 
@@ -85,6 +90,8 @@ class ClusterMember:
         self._closers: list[Callable[[], None]] = []
         self.metadata: RemoteMetadata | None = None
         self.peers: Peers | None = None
+        self.writer: ReplicaWriter | None = None
+        self.kind = CLIENT_KIND if config.holds_nothing else MEMBER_KIND
         self.address = ""
         try:
             self._open(value_size)
@@ -122,7 +129,7 @@ class ClusterMember:
         host, tport = self.transfer.start_server(c.host, c.transfer_port)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvflow-member"),
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+            options=[("grpc.max_receive_message_length", MESSAGE_BYTES), ("grpc.so_reuseport", 0)],
             interceptors=cluster_interceptors(process_secret()),
         )
         port = add_port(self.server, f"{c.host}:{c.port}", None)  # TLS when configured
@@ -131,15 +138,26 @@ class ClusterMember:
         self.address = format_member_address(f"{c.host}:{port}", f"{host}:{tport}")
         # Registered with its address before the store opens: re-adoption writes would
         # otherwise register the node implicitly, without an address peers can use.
-        metadata.register_node(self.node, self.address, MEMBER_KIND)
+        metadata.register_node(self.node, self.address, self.kind)
         self.store = open_store(store_config, self.namespace, node_id=self.node, metadata=metadata)
         self._closers.append(self.store.close)
         source = StaticAdminSource(
-            {c.node_id: ShardRef(self.store.shard, self.node, MEMBER_KIND)}, metadata.view()
+            {c.node_id: ShardRef(self.store.shard, self.node, self.kind)}, metadata.view()
         )
         add_admin_service(self.server, source)
-        blocks = add_block_service(self.server, source, self.transfer)
+        record = None if c.holds_nothing else self.store.flush_metadata
+        blocks = add_block_service(self.server, source, self.transfer, record=record)
         self._closers.append(blocks.close)
+        self.writer = ReplicaWriter(
+            self.node,
+            metadata,
+            self.store.flush_metadata,
+            kinds=frozenset({MEMBER_KIND}),
+            dead_after_s=c.peer_dead_after_s,
+            clock=self._clock,
+        )
+        self.store.replica_writer = self.writer
+        self._closers.append(self.writer.close)
         self.server.start()
         self._closers.append(lambda: self.server.stop(1.0).wait(5.0))
         self.peers = Peers(c.node_id, metadata, self.transfer, c.peer_dead_after_s, self._clock)
@@ -156,7 +174,7 @@ class ClusterMember:
             try:
                 if not self.metadata.heartbeat(self.node):
                     # dropped (or a new metadata group): register again and re-adopt
-                    self.metadata.register_node(self.node, self.address, MEMBER_KIND)
+                    self.metadata.register_node(self.node, self.address, self.kind)
                     self.metadata.replace_holdings(self.node, self.store.shard.holdings())
             except Exception:
                 logger.warning("member=%s heartbeat failed", self.node, exc_info=True)
@@ -185,14 +203,34 @@ class ClusterMember:
         if self.peers is not None:
             self.peers.register_destination(buffer)
 
-    def put(self, key: bytes, value: Any, parent: bytes | None = None) -> bool:
+    def put(self, key: bytes, value: Any, parent: bytes | None = None, replicas: int = 1) -> bool:
         """Store ``value`` (copied) in this member's shard, owned by the tenant of its
         namespace; True if it is held (already or now), False if no tier had room. Raises
-        ValueSizeError / InvalidBufferError."""
+        ValueSizeError / InvalidBufferError.
+
+        ``replicas`` > 1 (or a member that holds nothing): True only once that many distinct
+        members hold the value and the metadata records them — this member's copy plus
+        copies pushed to peers (``kvdb.ReplicaWriter``, docs/durability.md). Raises
+        NotEnoughReplicasError when too few live members exist or took a copy."""
+        shard = self.store.shard
+        had = replicas > 1 and shard.exists(key)
         try:
-            tier = self.store.shard.put(key, value, parent, self.namespace.tenant)
+            tier = shard.put(key, value, parent, self.namespace.tenant)
         except StoreFullError:
             tier = None
+        if replicas > 1 or (tier is None and self.config.holds_nothing):
+            try:
+                if self.writer is None:
+                    raise NotEnoughReplicasError(
+                        f"replicas={replicas}: an embedded store has no peers to copy to"
+                    )
+                block = BlockToCopy(key, value, parent, self.namespace.tenant)
+                self.writer.write([block], replicas, tier is not None)
+            except NotEnoughReplicasError:
+                if tier is not None and not had:  # not acknowledged: take our copy back
+                    self.remove([key])
+                raise
+            tier = tier or Tier.DRAM  # held by the peers
         with self._lock:
             self._counters.puts += 1
             self._counters.rejected_puts += tier is None
@@ -222,11 +260,10 @@ class ClusterMember:
             tier = shard.get_into(key, buf)
             out.append(None if tier is None else ("dram" if tier is Tier.DRAM else "ssd"))
         missing = [i for i, src in enumerate(out) if src is None]
-        if missing and self.peers is not None:
-            for node, idx in self._by_holder(keys, missing).items():
-                got = self.peers.read_into(node, [keys[i] for i in idx], [bufs[i] for i in idx])
-                for i, ok in zip(idx, got, strict=True):
-                    out[i] = "remote" if ok else None
+        for node, idx in self._by_holder(keys, missing, lambda i: out[i] is None):
+            got = self.peers.read_into(node, [keys[i] for i in idx], [bufs[i] for i in idx])  # type: ignore[union-attr]
+            for i, ok in zip(idx, got, strict=True):
+                out[i] = "remote" if ok else None
         self._count(out)
         return out
 
@@ -243,24 +280,30 @@ class ClusterMember:
         shard = self.store.shard
         out = [self._read_local(shard, k, b, n) for k, b, n in zip(keys, bufs, sizes, strict=True)]
         missing = [i for i, f in enumerate(out) if f == MISS]
-        if missing and self.peers is not None:
-            for node, idx in self._by_holder(keys, missing).items():
-                got = self.peers.read_fitting(node, [keys[i] for i in idx], [bufs[i] for i in idx])
-                for i, fetched in zip(idx, got, strict=True):
-                    out[i] = fetched
+        for node, idx in self._by_holder(keys, missing, lambda i: out[i] == MISS):
+            got = self.peers.read_fitting(node, [keys[i] for i in idx], [bufs[i] for i in idx])  # type: ignore[union-attr]
+            for i, fetched in zip(idx, got, strict=True):
+                out[i] = fetched
         self._count([f.source for f in out if not f.too_small])
         return out
 
-    def _by_holder(self, keys: Sequence[bytes], missing: list[int]) -> dict[NodeId, list[int]]:
-        """Positions in ``keys`` of the ``missing`` ones, grouped by the live peer that holds
-        each (keys nobody holds are left out): one read per peer."""
-        assert self.peers is not None
-        by_node: dict[NodeId, list[int]] = {}
-        holders = self.peers.holders([keys[i] for i in missing])
-        for i, node in zip(missing, holders, strict=True):
-            if node is not None:
-                by_node.setdefault(node, []).append(i)
-        return by_node
+    def _by_holder(
+        self, keys: Sequence[bytes], missing: list[int], still_missing: Callable[[int], bool]
+    ) -> Iterator[tuple[NodeId, list[int]]]:
+        """Rounds of (peer, positions in ``keys``) for the ``missing`` ones: first each key's
+        first live holder (one read per peer), then, for the keys ``still_missing`` after
+        that read, their next holder, and so on — a holder that died is skipped over."""
+        if not missing or self.peers is None:
+            return
+        rows = self.peers.holder_lists([keys[i] for i in missing])
+        pending = dict(zip(missing, rows, strict=True))
+        while pending:
+            by_node: dict[NodeId, list[int]] = {}
+            for i, row in pending.items():
+                if row:
+                    by_node.setdefault(row[0], []).append(i)
+            yield from by_node.items()
+            pending = {i: r[1:] for i, r in pending.items() if len(r) > 1 and still_missing(i)}
 
     @staticmethod
     def _read_local(shard: Any, key: bytes, buf: np.ndarray, size: int | None) -> Fetched:
@@ -296,8 +339,11 @@ class ClusterMember:
             return len(value)
         if self.peers is None:
             return None
-        holder = self.peers.holders([key])[0]
-        return None if holder is None else self.peers.size_of(holder, key)
+        for holder in self.peers.holder_lists([key])[0]:
+            size = self.peers.size_of(holder, key)
+            if size is not None:
+                return size
+        return None
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove ``keys`` from this member's shard (peers keep their copies); the number

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvflow.integrations.config import MemberConfig
 from kvflow.integrations.member import ClusterMember
-from kvflow.kvdb import KVDBError, KVLayout, Namespace
+from kvflow.kvdb import KVDBError, KVLayout, Namespace, NotEnoughReplicasError
 from kvflow.kvdb.keys import named_key
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 # Mooncake's ErrorCode values for the cases this API reports.
 INTERNAL_ERROR = -1
 BUFFER_OVERFLOW = -10
+NO_AVAILABLE_HANDLE = -200  # fewer members than replica_num can hold a copy
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
@@ -193,8 +194,11 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         if member.store.shard.exists(bkey):
             return OBJECT_ALREADY_EXISTS
-        try:
-            ok = member.put(bkey, data)
+        try:  # acknowledged only once replica_num members hold it (docs/durability.md)
+            ok = member.put(bkey, data, replicas=1 if config is None else config.replica_num)
+        except NotEnoughReplicasError as exc:
+            logger.warning("put key=%s: %s", key, exc)
+            return NO_AVAILABLE_HANDLE
         except KVDBError as exc:
             logger.warning("put key=%s: %s", key, exc)
             return INVALID_PARAMS
@@ -203,8 +207,6 @@ class MooncakeDistributedStore:
         with self._lock:
             self._names[key] = bkey
             self._sizes[bkey] = data.nbytes
-        if config is not None and config.replica_num > 1 and member.metadata is not None:
-            member.metadata.set_replica_target(bkey, config.replica_num)
         return 0
 
     def put_from(

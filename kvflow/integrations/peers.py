@@ -22,7 +22,7 @@ import grpc
 
 from kvflow.integrations.fetched import MISS, Fetched
 from kvflow.kvdb import KVDBError, RemoteClient
-from kvflow.replication import NodeId, ReplicationError
+from kvflow.replication import NodeId, ReplicationError, Tier
 from kvflow.transfer import TransferEngine, TransferError
 
 logger = logging.getLogger(__name__)
@@ -97,17 +97,25 @@ class Peers:
     def holders(self, keys: Sequence[bytes]) -> list[NodeId | None]:
         """For each key a live peer that holds it (per the metadata, which may lag by the
         view's cache TTL), or None."""
+        return [row[0] if row else None for row in self.holder_lists(keys)]
+
+    def holder_lists(self, keys: Sequence[bytes]) -> list[list[NodeId]]:
+        """For each key every live peer that holds it, DRAM copies first: a reader tries
+        them in turn (a peer that died within ``dead_after_s`` still looks live)."""
         if not keys:
             return []
         live = self.live()
         if not live:
-            return [None] * len(keys)
+            return [[] for _ in keys]
         try:
             rows = self._metadata.view().holders(keys)
         except (ReplicationError, grpc.RpcError) as exc:
             logger.warning("member=%s holders lookup failed: %s", self._self, exc)
-            return [None] * len(keys)
-        return [next((n for n in row if n in live), None) for row in rows]
+            return [[] for _ in keys]
+        return [
+            sorted((n for n in row if n in live), key=lambda n, r=row: (r[n] is not Tier.DRAM, n))
+            for row in rows
+        ]
 
     def _client(self, node: NodeId) -> RemoteClient | None:
         addresses = self.live().get(node)

@@ -25,6 +25,7 @@ from kvflow.kvdb.errors import (
     InvalidRequestError,
     KVDBError,
     NamespaceMismatchError,
+    NotEnoughReplicasError,
     NotPinnedError,
     RemoteReadError,
     StorageEngineError,
@@ -50,6 +51,7 @@ from kvflow.kvdb.remote.config import BlockServiceConfig, RemoteClientConfig
 from kvflow.kvdb.remote.dram_lease import HotBlock, LeasedBlock
 from kvflow.kvdb.remote.peer_budget import PeerBreakers, PeerCallBudget
 from kvflow.kvdb.remote.reader import RemoteClient
+from kvflow.kvdb.remote.replica_writer import BlockToCopy, ReplicaWriter
 from kvflow.kvdb.remote.server import BlockServer, add_block_service, segment_name
 from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.replicas import LocalReplicas, MetadataReplicas, ReplicaCounter
@@ -75,6 +77,7 @@ __all__ = [
     "BlockServer",
     "BlockServiceConfig",
     "BlockStored",
+    "BlockToCopy",
     "ChecksumError",
     "EmbeddedClient",
     "HotBlock",
@@ -93,6 +96,7 @@ __all__ = [
     "Namespace",
     "NamespaceMismatchError",
     "NodeId",
+    "NotEnoughReplicasError",
     "NotPinnedError",
     "PeerBreakers",
     "PeerCallBudget",
@@ -103,6 +107,7 @@ __all__ = [
     "RemoteReadError",
     "RemoteStats",
     "ReplicaCounter",
+    "ReplicaWriter",
     "Shard",
     "ShardRef",
     "StaticAdminSource",

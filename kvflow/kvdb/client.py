@@ -14,9 +14,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.kvdb.buffers import readable_bytes, writable_bytes
-from kvflow.kvdb.errors import KVDBError, NamespaceMismatchError, ValueSizeError
+from kvflow.kvdb.errors import (
+    KVDBError,
+    NamespaceMismatchError,
+    NotEnoughReplicasError,
+    ValueSizeError,
+)
 from kvflow.kvdb.events import BlockEvent
 from kvflow.kvdb.keys import BlockKey, Namespace
+from kvflow.kvdb.remote.replica_writer import BlockToCopy, ReplicaWriter
 from kvflow.kvdb.shard import Shard
 from kvflow.kvdb.stats import StoreStats
 from kvflow.replication import MetadataGroup, Tier
@@ -32,10 +38,14 @@ class KVClient(abc.ABC):
         """The namespace whose keys this client reads and writes."""
 
     @abc.abstractmethod
-    def put(self, key: bytes, value: Any, parent: bytes | None = None) -> Tier | None:
+    def put(
+        self, key: bytes, value: Any, parent: bytes | None = None, replicas: int = 1
+    ) -> Tier | None:
         """Store a block; ``parent`` is the previous key of its chain (for prefix-aware
         eviction). Returns the tier it is in, or None if the store had no room. Raises
-        ValueSizeError for a value of the wrong size, StoreFullError if the device is full."""
+        ValueSizeError for a value of the wrong size, StoreFullError if the device is full.
+        ``replicas`` > 1: returns only once that many distinct nodes hold the block and the
+        metadata records them (docs/durability.md); NotEnoughReplicasError otherwise."""
 
     @abc.abstractmethod
     def get(self, key: bytes) -> bytes | None:
@@ -131,6 +141,7 @@ class EmbeddedClient(KVClient):
         namespace: Namespace,
         metadata: MetadataGroup | None = None,
         clock: Callable[[], float] = time.time,
+        writer: ReplicaWriter | None = None,
     ) -> None:
         if namespace.fingerprint() != shard.fingerprint:
             raise NamespaceMismatchError(
@@ -142,6 +153,7 @@ class EmbeddedClient(KVClient):
         self._nbytes = namespace.layout.block_nbytes
         self._metadata = metadata
         self._clock = clock
+        self._writer = writer
 
     @property
     def namespace(self) -> Namespace:
@@ -157,11 +169,22 @@ class EmbeddedClient(KVClient):
                 f"{what} has {nbytes} bytes; a block of this namespace is {self._nbytes}"
             )
 
-    def put(self, key: bytes, value: Any, parent: bytes | None = None) -> Tier | None:
-        """The block is owned by this client's namespace's tenant."""
+    def put(
+        self, key: bytes, value: Any, parent: bytes | None = None, replicas: int = 1
+    ) -> Tier | None:
+        """The block is owned by this client's namespace's tenant. ``replicas`` > 1 needs the
+        store's ReplicaWriter (a node of a cluster); a single node refuses it."""
         src = readable_bytes(value)
         self._check(src.shape[0], "value")
-        return self._shard.put(key, src, parent, self._namespace.tenant)
+        tier = self._shard.put(key, src, parent, self._namespace.tenant)
+        if replicas != 1:
+            if self._writer is None:
+                raise NotEnoughReplicasError(
+                    f"replicas={replicas}: this store has no peers to copy to (one node)"
+                )
+            block = BlockToCopy(key, src, parent, self._namespace.tenant)
+            self._writer.write([block], replicas, held_locally=tier is not None)
+        return tier
 
     def get(self, key: bytes) -> bytes | None:
         return self._shard.get(key)

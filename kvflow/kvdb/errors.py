@@ -72,3 +72,8 @@ class UnknownShardError(KVDBError, LookupError):
 class RemoteReadError(KVDBError):
     """The control RPC of a remote read failed (holder unreachable, or it refused the
     request). Per-block transfer or checksum failures are misses, not this error."""
+
+
+class NotEnoughReplicasError(KVDBError):
+    """A put asked for N replicas but fewer than N distinct live members can hold a copy (or
+    too few took one before the deadline); nothing was acknowledged."""

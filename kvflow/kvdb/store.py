@@ -8,6 +8,7 @@ from kvflow.kvdb.client import EmbeddedClient
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.keys import Namespace
 from kvflow.kvdb.metadata_sync import MetadataSync
+from kvflow.kvdb.remote.replica_writer import ReplicaWriter
 from kvflow.kvdb.replicas import LocalReplicas, MetadataReplicas, ReplicaCounter
 from kvflow.kvdb.shard import LOCAL_NODE, Shard
 from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
@@ -37,6 +38,8 @@ class Store:
         self.metadata = metadata
         self.sync = sync
         self._owns_metadata = owns_metadata
+        # set by the process that wires the store into a cluster: puts with replicas > 1
+        self.replica_writer: ReplicaWriter | None = None
 
     def client(self, namespace: Namespace | None = None) -> EmbeddedClient:
         """An EmbeddedClient for ``namespace`` (default: the one the store was opened with).
@@ -44,7 +47,7 @@ class Store:
         ns = namespace or self.namespace
         if ns is None:
             raise ValueError("namespace: the store was opened with a fingerprint; pass one")
-        return EmbeddedClient(self.shard, ns, self.metadata)
+        return EmbeddedClient(self.shard, ns, self.metadata, writer=self.replica_writer)
 
     def flush_metadata(self) -> int:
         """Write pending block events to the metadata now (one Raft entry)."""

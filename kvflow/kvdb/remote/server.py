@@ -8,6 +8,11 @@ checksums and calls ``Release``. A lease that is not released lapses after
 ``lease_timeout_s`` (a reaper thread and every Lease call drop expired leases), so a dead
 reader cannot pin blocks forever.
 
+``Store`` is the other direction, the synchronous half of a put with N replicas
+(``replica_writer.py``): a writer sends blocks; each is checked against its checksum, put into
+the shard and, before the answer, recorded in the metadata (``record``), so an acknowledged
+copy is one the cluster knows about. A server built without ``record`` refuses ``Store``.
+
 Thread-safety: every method is thread-safe. ``close()`` stops the reaper, releases every
 outstanding lease and unregisters the segments.
 """
@@ -22,9 +27,17 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvflow.kvdb.admin import AdminSource, ShardRef
-from kvflow.kvdb.errors import InvalidRequestError, StoreClosedError, UnknownShardError
+from kvflow.kvdb.codec import block_checksum
+from kvflow.kvdb.errors import (
+    InvalidRequestError,
+    StoreClosedError,
+    StoreFullError,
+    UnknownShardError,
+    ValueSizeError,
+)
 from kvflow.kvdb.grpc_mount import method_names, servicer_for
 from kvflow.kvdb.keys import KEY_BYTES, BlockKey
 from kvflow.kvdb.proto import BLOCK_SERVICE_NAME, pb2, pb2_grpc
@@ -44,7 +57,9 @@ def segment_name(shard_id: str) -> str:
 
 class BlockServer:
     """Leases over the shards of ``source``, whose DRAM pools it registers with ``transfer``
-    (the engine whose server readers reach). ``clock``: monotonic seconds, for expiry."""
+    (the engine whose server readers reach). ``clock``: monotonic seconds, for expiry.
+    ``record``: writes the shards' pending block events to the metadata now (``Store`` calls
+    it before answering); None: ``Store`` is refused (no metadata to record copies in)."""
 
     def __init__(
         self,
@@ -54,8 +69,10 @@ class BlockServer:
         *,
         clock: Callable[[], float] = time.monotonic,
         reaper: bool = True,
+        record: Callable[[], object] | None = None,
     ) -> None:
         self.config = config or BlockServiceConfig()
+        self._record = record
         self._source = source
         self._transfer = transfer
         self._clock = clock
@@ -192,6 +209,33 @@ class BlockServer:
         self._unpin(lease)
         return pb2.ReleaseResponse(released=True, blocks=len(lease.keys))
 
+    def Store(self, request: Any) -> Any:
+        """Put each sent block (checked against its checksum first; any bad block refuses the
+        whole request, nothing stored), record the copies in the metadata, answer per block
+        whether it is held. A block that does not fit (size, full tier) is ``held=False``."""
+        if self._record is None:
+            raise InvalidRequestError("this block service takes no copies (it has no metadata)")
+        blocks = list(request.blocks)
+        if len(blocks) > self.config.max_keys:
+            raise InvalidRequestError(
+                f"a store may carry at most {self.config.max_keys} blocks, got {len(blocks)}"
+            )
+        checked = [_checked(i, b) for i, b in enumerate(blocks)]
+        ref = self._ref(request.shard)
+        if self._closed:
+            raise StoreClosedError("the block service is closed")
+        held = []
+        for key, value, parent, tenant in checked:
+            try:
+                tier = ref.shard.put(key, value, parent, tenant)
+            except (ValueSizeError, StoreFullError) as exc:
+                logger.warning("store: key=%s not taken: %s", key.hex(), exc)
+                tier = None
+            held.append(tier is not None)
+        if any(held):
+            self._record()
+        return pb2.StoreResponse(held=held)
+
     # ----------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
@@ -218,16 +262,33 @@ class BlockServer:
         self.close()
 
 
+def _checked(i: int, block: Any) -> tuple[bytes, np.ndarray, bytes | None, str]:
+    """(key, value, parent, tenant) of a sent block; InvalidRequestError naming what is wrong."""
+    key, parent, tenant = bytes(block.key), bytes(block.parent) or None, block.tenant
+    if len(key) != KEY_BYTES:
+        raise InvalidRequestError(f"blocks[{i}].key has {len(key)} bytes, a key has {KEY_BYTES}")
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise InvalidRequestError(f"blocks[{i}].parent has {len(parent)} bytes, not {KEY_BYTES}")
+    if not tenant.isascii():
+        raise InvalidRequestError(f"blocks[{i}].tenant must be ASCII, got {tenant!r}")
+    value = np.frombuffer(block.value, dtype=np.uint8)
+    if block_checksum(key, parent, tenant, value) != block.checksum:
+        raise InvalidRequestError(f"blocks[{i}] (key={key.hex()}) fails its checksum")
+    return key, value, parent, tenant
+
+
 def add_block_service(
     server: grpc.Server | grpc.aio.Server,
     source: AdminSource,
     transfer: TransferEngine,
     config: BlockServiceConfig | None = None,
+    record: Callable[[], object] | None = None,
 ) -> BlockServer:
     """Register the BlockService for ``source`` on ``server`` (before it starts), with DRAM
     pools exposed through ``transfer`` (start its server so readers can reach it). Returns the
-    BlockServer: close it when the server stops. Add ``BLOCK_SERVICE_NAME`` to reflection."""
-    core = BlockServer(source, transfer, config)
+    BlockServer: close it when the server stops. Add ``BLOCK_SERVICE_NAME`` to reflection.
+    ``record``: see ``BlockServer`` (pass the store's ``flush_metadata`` to take copies)."""
+    core = BlockServer(source, transfer, config, record=record)
     descriptor = pb2.DESCRIPTOR.services_by_name["BlockService"]
     servicer = servicer_for(server, core, pb2_grpc.BlockServiceServicer, method_names(descriptor))
     pb2_grpc.add_BlockServiceServicer_to_server(servicer, server)

@@ -9,6 +9,14 @@ this process if there is one (``choose_source``), else from another node through
 A copy keeps the block's parent and owner tenant (the admin views filter on the owner). The
 copies report themselves to the metadata through the shards' own event sync, so the next
 pass sees the new counts.
+
+Values of any size move (the remote read sizes its buffer from the holder's lease). A block
+that cannot be copied — its source failed, the destination refused it (a shard of fixed
+value size, a full device), or anything raised — is logged, counted in ``failed`` and in
+``kvflow_replicator_failures_total{reason}``, and the pass goes on with the next block.
+Copies made are ``kvflow_replicator_copies_total``. (Puts with N replicas do not wait for
+this loop: ``kvdb.ReplicaWriter`` makes their copies before the put returns; this loop
+restores a target after a copy is lost.)
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-from kvflow.kvdb import Shard
+from kvflow.kvdb import KVDBError, Shard
+from kvflow.pipeline import Metrics
 from kvflow.replication import MetadataView, NodeId, NodeLoad, choose_source, choose_targets
 
 logger = logging.getLogger(__name__)
@@ -54,6 +63,7 @@ class Replicator:
         target_kind: str = "prefill",
         dead_after_s: float = 5.0,
         batch: int = 256,
+        metrics: Metrics | None = None,
     ) -> None:
         self._view = view
         self._shards = shards
@@ -63,6 +73,18 @@ class Replicator:
         self._dead_after_s = dead_after_s
         self._batch = batch
         self.copied = 0
+        self.failed = 0
+        metrics = metrics or Metrics()
+        self._copies = metrics.counter(
+            "replicator_copies", "Block copies the replicator made toward replica targets"
+        )
+        self._failures = metrics.counter(
+            "replicator_failures",
+            "Block copies the replicator could not make (reason: read = no holder could be "
+            "read, store = the destination refused it, error = anything else); retried on "
+            "the next pass",
+            ["reason"],
+        )
 
     def candidates(self, view: MetadataView, now: float) -> list[NodeLoad]:
         """The nodes new replicas may go to, with their load and health."""
@@ -86,20 +108,56 @@ class Replicator:
         local = [NodeId(s) for s in self._shards]
         copied = 0
         for key, _count, target in wanted:
-            holders = view.replicas(key)
-            mine = [d for d in choose_targets(holders, target, loads) if d in self._shards]
-            if not mine:
-                continue
-            block = self._read(key, holders, local)
-            if block is None:
-                continue
-            for dest in mine:
-                tier = self._shards[dest].put(key, block.value, block.parent, block.tenant)
-                copied += tier is not None
+            try:
+                copied += self._copy(view, key, target, loads, local)
+            except Exception as exc:  # isolate it: the other blocks still move
+                self._failed(key, "error", exc)
         self.copied += copied
         if copied:
+            self._copies.inc(copied)
             logger.info("replicator: %d block copies toward their replica targets", copied)
         return copied
+
+    def _copy(
+        self,
+        view: MetadataView,
+        key: bytes,
+        target: int,
+        loads: list[NodeLoad],
+        local: list[NodeId],
+    ) -> int:
+        """The copies of ``key`` that fall to this process's shards; how many it made."""
+        holders = view.replicas(key)
+        mine = [d for d in choose_targets(holders, target, loads) if d in self._shards]
+        if not mine:
+            return 0
+        block = self._read(key, holders, local)
+        if block is None:
+            if holders:  # nobody held it (evicted everywhere) is no failure
+                self._failed(key, "read", None)
+            return 0
+        copied = 0
+        for dest in mine:
+            try:
+                tier = self._shards[dest].put(key, block.value, block.parent, block.tenant)
+            except KVDBError as exc:  # a fixed-size shard, a full device
+                self._failed(key, "store", exc)
+                continue
+            if tier is None:
+                self._failed(key, "store", None)
+            copied += tier is not None
+        return copied
+
+    def _failed(self, key: bytes, reason: str, exc: BaseException | None) -> None:
+        self.failed += 1
+        self._failures.labels(reason).inc()
+        logger.warning(
+            "replicator: key=%s not copied (%s): %s",
+            key.hex(),
+            reason,
+            exc if exc is not None else "no room / no readable holder",
+            exc_info=reason == "error",
+        )
 
     def _read(
         self, key: bytes, holders: Mapping[NodeId, object], local: list[NodeId]

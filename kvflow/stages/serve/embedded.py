@@ -122,7 +122,6 @@ class EmbeddedCluster:
             LOCAL_COPY_BYTES_PER_S,
         )
         shards = {sid: shard for sid, (shard, _) in self.shards().items()}
-        self.replicator = Replicator(self.metadata.view, shards)
         self.heartbeat = Heartbeat(
             self.metadata,
             [Member(sid, "embedded", kind, shard) for sid, (shard, kind) in self.shards().items()],
@@ -130,6 +129,7 @@ class EmbeddedCluster:
         )
         self.tracer = Tracer(c.trace_capacity)
         self.metrics = Metrics()
+        self.replicator = Replicator(self.metadata.view, shards, metrics=self.metrics)
         self.serving_metrics = ServingMetrics(self.metrics)
         self.tenant_limits = TenantLimits.from_config(c)  # every front's admission
         self.serving_metrics.track_hit_rates(

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from kvflow.kvdb import (
@@ -27,6 +28,7 @@ from kvflow.kvdb import (
     BLOCK_SERVICE_NAME,
     DEFAULT_TENANT,
     PeerBreakers,
+    ReplicaWriter,
     ShardRef,
     StaticAdminSource,
     add_admin_service,
@@ -63,6 +65,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 REPLICATE_S = 1.0
 PIN_REAP_S = 0.5
+REPLICA_PEER_DEAD_S = 5.0  # a peer silent this long takes no pushed copies (as the replicator)
 
 
 class NodeServer:
@@ -152,6 +155,7 @@ class NodeServer:
             {c.node_id: self.store.shard},
             remote=self._read_remote,
             remote_nodes=lambda: list(self.peers),
+            metrics=self.metrics,
         )
         self.pipeline = self._pipeline(
             [
@@ -172,16 +176,18 @@ class NodeServer:
         """One block of another node, read over the transfer engine, with the parent and
         owner tenant its holder reports (the replicator's source when no holder is in this
         process)."""
-        buf = torch.empty(self.engine.page_shape, dtype=self.engine.page_dtype)
         ns = namespace_for("", self.model_fingerprint, self.layout)
         reader = self.peers[source].client(ns)
         lease = reader.lease([key])
         try:
-            got = reader.read_into(lease, [buf][: len(lease.blocks)])
+            # the holder's size, whatever it is (a page, or another member's object)
+            bufs = [np.empty(b.length, dtype=np.uint8) for b in lease.blocks[:1]]
+            got = reader.read_into(lease, bufs) if bufs else []
         finally:
             reader.release_async(lease)
         if not got or got[0] is None:
             return None
+        buf = bufs[0]
         block = lease.blocks[0]
         return BlockCopy(buf, block.parent, block.tenant or DEFAULT_TENANT)
 
@@ -240,7 +246,20 @@ class NodeServer:
             self.metadata.view(),
         )
         add_admin_service(self.server, source)
-        self.blocks = add_block_service(self.server, source, self.transfer)
+        # takes pushed copies (recorded in the metadata before it answers), and pushes its
+        # own: store.client().put(..., replicas=N) returns once N nodes of its kind hold it
+        self.blocks = add_block_service(
+            self.server, source, self.transfer, record=self.store.flush_metadata
+        )
+        self.store.replica_writer = ReplicaWriter(
+            NodeId(c.node_id),
+            self.metadata,
+            self.store.flush_metadata,
+            kinds=frozenset({c.kind}),
+            dead_after_s=REPLICA_PEER_DEAD_S,
+            clock=server_clock,
+        )
+        self._closers.add(self.store.replica_writer.close)
         from grpc_reflection.v1alpha import reflection
 
         reflection.enable_server_reflection(
