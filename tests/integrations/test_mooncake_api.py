@@ -11,6 +11,7 @@ import pytest
 from kvflow.integrations.mooncake import (
     BUFFER_OVERFLOW,
     INVALID_PARAMS,
+    NO_AVAILABLE_HANDLE,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     MooncakeDistributedStore,
@@ -69,8 +70,10 @@ def test_batches_regex_and_remove_all(store: MooncakeDistributedStore) -> None:
     assert store.remove_by_regex("^user_session_.*") == 2
     assert store.remove_by_regex("(") == INVALID_PARAMS
     assert store.batch_is_exist(keys) == [0, 0, 1]
-    assert store.put("b", b"bb", ReplicateConfig(replica_num=2)) == 0
-    assert store.remove_all() == 2
+    # one process cannot hold two replicas: refused, nothing left behind (docs/durability.md)
+    assert store.put("b", b"bb", ReplicateConfig(replica_num=2)) == NO_AVAILABLE_HANDLE
+    assert store.is_exist("b") == 0
+    assert store.remove_all() == 1
     assert store.batch_is_exist(["model_a", "b"]) == [0, 0]
 
 

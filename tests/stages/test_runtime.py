@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from kvflow.kvdb import StoreConfig, open_store
-from kvflow.replication import MetadataConfig, MetadataGroup, NodeId
+from kvflow.pipeline import Metrics
+from kvflow.replication import MetadataConfig, MetadataGroup, NodeId, Tier
 from kvflow.router import InstanceState
 from kvflow.stages.runtime.heartbeat import Heartbeat, Member
-from kvflow.stages.runtime.replicator import Replicator
+from kvflow.stages.runtime.replicator import BlockCopy, Replicator
 from kvflow.stages.runtime.staging import LeaseBook, StagingArea
 from kvflow.stages.state import Booking
 from tests.conftest import pick_free_port
@@ -114,6 +115,51 @@ def test_replicator_copies_only_into_its_own_shards_toward_the_target(tmp_path: 
         for n in ("b", "c"):
             info = stores[n].shard.info(key)
             assert info is not None and (info.tenant, info.parent) == ("acme", parent)
+    finally:
+        for s in stores.values():
+            s.close()
+        group.close()
+
+
+def test_replicator_isolates_a_block_that_fails_and_counts_it(tmp_path: Path) -> None:
+    """A source that raises for one block and a value the destination cannot take (another
+    size) fail alone: the other block is still copied, each failure is counted by reason in
+    the Prometheus metric, and the next pass tries them again."""
+    group = _group(tmp_path)
+    stores = {n: _store(tmp_path, n, group) for n in ("src", "b")}
+    try:
+        now = time.time()
+        for n in stores:
+            group.register_node(NodeId(n), n, "prefill", now)
+        raising, too_big, fine = b"r" * 16, b"t" * 16, b"f" * 16
+        group.record_batch(
+            NodeId("src"), [(k, Tier.DRAM) for k in (raising, too_big, fine)], [], now
+        )
+        for key in (raising, too_big, fine):
+            group.set_replica_target(key, 2, now)
+
+        def remote(source: NodeId, key: bytes) -> BlockCopy | None:
+            assert source == "src"
+            if key == raising:
+                raise RuntimeError("the holder's connection broke mid-read")
+            return BlockCopy(bytes(100 if key == too_big else 64), None, "acme")
+
+        metrics = Metrics()
+        replicator = Replicator(
+            group.view, {"b": stores["b"].shard}, remote, lambda: ["src"], metrics=metrics
+        )
+        assert replicator.run_once(now=now) == 1
+        assert stores["b"].shard.get(fine) == bytes(64)
+        assert replicator.failed == 2
+        text = metrics.render().decode()
+        assert 'kvflow_replicator_failures_total{reason="error"} 1.0' in text
+        assert 'kvflow_replicator_failures_total{reason="store"} 1.0' in text
+        assert "kvflow_replicator_copies_total 1.0" in text
+        deadline = time.monotonic() + 5
+        while group.view().replica_count(fine) < 2:  # b's copy reaches the metadata
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert replicator.run_once(now=now) == 0 and replicator.failed == 4  # tried again
     finally:
         for s in stores.values():
             s.close()
