@@ -9,12 +9,14 @@ a shorter prefix), never exceptions.
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.kvdb.buffers import readable_bytes, writable_bytes
 from kvflow.kvdb.errors import (
+    BlockPinnedError,
     KVDBError,
     NamespaceMismatchError,
     NotEnoughReplicasError,
@@ -176,14 +178,22 @@ class EmbeddedClient(KVClient):
         store's ReplicaWriter (a node of a cluster); a single node refuses it."""
         src = readable_bytes(value)
         self._check(src.shape[0], "value")
+        if replicas == 1:
+            return self._shard.put(key, src, parent, self._namespace.tenant)
+        if self._writer is None:
+            raise NotEnoughReplicasError(
+                f"replicas={replicas}: this store has no peers to copy to (one node)"
+            )
+        had = self._shard.exists(key)
         tier = self._shard.put(key, src, parent, self._namespace.tenant)
-        if replicas != 1:
-            if self._writer is None:
-                raise NotEnoughReplicasError(
-                    f"replicas={replicas}: this store has no peers to copy to (one node)"
-                )
+        try:
             block = BlockToCopy(key, src, parent, self._namespace.tenant)
             self._writer.write([block], replicas, held_locally=tier is not None)
+        except NotEnoughReplicasError:
+            if tier is not None and not had:  # not acknowledged: take our copy back
+                with contextlib.suppress(BlockPinnedError):
+                    self._shard.remove(key)
+            raise
         return tier
 
     def get(self, key: bytes) -> bytes | None:

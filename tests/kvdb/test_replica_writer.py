@@ -94,6 +94,7 @@ def test_put_with_two_replicas_is_held_and_recorded_by_two_nodes_before_it_retur
         # three replicas with two nodes: refused, saying how many are live
         with pytest.raises(NotEnoughReplicasError, match="replicas=3 needs 2 live peer"):
             client.put(parent, value(2), key, replicas=3)
+        assert not a.store.shard.exists(parent)  # not acknowledged: the writer's copy is gone
     finally:
         a.close()
         b.close()

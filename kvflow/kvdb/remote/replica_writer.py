@@ -32,7 +32,7 @@ from kvflow.kvdb.buffers import readable_bytes
 from kvflow.kvdb.codec import block_checksum
 from kvflow.kvdb.errors import NotEnoughReplicasError
 from kvflow.kvdb.proto import pb2, pb2_grpc
-from kvflow.replication import NodeId, NodeLoad, Tier, choose_targets
+from kvflow.replication import NodeId, NodeLoad, ReplicationError, Tier, choose_targets
 from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_channel
 
@@ -105,6 +105,14 @@ class ReplicaWriter:
         candidates, or too few took a copy) and ValueError for ``n`` < 1."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"replicas must be an int >= 1, got {n!r}")
+        try:
+            return self._write(blocks, n, held_locally)
+        except (ReplicationError, grpc.RpcError) as exc:  # the metadata, not a peer
+            raise NotEnoughReplicasError(
+                f"replicas={n}: the metadata could not list or record the copies: {exc}"
+            ) from exc
+
+    def _write(self, blocks: Sequence[BlockToCopy], n: int, held_locally: bool) -> list[NodeId]:
         need = n - int(held_locally)
         if not blocks or need <= 0:
             if blocks and n > 1:
