@@ -61,6 +61,7 @@ class Peers:
         self._lock = threading.Lock()
         self._live: dict[NodeId, tuple[str, str]] = {}
         self._loaded = -NODES_TTL_S
+        self._failed: dict[NodeId, float] = {}  # peer -> monotonic time its last read failed
         self._clients: dict[NodeId, tuple[tuple[str, str], RemoteClient]] = {}
         self._destinations: list[Any] = []
 
@@ -100,8 +101,9 @@ class Peers:
         return [row[0] if row else None for row in self.holder_lists(keys)]
 
     def holder_lists(self, keys: Sequence[bytes]) -> list[list[NodeId]]:
-        """For each key every live peer that holds it, DRAM copies first: a reader tries
-        them in turn (a peer that died within ``dead_after_s`` still looks live)."""
+        """For each key every live peer that holds it, DRAM copies first and peers whose
+        last read failed recently last: a reader tries them in turn (a peer that died within
+        ``dead_after_s`` still looks live)."""
         if not keys:
             return []
         live = self.live()
@@ -112,10 +114,25 @@ class Peers:
         except (ReplicationError, grpc.RpcError) as exc:
             logger.warning("member=%s holders lookup failed: %s", self._self, exc)
             return [[] for _ in keys]
+        now = time.monotonic()
+        with self._lock:
+            suspect = {n for n, t in self._failed.items() if now - t < self._dead_after_s}
+
+        def order(n: NodeId, row: Any) -> tuple[bool, bool, str]:
+            return (n in suspect, row[n] is not Tier.DRAM, n)
+
         return [
-            sorted((n for n in row if n in live), key=lambda n, r=row: (r[n] is not Tier.DRAM, n))
-            for row in rows
+            sorted((n for n in row if n in live), key=lambda n, r=row: order(n, r)) for row in rows
         ]
+
+    def _suspect(self, node: NodeId) -> None:
+        """A read from ``node`` failed: re-read liveness before the next read, and try its
+        copies last until it has been dead long enough to drop out of ``live``."""
+        now = time.monotonic()
+        with self._lock:
+            self._loaded = -NODES_TTL_S
+            self._failed = {n: t for n, t in self._failed.items() if now - t < self._dead_after_s}
+            self._failed[node] = now
 
     def _client(self, node: NodeId) -> RemoteClient | None:
         addresses = self.live().get(node)
@@ -145,8 +162,7 @@ class Peers:
             got = client.batch_get_into(keys, bufs)
         except (KVDBError, TransferError, OSError, grpc.RpcError) as exc:
             logger.warning("member=%s read from peer=%s failed: %s", self._self, node, exc)
-            with self._lock:
-                self._loaded = -NODES_TTL_S  # re-read liveness before the next read
+            self._suspect(node)
             return [False] * len(keys)
         return [t is not None for t in got]
 
@@ -176,8 +192,7 @@ class Peers:
                 pos += len(lease.blocks)
         except (KVDBError, TransferError, OSError, grpc.RpcError) as exc:
             logger.warning("member=%s read from peer=%s failed: %s", self._self, node, exc)
-            with self._lock:
-                self._loaded = -NODES_TTL_S  # re-read liveness before the next read
+            self._suspect(node)
             return [f if f.too_small else MISS for f in out]
         return out
 

@@ -146,11 +146,14 @@ class Ledger:
     holder_kills: int = 0
 
 
-@pytest.mark.parametrize("seed", [7, 23])
+@pytest.mark.parametrize(("seed", "replicas"), [(7, 2), (23, 3)])
 def test_kv_oracle_acknowledged_puts_survive_writer_and_holder_kills(
-    procs: Procs, meta: str, seed: int
+    procs: Procs, meta: str, seed: int, replicas: int
 ) -> None:
-    replicas, holders, writers, puts_per_writer = 2, 3, 3, 150
+    """N+1 holders, 3 writers that hold nothing (all N copies are pushed), 3 writer kills and
+    N-1 holder kills at random acknowledged-put counts. With N=3, once two holders are dead
+    too few members are left: later puts are refused, and must then be absent or complete."""
+    holders, writers, puts_per_writer = replicas + 1, 3, 400
     rng = random.Random(seed)
     hs = [procs.start(durable_procs.holder, f"h{i}-s{seed}", True) for i in range(holders)]
     procs.ready(hs)
@@ -235,7 +238,7 @@ def test_kv_oracle_acknowledged_puts_survive_writer_and_holder_kills(
     )
     assert not wrong, f"{len(wrong)} acknowledged values lost or wrong, e.g. {wrong[:5]}"
     assert not half, f"{len(half)} unacknowledged values half-visible, e.g. {half[:5]}"
-    assert len(ledger.acked) >= total // 2, ledger  # the schedule really wrote
+    assert len(ledger.acked) >= total // 10, ledger  # the schedule really wrote
 
 
 # ------------------------------------------------------------------ the Mooncake promise
