@@ -30,7 +30,7 @@ class MemberConfig:
         shard's SSD files and manifest; None = an in-memory SSD engine (nothing survives a
         restart). dram_bytes / ssd_bytes: the DRAM pool and SSD budget this process gives
         the cluster; both 0 (clustered only) = a client that holds nothing: its puts go to
-        peers, Mooncake's ``global_segment_size=0``. engine: "rocksdb", "lmdb" or "memory".
+        peers (a Mooncake client with no segment). engine: "rocksdb", "lmdb" or "memory".
         tenant: the key namespace's tenant (tenants never see each other's blocks).
         heartbeat_s: the member's heartbeat period; peer_dead_after_s: a peer whose last
         heartbeat is older is not read from.

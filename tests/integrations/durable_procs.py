@@ -23,13 +23,14 @@ DEAD_AFTER_S = 1.5
 
 def member_config(meta: str, node_id: str, holds: bool) -> dict[str, Any]:
     """A Mooncake config dict for a member of the test cluster: a holder with 64 MiB of DRAM,
-    or a client that holds nothing (Mooncake's ``global_segment_size=0``)."""
+    or a client that holds nothing (like a Mooncake client that mounts no segment)."""
     return {
         "local_hostname": "127.0.0.1",
         "metadata_server": meta,
         "global_segment_size": (64 << 20) if holds else 0,
         "protocol": "tcp",
         "kvflow_node_id": node_id,
+        "kvflow_dram_bytes": (64 << 20) if holds else 0,  # explicit: whatever setup derives
         "kvflow_ssd_bytes": 0,
         "kvflow_engine": "memory",
         "kvflow_heartbeat_s": HEARTBEAT_S,

@@ -252,7 +252,7 @@ def test_kv_oracle_acknowledged_puts_survive_writer_and_holder_kills(
 def test_get_after_the_writer_and_n_minus_1_holders_are_sigkilled(
     procs: Procs, meta: str, writer_holds: bool, replicas: int
 ) -> None:
-    """A client writer (it holds nothing; Mooncake's ``global_segment_size=0``) puts with
+    """A client writer (it holds nothing, like a Mooncake client with no segment) puts with
     ``replica_num=2``; the writer and one holder die: every value is read back. A writer that
     holds its own copy puts with ``replica_num=3``: the writer and one other holder die (N-1
     copies lost): every value is read back."""
