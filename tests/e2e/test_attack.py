@@ -78,6 +78,8 @@ def test_no_lease_no_node_call_without_the_secret(cluster) -> None:
         blocks = kvdb_pb2_grpc.BlockServiceStub(channel)
         lease = kvdb_pb2.LeaseRequest(keys=keys[:1])
         assert code_of(lambda: blocks.Lease(lease, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+        push = kvdb_pb2.StoreRequest(blocks=[kvdb_pb2.StoredBlock(key=keys[0], value=b"x")])
+        assert code_of(lambda: blocks.Store(push, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
         node = node_pb2_grpc.NodeStub(channel)
         info = node_pb2.InfoRequest()
         assert code_of(lambda: node.Info(info, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
