@@ -134,9 +134,10 @@ class ReplicaWriter:
             taken = {x: Tier.DRAM for x in tried}
             picks = choose_targets(taken, len(taken) + need - len(done), loads)
             if not picks:
+                failed = sorted(tried - {self.node, *done})
                 raise NotEnoughReplicasError(
                     f"replicas={n}: only {len(done) + int(held_locally)} node(s) took a copy "
-                    f"(pushed to {done}); every other live peer failed: {sorted(tried)}"
+                    f"(pushed to {done}); the other live peers failed: {failed}"
                 )
             tried.update(picks)
             pushed = self._pool.map(lambda p: self._push(p, candidates[p][1], request), picks)
