@@ -31,6 +31,8 @@ class ServerThread(BackgroundServer):
         return ids, msgs[-1].usage, "".join(m.text for m in msgs)
 
 
+
+
 def base_config(model: Path, data_dir: Path, **overrides: Any) -> ServeConfig:
     config = ServeConfig(
         model_dir=model,

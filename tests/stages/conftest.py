@@ -37,6 +37,10 @@ from kvflow.transfer import TransferConfig, TransferEngine
 BLOCK = 16
 
 
+
+
+
+
 class Rig:
     """``prefill`` and ``decode`` instances (ids prefill-0.., decode-0) of one model."""
 

@@ -20,6 +20,10 @@ from tests.e2e.conftest import base_config
 BLOCK = 16
 
 
+
+
+
+
 def config(model: Path, data_dir: Path, **overrides: Any) -> ServeConfig:
     return base_config(model, data_dir, **{"trace_capacity": 64, **overrides})
 
