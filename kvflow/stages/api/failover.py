@@ -120,6 +120,7 @@ class Retry:
         self._pause = backoff_s
         self._failing_since: float | None = None
         self.attempt = 0
+        self.last_error: grpc.RpcError | None = None  # the latest retryable failure
 
     def next_server(self, what: str) -> tuple[int, str, float]:
         """(index, server, seconds left) of the next try; TimeoutError past the deadline."""
@@ -141,6 +142,7 @@ class Retry:
         """Re-raise ``err`` unless the call may go on to the next server."""
         if err.code() not in RETRYABLE:
             raise err
+        self.last_error = err
         now = time.monotonic()
         if self._failing_since is None:
             self._failing_since = now
@@ -165,7 +167,8 @@ class Retry:
 class FailoverStub:
     """``stub_class`` (a generated gRPC stub) over ``servers``: every unary method call goes to
     the server that answered last and fails over as the module docstring says; the caller's
-    ``timeout`` bounds the whole call, retries included. ``channel_of(server)`` opens a
+    ``timeout`` bounds the whole call, retries included (past it, the last UNAVAILABLE is
+    raised). ``channel_of(server)`` opens a
     channel (the caller decides TLS and the cluster token). Thread-safe; close it (or use it
     as a context manager)."""
 
@@ -200,7 +203,12 @@ class FailoverStub:
         if self._metadata is not None:
             kw = {**kw, "metadata": [*kw.get("metadata", ()), *self._metadata]}
         while True:
-            index, server, remaining = retry.next_server(name)
+            try:
+                index, server, remaining = retry.next_server(name)
+            except TimeoutError:
+                if retry.last_error is not None:  # the call's own deadline ran out: say why
+                    raise retry.last_error from None
+                raise
             method = getattr(self._stub_class(self.channels.get(server)), name)
             try:
                 reply = method(request, timeout=remaining, **kw)
