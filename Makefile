@@ -65,7 +65,7 @@ docs: $(STAMP)
 	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # The default run while two spinning processes keep both cores busy (tests/loaded.py): what a
-# loaded CI machine does to the timing of the cluster tests. About 15+ minutes on 2 cores.
+# loaded CI machine does to the timing of the cluster tests (longer than `make test`).
 LOAD_PROCS ?= 2
 test-loaded: lint
 	$(BIN)/python -m tests.loaded --busy $(LOAD_PROCS) -- $(BIN)/python -m pytest $(PYTEST_ARGS)
