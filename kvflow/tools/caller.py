@@ -1,47 +1,56 @@
-"""How a CLI command calls a server as someone: ``--api-key KEY`` or the cluster token.
+"""How a CLI command calls a server as someone, and survives a router loss.
 
-With ``--api-key`` the command opens a channel without the cluster token and sends
-``authorization: Bearer KEY`` on every call, so the key decides who the caller is (a user key
-sees only its tenant). Without
-one it sends this process's cluster token (``--cluster-secret-file`` / the environment), which
-makes it an admin of a keyed server; with neither, a keyed server answers UNAUTHENTICATED.
-Either way the channel is TLS when this process has a CA (``--tls-ca`` / the environment).
+``--api-key KEY`` (or ``KVFLOW_API_KEY``): the command opens channels without the cluster
+token and sends ``authorization: Bearer KEY`` on every call, so the key decides who the caller
+is (a user key sees only its tenant). Without one it sends this process's cluster token
+(``--cluster-secret-file`` / the environment), which makes it an admin of a keyed server; with
+neither, a keyed server answers UNAUTHENTICATED. Either way the channel is TLS when this
+process has a CA (``--tls-ca`` / the environment).
+
+``--server A,B``: several routers of one cluster; a call that finds one unreachable goes to
+the next, with backoff between rounds (``stages/api/failover.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 from typing import Any
-
-import grpc
 
 from kvflow.security import process_secret
 from kvflow.security.grpc_auth import cluster_channel
+from kvflow.stages.api.failover import API_KEY_ENV, FailoverStub, parse_servers, resolve_api_key
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+# How long a command keeps retrying routers that refuse connections: a router restarted by its
+# supervisor serves again within this on a loaded machine.
+RETRY_FOR_S = 30.0
+SERVER_HELP = "HOST:PORT of a server or router; several, comma-separated, to fail over"
+
+
+def add_server_flag(p: argparse.ArgumentParser | Any) -> None:
+    p.add_argument("--server", default=DEFAULT_SERVER, help=SERVER_HELP)
 
 
 def add_api_key_flag(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument(
-        "--api-key", default=None, help="call with this API key (Bearer); default: cluster token"
+        "--api-key",
+        default=None,
+        help=f"call with this API key (Bearer); default: ${API_KEY_ENV}, else the cluster token",
     )
 
 
-def open_channel(server: str, api_key: str | None) -> grpc.Channel:
-    """A channel to ``server`` for calls made with ``api_key`` (see the module doc); the
+def open_stub(
+    servers: str, stub_class: Any, api_key: str | None, retry_for_s: float = RETRY_FOR_S
+) -> FailoverStub:
+    """A stub of ``stub_class`` over the comma-separated ``servers`` (ValueError names a bad
+    address), calling as ``api_key`` (None: ``KVFLOW_API_KEY``, else the cluster token). The
     caller closes it."""
-    return cluster_channel(server, None if api_key else process_secret())
-
-
-class KeyedStub:
-    """A generated stub whose every call also sends ``api_key`` as Bearer metadata (none:
-    the stub's calls unchanged)."""
-
-    def __init__(self, stub: Any, api_key: str | None) -> None:
-        self._stub = stub
-        self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._stub, name)
-        return (
-            method if self._metadata is None else functools.partial(method, metadata=self._metadata)
-        )
+    key = resolve_api_key(api_key)
+    secret = None if key else process_secret()
+    return FailoverStub(
+        parse_servers(servers),
+        stub_class,
+        lambda server: cluster_channel(server, secret),
+        api_key=key or "",
+        retry_for_s=retry_for_s,
+    )

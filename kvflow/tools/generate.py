@@ -14,15 +14,13 @@ from kvflow.security.tls import unavailable_hint
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient, parse_servers
 from kvflow.tools.args import add_tls_flags, apply_tls
+from kvflow.tools.caller import RETRY_FOR_S, add_api_key_flag, add_server_flag
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="send a prompt to a kvflow server")
-    p.add_argument(
-        "--server",
-        default="127.0.0.1:50051",
-        help="HOST:PORT of the gRPC API; several, comma-separated, to fail over between routers",
-    )
+    add_server_flag(p)
+    add_api_key_flag(p)
     p.add_argument("--prompt", help="prompt text (or use --prompt-file / --token-ids)")
     p.add_argument("--prompt-file", help="read the prompt text from this file")
     p.add_argument("--token-ids", help="comma-separated token ids instead of text")
@@ -100,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         apply_tls(args)
     except ValueError as exc:
         raise SystemExit(f"kvflow generate: {exc}") from exc
-    with InferenceClient(servers) as client:
+    with InferenceClient(servers, retry_for_s=RETRY_FOR_S, api_key=args.api_key) as client:
         try:
             for msg in client.generate(req, timeout=args.timeout):
                 token_ids.extend(msg.token_ids)

@@ -27,7 +27,7 @@ from kvflow.kvdb import InvalidRequestError
 from kvflow.kvdb.admin import MAX_HOT, TIER_NAMES, parse_key
 from kvflow.kvdb.proto import pb2, pb2_grpc
 from kvflow.tools.args import add_tls_flags, apply_tls
-from kvflow.tools.caller import KeyedStub, add_api_key_flag, open_channel
+from kvflow.tools.caller import add_api_key_flag, add_server_flag, open_stub
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -281,7 +281,7 @@ COMMANDS: dict[str, Command] = {
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("kvdb", help="inspect and manage a server's kvdb (admin service)")
-    p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the admin service")
+    add_server_flag(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_tls_flags(p, server=False)
@@ -319,8 +319,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvflow kvdb: {exc}", file=sys.stderr)
         return 2
-    with open_channel(args.server, args.api_key) as channel:
-        stub = KeyedStub(pb2_grpc.KVAdminStub(channel), args.api_key)
+    try:
+        opened = open_stub(args.server, pb2_grpc.KVAdminStub, args.api_key)
+    except ValueError as exc:
+        print(f"kvflow kvdb: --server: {exc}", file=sys.stderr)
+        return 2
+    with opened as stub:
         try:
             value, text = command(stub, args)
         except grpc.RpcError as exc:

@@ -411,6 +411,16 @@ class LocalCluster:
         proc.restarts += 1
         proc.start()
 
+    def heal(self, timeout_s: float) -> list[str]:
+        """Start again every process that is not running (killed on purpose or crashed) and
+        wait until every router knows every node as healthy: a shared cluster after a failure
+        test, whatever that test left. Returns the names started again (none: quick)."""
+        down = [name for name, proc in self.procs.items() if not proc.alive()]
+        for name in down:
+            self.restart(name)
+        self.wait_all(timeout_s)
+        return down
+
     def supervise_once(self, now: float | None = None) -> list[str]:
         """Restart the processes that died without being killed on purpose: at once if they
         had run ``STABLE_AFTER_S``, else after a backoff that doubles with each quick death.

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from kvflow.stages.api import pb2, pb2_grpc
-from kvflow.tools.caller import KeyedStub, add_api_key_flag, open_channel
+from kvflow.tools.caller import add_api_key_flag, open_stub
 from kvflow.tools.trace_report import report_file
 
 
@@ -33,8 +33,7 @@ def register(subparsers: Any) -> None:
 
 
 def fetch(server: str, last: int, api_key: str | None = None) -> bytes:
-    with open_channel(server, api_key) as channel:
-        stub = KeyedStub(pb2_grpc.InferenceStub(channel), api_key)
+    with open_stub(server, pb2_grpc.InferenceStub, api_key) as stub:
         reply = stub.ExportTrace(pb2.ExportTraceRequest(last_n=last), timeout=30)
     return bytes(reply.chrome_trace_json)
 
@@ -45,6 +44,9 @@ def run_export(args: argparse.Namespace) -> int:
     except grpc.RpcError as err:
         print(f"kvflow trace export: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+    except ValueError as exc:
+        print(f"kvflow trace export: --server: {exc}", file=sys.stderr)
+        return 2
     args.out.write_bytes(data)
     print(f"wrote {len(data)} bytes to {args.out} (open it in https://ui.perfetto.dev)")
     return 0
@@ -60,6 +62,9 @@ def run_report(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             print(f"kvflow trace report: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
+        except ValueError as exc:
+            print(f"kvflow trace report: --server: {exc}", file=sys.stderr)
+            return 2
         with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
             f.write(data)
             path = Path(f.name)

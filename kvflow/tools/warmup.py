@@ -19,16 +19,17 @@ from typing import Any
 import grpc
 
 from kvflow.grpc_proto import load_proto
-from kvflow.security.tls import channel as tls_channel
 from kvflow.tools.args import add_tls_flags, apply_tls
+from kvflow.tools.caller import add_api_key_flag, add_server_flag, open_stub
 
 FINAL = ("done", "cancelled", "failed")
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("warmup", help="offline cache warm-up jobs (submit, status, ...)")
-    p.add_argument("--server", default="127.0.0.1:50051", help="host:port of a server/router")
+    add_server_flag(p)
     add_tls_flags(p, server=False)
+    add_api_key_flag(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser(
@@ -79,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvflow warmup: {exc}", file=sys.stderr)
         return 2
-    with tls_channel(args.server) as channel:
-        stub = pb2_grpc.WarmupStub(channel)
+    try:
+        opened = open_stub(args.server, pb2_grpc.WarmupStub, args.api_key)
+    except ValueError as exc:
+        print(f"kvflow warmup: --server: {exc}", file=sys.stderr)
+        return 2
+    with opened as stub:
         try:
             return _ACTIONS[args.action](args, stub, pb2)
         except grpc.RpcError as err:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvflow.replication.wire import pb2 as meta_pb2
+from kvflow.replication.wire import pb2_grpc as meta_pb2_grpc
+from kvflow.security.grpc_auth import cluster_channel
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.serve.background import BackgroundServer
@@ -136,3 +140,16 @@ def serve_one(cluster: Any) -> None:
         req.token_ids.ids.extend(range(5, 70))
         events = list(client.generate(req, timeout=60))
     assert sum(len(e.token_ids) for e in events) >= 1
+    wait_recorded(cluster, "prefill-0")
+
+
+def wait_recorded(cluster: Any, node: str, timeout_s: float = 60.0) -> None:
+    """Until the metadata lists blocks on ``node``: a node reports what it stored in batches
+    (heartbeat, replicator), later than the answer on a loaded machine."""
+    request = meta_pb2.NodeBlocksRequest(node=node, include_keys=True)
+    deadline = time.monotonic() + timeout_s
+    with cluster_channel(cluster.meta_addresses[0], cluster.secret) as channel:
+        stub = meta_pb2_grpc.MetadataServiceStub(channel)
+        while not stub.NodeBlocks(request, timeout=10).keys.blob:
+            assert time.monotonic() < deadline, f"no block of {node} recorded in {timeout_s} s"
+            time.sleep(0.1)

@@ -72,8 +72,8 @@ def test_no_lease_no_node_call_without_the_secret(cluster) -> None:
         request = meta_pb2.NodeBlocksRequest(node="prefill-0", include_keys=True)
         packed = stub.NodeBlocks(request, timeout=5).keys
     blob, width = packed.blob, packed.width
+    assert blob and width, "the fixture's request stored blocks on prefill-0 (wait_recorded)"
     keys = [blob[i : i + width] for i in range(0, len(blob), width)]
-    assert keys, "the warm-up request stored blocks"
     with grpc.insecure_channel(control) as channel:
         blocks = kvdb_pb2_grpc.BlockServiceStub(channel)
         lease = kvdb_pb2.LeaseRequest(keys=keys[:1])

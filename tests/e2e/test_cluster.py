@@ -2,8 +2,9 @@
 nodes and 2 routers (`kvflow.tools.supervise.LocalCluster`, the code behind `kvflow cluster`).
 Requests go through InferenceClient with both routers listed, as a user's client would.
 
-The tests run in file order on one cluster: the failure tests come last, and each kills one
-more process.
+The tests share one cluster; the failure tests come last. Each kills what it needs, and
+``heal`` starts again whatever an earlier test killed before the next one runs, so no test
+depends on another's leftovers and a failure does not cascade.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvflow.stages.api.client import InferenceClient
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.tools.cli import main
 from kvflow.tools.supervise import LocalCluster
-from tests.cluster_member import running_as_member
+from tests.cluster_member import heal, running_as_member
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -49,6 +50,11 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     with running_as_member(c, timeout_s=180):  # stops every process (paused ones too)
         yield c
+
+
+@pytest.fixture(autouse=True)
+def whole(cluster: LocalCluster) -> None:
+    heal(cluster)
 
 
 def generate(
@@ -72,7 +78,7 @@ def reference(model: Path, ids: list[int], max_tokens: int) -> list[int]:
     return engine.generate([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
 
 
-def wait_for_blocks(cluster: LocalCluster, node: str, n: int, timeout_s: float = 10.0) -> None:
+def wait_for_blocks(cluster: LocalCluster, node: str, n: int, timeout_s: float = 60.0) -> None:
     """Until every live metadata replica reports ``n`` blocks on ``node`` (a node may read
     from any replica, and followers apply a commit a moment after the leader)."""
     deadline = time.monotonic() + timeout_s
@@ -215,7 +221,7 @@ def test_a_replica_target_is_placed_on_another_node(cluster):
     other = "prefill-1" if holder == "prefill-0" else "prefill-0"
     with RemoteMetadata(cluster.meta_addresses) as meta:
         view = meta.view()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while True:  # until the new prompt's blocks are registered (asynchronously)
             here = set(view.keys_on(NodeId(holder))) - set(view.keys_on(NodeId(other)))
             if here:
@@ -224,7 +230,7 @@ def test_a_replica_target_is_placed_on_another_node(cluster):
             time.sleep(0.05)
         key = sorted(here)[0]
         meta.set_replica_target(key, 2)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while view.replica_count(key) < 2:
             assert time.monotonic() < deadline, "the replica target was never met"
             time.sleep(0.1)
@@ -291,7 +297,7 @@ def test_a_planned_pull_travels_to_the_prefill_node_which_pulls_exactly_that(clu
     )
     assert done.pulled_tokens == 5 * BLOCK and done.cached_tokens == 5 * BLOCK
     with RemoteMetadata(cluster.meta_addresses) as meta:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while meta.view().replica_count(keys[4]) < 2:
             assert time.monotonic() < deadline, "the pulled blocks never reached the metadata"
             time.sleep(0.05)
@@ -357,7 +363,7 @@ def test_each_router_routes_on_the_load_the_other_sent(cluster):
         next(stream)
         with grpc.insecure_channel(cluster.addresses[0]) as channel:
             stub = pb2_grpc.InferenceStub(channel)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while not seen and time.monotonic() < deadline:
                 stats = stub.Stats(pb2.StatsRequest(), timeout=5)
                 seen = [
@@ -379,7 +385,7 @@ def test_flush_cache_on_a_router_empties_every_node_but_the_pinned_blocks(cluste
     for seed in (70, 71):  # blocks on both prefill nodes (round-robin) and the decode nodes
         generate(cluster, prompt(64, seed=seed), max_tokens=20)
     nodes = ("prefill-0", "prefill-1", "decode-0", "decode-1")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while sum(blocks_held(cluster, n) for n in nodes) < 8 and time.monotonic() < deadline:
         time.sleep(0.05)
     held = {n: blocks_held(cluster, n) for n in nodes}
@@ -392,7 +398,7 @@ def test_flush_cache_on_a_router_empties_every_node_but_the_pinned_blocks(cluste
     assert reply.status == 200, text
     removed = int(text.split("Cache flushed: ")[1].split(" ")[0])
     assert removed >= sum(held.values()) > 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while any(blocks_held(cluster, n) for n in nodes) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert {n: blocks_held(cluster, n) for n in nodes} == dict.fromkeys(nodes, 0)
@@ -425,8 +431,24 @@ def test_a_decode_node_killed_mid_stream_is_retried_with_the_same_output(cluster
     assert tokens == reference(tiny_model, ids, 400)
 
 
+def router_counter(cluster: LocalCluster, name: str) -> float:
+    """``name`` of the Stats' router counters, summed over the live routers."""
+    total = 0.0
+    for proc, address in zip(
+        (p for n, p in cluster.procs.items() if n.startswith("router")), cluster.addresses,
+        strict=True,
+    ):
+        if proc.alive():
+            with grpc.insecure_channel(address) as channel:
+                stats = pb2_grpc.InferenceStub(channel).Stats(pb2.StatsRequest(), timeout=10)
+            total += stats.router[name]
+    return total
+
+
 def test_a_request_waits_while_the_last_decode_node_restarts(cluster, tiny_model):
+    cluster.kill("decode-0")
     cluster.kill("decode-1")  # no decode node is left
+    waits = router_counter(cluster, "instance_waits")
     ids = prompt(30, seed=50)
     result: dict[str, object] = {}
 
@@ -438,17 +460,18 @@ def test_a_request_waits_while_the_last_decode_node_restarts(cluster, tiny_model
 
     sender = threading.Thread(target=send)
     sender.start()
-    time.sleep(1.0)  # the request is routed to the dead node, fails, and waits
+    deadline = time.monotonic() + 60  # the request is routed to a dead node, fails, waits
+    while router_counter(cluster, "instance_waits") <= waits:
+        assert sender.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.1)
     assert sender.is_alive(), result
     cluster.restart("decode-1")
-    sender.join(90)
+    sender.join(180)
+    assert not sender.is_alive(), "no answer 180 s after decode-1 restarted"
     assert "error" not in result, result.get("error")
     out, usage = result["out"]  # type: ignore[misc]
     assert usage.decode_instance == "decode-1"
     assert out == reference(tiny_model, ids, 16)[: len(out)] and len(out) >= 1
-    with grpc.insecure_channel(cluster.addresses[1]) as channel:  # router-0 is down by now
-        router = pb2_grpc.InferenceStub(channel).Stats(pb2.StatsRequest(), timeout=5).router
-    assert router["node_failures"] >= 1 and router["instance_waits"] >= 1
 
 
 def test_a_killed_prefill_node_fails_no_request(cluster):
@@ -460,6 +483,7 @@ def test_a_killed_prefill_node_fails_no_request(cluster):
 
 
 def test_a_killed_metadata_leader_fails_no_request(cluster):
+    cluster.kill("prefill-1")  # every request on prefill-0: the repeat below is a local hit
     leader = cluster.metadata_leader()
     assert leader is not None
     cluster.kill(leader)  # writes go on after a re-election

@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 
+from kvflow.replication import NodeId, RemoteMetadata
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient
 from kvflow.tools.supervise import LocalCluster
-from tests.cluster_member import running_as_member
+from tests.cluster_member import heal, running_as_member
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -61,6 +62,21 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     with running_as_member(c, timeout_s=120):  # stops every process (paused ones too)
         yield c
+
+
+@pytest.fixture(autouse=True)
+def whole(cluster: LocalCluster) -> None:
+    heal(cluster)
+
+
+def _blocks_on(cluster: LocalCluster, node: str) -> list[int]:
+    """How many blocks each live metadata replica records on ``node``."""
+    counts = []
+    for i, address in enumerate(cluster.meta_addresses):
+        if cluster.procs[f"meta-{i}"].alive():
+            with RemoteMetadata([address], cache_ttl_s=0) as meta:
+                counts.append(meta.view().blocks_on(NodeId(node)))
+    return counts
 
 
 def _generate(
@@ -119,10 +135,14 @@ def test_a_paused_block_holder_costs_about_a_second(cluster: LocalCluster) -> No
     cache-blind: reuse-load continues the local prefix from any holder)."""
     base = _baseline(cluster)
     prefix = _prompt(4000, 64)  # 4 blocks of 16
+    before = {n: min(_blocks_on(cluster, n)) for n in ("prefill-0", "prefill-1")}
     _, usage = _generate(cluster, [*prefix, 7])
     holder = usage.prefill_instance  # it computed and stored the prefix's blocks
     reader = next(n for n in cluster.procs if n.startswith("prefill") and n != holder)
-    time.sleep(3.0)  # the holder's blocks reach the metadata (heartbeat, view cache)
+    deadline = time.monotonic() + 60  # every replica records them (in batches, asynchronously)
+    while min(_blocks_on(cluster, holder)) < before[holder] + 4:
+        assert time.monotonic() < deadline, f"{holder}'s new blocks never reached the metadata"
+        time.sleep(0.1)
     times = []
     with cluster.paused(holder):
         for i in range(4):

@@ -21,7 +21,7 @@ from kvflow.kvdb.proto import pb2_grpc as kvdb_pb2_grpc
 from kvflow.stages.api import pb2, pb2_grpc
 from kvflow.tools.cli import main
 from kvflow.tools.supervise import LocalCluster
-from tests.cluster_member import running_as_member
+from tests.cluster_member import heal, running_as_member
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -46,6 +46,11 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     with running_as_member(c, timeout_s=180):  # stops every process (paused ones too)
         yield c
+
+
+@pytest.fixture(autouse=True)
+def whole(cluster: LocalCluster) -> None:
+    heal(cluster)
 
 
 def bearer(key: str) -> list[tuple[str, str]]:

@@ -99,7 +99,7 @@ def test_replicator_copies_only_into_its_own_shards_toward_the_target(tmp_path: 
             group.register_node(NodeId(n), n, "prefill", now)
         key, parent = b"x" * 16, b"p" * 16
         stores["a"].shard.put(key, bytes(range(64)), parent, tenant="acme")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while group.view().replica_count(key) < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)

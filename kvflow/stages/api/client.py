@@ -14,9 +14,7 @@ and for sampling the client fixes a seed before the first attempt when the calle
 
 from __future__ import annotations
 
-import logging
 import random
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,24 +24,9 @@ import grpc
 from kvflow.security.tls import TlsSettings
 from kvflow.security.tls import channel as channel_to
 from kvflow.stages.api import pb2, pb2_grpc
+from kvflow.stages.api.failover import Channels, Retry, bearer, parse_servers, resolve_api_key
 
-logger = logging.getLogger(__name__)
-
-# The router is gone or not reachable: the request may go to another one. Every other status
-# (a bad request, an SLO rejection, a deadline) is the answer and is raised to the caller.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
-
-
-def parse_servers(text: str) -> list[str]:
-    """Parse "HOST:PORT[,HOST:PORT...]"; a ValueError names a bad entry."""
-    servers = [s.strip() for s in text.split(",") if s.strip()]
-    if not servers:
-        raise ValueError("no server given (expected HOST:PORT[,HOST:PORT...])")
-    for server in servers:
-        host, sep, port = server.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bad server address {server!r} (expected HOST:PORT)")
-    return servers
+__all__ = ["InferenceClient", "parse_servers"]
 
 
 class InferenceClient:
@@ -54,7 +37,8 @@ class InferenceClient:
     ``retry_for_s`` passes without a token coming back — long enough for a supervisor to
     restart the only router. ``max_attempts`` caps the sends of one request (None: no cap).
     Thread-safe for concurrent ``generate`` calls (one gRPC channel per server, shared).
-    ``tls``: TLS to the routers (a CA to verify them); None: this process's ``KVFLOW_TLS_*``."""
+    ``tls``: TLS to the routers (a CA to verify them); None: this process's ``KVFLOW_TLS_*``.
+    ``api_key``: sent as Bearer on every call; None: ``KVFLOW_API_KEY`` (failover.py)."""
 
     def __init__(
         self,
@@ -64,6 +48,7 @@ class InferenceClient:
         retry_for_s: float = 15.0,
         seed: int | None = None,
         tls: TlsSettings | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not servers:
             raise ValueError("InferenceClient needs at least one server address")
@@ -76,27 +61,9 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.retry_for_s = retry_for_s
         self._rng = random.Random(seed)
-        self._tls = tls
-        self._channels: dict[str, grpc.Channel] = {}
-        self._retired: list[grpc.Channel] = []
-        self._lock = threading.Lock()
-        self._preferred = 0
+        self._channels = Channels(self.servers, lambda server: channel_to(server, (), tls))
+        self._metadata = bearer(resolve_api_key(api_key))
         self.failovers = 0  # requests resent to another router, over this client's life
-
-    def _stub(self, server: str) -> Any:
-        with self._lock:
-            channel = self._channels.get(server)
-            if channel is None:
-                channel = self._channels[server] = channel_to(server, (), self._tls)
-        return pb2_grpc.InferenceStub(channel)
-
-    def _forget(self, server: str) -> None:
-        """Drop a failed server's channel: a new one connects at once when the server is back,
-        where the old one could be waiting out its reconnect backoff."""
-        with self._lock:
-            channel = self._channels.pop(server, None)
-            if channel is not None:  # closed with the client: other calls may still use it
-                self._retired.append(channel)
 
     def generate(self, request: Any, timeout: float = 600.0) -> Iterator[Any]:
         """Yield the GenerateResponse messages of one answer, across router failures."""
@@ -104,60 +71,38 @@ class InferenceClient:
         req.CopyFrom(request)
         if req.sampling.temperature > 0 and not req.sampling.HasField("seed"):
             req.sampling.seed = self._rng.getrandbits(63)  # a resent request samples the same
-        deadline = time.monotonic() + timeout
+        retry = Retry(
+            self._channels,
+            time.monotonic() + timeout,
+            self.backoff_s,
+            self.retry_for_s,
+            self.max_attempts,
+        )
         received = 0
-        first = self._preferred
-        failing_since: float | None = None
-        pause = self.backoff_s
-        attempt = 0
         while True:
-            index = (first + attempt) % len(self.servers)
-            server = self.servers[index]
-            if attempt and attempt % len(self.servers) == 0:  # a new round: every server failed
-                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-                pause = min(2.0, pause * 2 or 0.1)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no router answered within {timeout} s")
-            req.skip_tokens = request.skip_tokens + received
-            if attempt and request.request_id:  # a fresh id: the old one may linger on a node
-                req.request_id = f"{request.request_id}-r{attempt}"
-            before = received
             try:
-                for msg in self._stub(server).Generate(req, timeout=remaining):
+                index, server, remaining = retry.next_server("Generate")
+            except TimeoutError:
+                raise TimeoutError(f"no router answered within {timeout} s") from None
+            req.skip_tokens = request.skip_tokens + received
+            if retry.attempt and request.request_id:  # a fresh id: the old one may linger
+                req.request_id = f"{request.request_id}-r{retry.attempt}"
+            stub = pb2_grpc.InferenceStub(self._channels.get(server))
+            try:
+                for msg in stub.Generate(req, timeout=remaining, metadata=self._metadata):
+                    if msg.token_ids:
+                        retry.progress()
                     received += len(msg.token_ids)
                     yield msg
-                self._preferred = index
-                return
             except grpc.RpcError as err:
-                code = err.code()
-                if code not in RETRYABLE:
-                    raise
-                now = time.monotonic()
-                if failing_since is None or received > before:  # progress restarts the window
-                    failing_since, pause = now, self.backoff_s
-                attempt += 1
-                out_of_attempts = self.max_attempts is not None and attempt >= self.max_attempts
-                if out_of_attempts or now - failing_since > self.retry_for_s:
-                    raise
-                self._forget(server)
+                retry.failed(index, server, err)
                 self.failovers += 1
-                self._preferred = (index + 1) % len(self.servers)
-                logger.warning(
-                    "router %s failed (%s: %s) after %d tokens; resending to %s",
-                    server,
-                    code.name,
-                    err.details(),
-                    received,
-                    self.servers[self._preferred],
-                )
+                continue
+            retry.succeeded(index)
+            return
 
     def close(self) -> None:
-        with self._lock:
-            channels = [*self._channels.values(), *self._retired]
-            self._channels, self._retired = {}, []
-        for channel in channels:
-            channel.close()
+        self._channels.close()
 
     def __enter__(self) -> InferenceClient:
         return self

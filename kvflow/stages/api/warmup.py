@@ -100,7 +100,7 @@ class WarmupServicer(warmup_pb2_grpc.WarmupServicer):  # type: ignore[misc,name-
         )
 
     async def _view(self, job_id: str) -> JobView:
-        return self._manager.view(job_id)
+        return await self._manager.status(job_id)
 
     @staticmethod
     async def _call(context: grpc.aio.ServicerContext, fn: Any, job_id: str) -> Any:

@@ -74,6 +74,7 @@ class WarmupManager:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._mine: set[str] = set()  # claimed by this process: queued or running
+        self._adopting = asyncio.Lock()  # one read-and-claim pass at a time
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -85,6 +86,10 @@ class WarmupManager:
 
     async def _adopt(self) -> None:
         """Read the store: show every job; queue the unfinished ones nobody else runs."""
+        async with self._adopting:
+            await self._adopt_once()
+
+    async def _adopt_once(self) -> None:
         running = self._runner.job.job_id if self._runner is not None else None
         for job in await asyncio.to_thread(self._store.load_all):
             if job.job_id == running:
@@ -160,6 +165,11 @@ class WarmupManager:
         )
         return self.view(job.job_id), None, errors
 
+    async def status(self, job_id: str) -> JobView:
+        """The job's view; a job this process has not seen yet is looked up in the store."""
+        await self._find(job_id)
+        return self.view(job_id)
+
     def view(self, job_id: str) -> JobView:
         job = self._get(job_id)
         results = job.results.values()
@@ -203,7 +213,7 @@ class WarmupManager:
     async def cancel(self, job_id: str) -> JobView:
         """Stop the job (within a second); what it cached stays. Cancelling a finished job
         changes nothing."""
-        job = self._get(job_id)
+        job = await self._find(job_id)
         if not job.state.final:
             if job_id not in self._mine:
                 if not await asyncio.to_thread(self._store.claim, job_id):
@@ -215,7 +225,7 @@ class WarmupManager:
         return self.view(job_id)
 
     async def report(self, job_id: str) -> tuple[list[ItemCoverage], Totals]:
-        job = self._get(job_id)
+        job = await self._find(job_id)
         return await asyncio.to_thread(coverage, job.items, job.options, self._target)
 
     # -- running -----------------------------------------------------------------------------
@@ -288,6 +298,14 @@ class WarmupManager:
                 else:
                     keep.append((expiry, token))
             self._pins = keep
+
+    async def _find(self, job_id: str) -> StoredJob:
+        """The job, read from a shared store when this process has not seen it yet: a job
+        another router accepted a moment ago (its record was committed before that router
+        answered) is found at once, and adopted when its owner's lease lapsed."""
+        if job_id not in self._jobs and self._store.shared and not self._stopping:
+            await self._adopt()
+        return self._get(job_id)
 
     def _get(self, job_id: str) -> StoredJob:
         job = self._jobs.get(job_id)

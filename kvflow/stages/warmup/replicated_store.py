@@ -60,10 +60,16 @@ class MetadataJobStore:
         doc = zlib.compress(json.dumps(job_doc(job)).encode())
         if not self._meta.job_write(
             "create", job.job_id, self.owner, doc=doc, lease_s=self.lease_s
-        ):
+        ) and not self._created_by_me(job.job_id, doc):
             raise ValueError(f"job {job.job_id} exists already")
         with self._lock:
             self._owned.add(job.job_id)
+
+    def _created_by_me(self, job_id: str, doc: bytes) -> bool:
+        """A create refused because an earlier attempt of the same call took (a client retry
+        after a lost answer) is a success: the record is this owner's, with this doc."""
+        records, _ = self._meta.job_read(job_id)
+        return any(r.owner == self.owner and r.doc == doc for r in records)
 
     def append(self, job_id: str, event: dict[str, Any]) -> None:
         with self._lock:

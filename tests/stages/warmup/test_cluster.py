@@ -1,11 +1,13 @@
 """Warm-up jobs through a real LocalCluster (1 metadata replica, 2 prefill nodes, 1 decode
 node, 2 routers; the small demo model), submitted to a router as `kvflow warmup` does.
 
-In file order on one cluster: a job over a corpus (every item then hits all its full blocks
-with the cold greedy output; replicas reach their target; blocks are pinned on the nodes), a
-router killed mid-job (the other router takes the job over from the metadata group and
-finishes it without redoing finished items), a prefill node killed mid-job (its items are
-redone on the other node).
+On one cluster: a job over a corpus (every item then hits all its full blocks with the cold
+greedy output; replicas reach their target; blocks are pinned on the nodes), a router killed
+the moment it accepted a job (the job was in the metadata group before the answer: the other
+router shows it at once and finishes it), a router killed mid-job (the other router takes the
+job over and finishes it without redoing finished items), a prefill node killed mid-job (its
+items are redone on the other node). Each test starts on the whole cluster (``heal``: what an
+earlier test killed is started again), so a failure does not cascade.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.stages.warmup.materialize import trace_block_tokens
 from kvflow.tools.cli import main
 from kvflow.tools.supervise import LocalCluster
-from tests.cluster_member import running_as_member
+from tests.cluster_member import heal, running_as_member
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -49,6 +51,21 @@ def cluster(small_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     )
     with running_as_member(c, timeout_s=180):  # stops every process (paused ones too)
         yield c
+
+
+@pytest.fixture(autouse=True)
+def whole(cluster: LocalCluster) -> None:
+    heal(cluster)
+
+
+def until(what: str, done: Any, timeout_s: float = 120.0) -> Any:
+    """Poll ``done()`` until it returns something true; fail naming ``what`` after the
+    deadline (generous: a loaded 2-core machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := done()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+    return value
 
 
 def stub(address: str) -> Any:
@@ -72,7 +89,7 @@ def status(address: str, job: str) -> Any:
     return stub(address).Status(warmup_pb2.JobRequest(job_id=job), timeout=10)
 
 
-def wait(address: str, job: str, timeout_s: float = 120.0) -> Any:
+def wait(address: str, job: str, timeout_s: float = 240.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while (s := status(address, job)).state not in ("done", "cancelled", "failed"):
         assert time.monotonic() < deadline, f"job {job}: {s}"
@@ -121,8 +138,8 @@ def test_a_job_through_the_router_warms_every_item_with_cold_output(
     job = done["job_id"]
     # the other router shows the job too (its record is in the metadata group; it re-reads
     # the records every second)
-    assert wait(cluster.addresses[1], job, timeout_s=10).state == "done"
-    deadline = time.monotonic() + 20
+    assert wait(cluster.addresses[1], job, timeout_s=30).state == "done"
+    deadline = time.monotonic() + 120
     while (rep := report(cluster.address, job)).totals.items_covered < 4 or any(
         r.min_replicas < 2 for r in rep.items
     ):
@@ -148,8 +165,7 @@ def _item_events(cluster: LocalCluster, job: str) -> list[int]:
 def test_a_router_killed_mid_job_the_other_router_finishes_it(cluster: LocalCluster) -> None:
     a, b = cluster.addresses
     job = submit(a, trace(10_000, 24, 2), segment_blocks=1)
-    while len(_item_events(cluster, job)) < 3:  # results reach the metadata in batches
-        time.sleep(0.05)
+    until("3 item results in the metadata", lambda: len(_item_events(cluster, job)) >= 3)
     cluster.kill("router-0")
     before = set(_item_events(cluster, job))
     assert 3 <= len(before) < 24
@@ -158,8 +174,20 @@ def test_a_router_killed_mid_job_the_other_router_finishes_it(cluster: LocalClus
     indexes = _item_events(cluster, job)
     assert sorted(indexes) == list(range(24))  # each item once: none redone
     assert report(b, job).totals.items_covered == 24
-    cluster.restart("router-0")
-    cluster.wait_serving(60, a)
+
+
+def test_a_router_killed_when_it_accepted_a_job_the_other_router_finishes_it(
+    cluster: LocalCluster,
+) -> None:
+    a, b = cluster.addresses
+    job = submit(a, trace(30_000, 8, 2), segment_blocks=1)
+    cluster.kill("router-0")  # SIGKILL at once: router-1 has not re-read the jobs yet
+    seen = status(b, job)  # the record was committed before router-0 answered
+    assert seen.job_id == job and seen.items_total == 8, seen
+    final = wait(b, job)  # router-1 claims it once router-0's lease lapses
+    assert final.state == "done" and final.items_finished == 8, final
+    assert sorted(set(_item_events(cluster, job))) == list(range(8))
+    assert report(b, job).totals.items_covered == 8
 
 
 def test_a_prefill_node_killed_mid_job_its_items_are_redone_elsewhere(
@@ -167,12 +195,10 @@ def test_a_prefill_node_killed_mid_job_its_items_are_redone_elsewhere(
 ) -> None:
     a = cluster.address
     job = submit(a, trace(20_000, 16, 4), segment_blocks=1)
-    while status(a, job).items_finished < 4:
-        time.sleep(0.05)
+    until("4 items finished", lambda: status(a, job).items_finished >= 4)
     cluster.kill("prefill-1")
     final = wait(a, job)
     assert final.state == "done" and final.items_finished == 16, final
     rep = report(a, job)
     assert rep.totals.items_covered == 16, [(r.index, list(r.holders)) for r in rep.items]
     assert all("prefill-0" in r.holders for r in rep.items)
-    cluster.restart("prefill-1")
