@@ -137,7 +137,12 @@ class Side:
 def norm(value: Any) -> Any:
     """Comparable form: buffers as bytes, tensors as (dtype, shape, bytes)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype), tuple(value.shape), value.contiguous().numpy().tobytes())
+        return (
+            "tensor",
+            str(value.dtype),
+            tuple(value.shape),
+            value.contiguous().numpy().tobytes(),
+        )
     if isinstance(value, list | tuple):
         return [norm(v) for v in value]
     if value is None or isinstance(value, int | str | bytes):
@@ -153,9 +158,13 @@ Op = Callable[[Side], Any]
 def same(real: Side, ours: Side, what: str, op: Op, scratch: int = 0) -> Any:
     """Run ``op`` on both sides; the results (and ``scratch`` bytes of the buffers) match."""
     got_real, got_ours = norm(op(real)), norm(op(ours))
-    assert got_ours == got_real, f"{what}: kvflow {str(got_ours)[:300]} != Mooncake {str(got_real)[:300]}"
+    assert got_ours == got_real, (
+        f"{what}: kvflow {str(got_ours)[:300]} != Mooncake {str(got_real)[:300]}"
+    )
     if scratch:
-        assert np.array_equal(ours.buf[:scratch], real.buf[:scratch]), f"{what}: buffer bytes differ"
+        assert np.array_equal(ours.buf[:scratch], real.buf[:scratch]), (
+            f"{what}: buffer bytes differ"
+        )
     return got_real
 
 
@@ -181,6 +190,11 @@ def pin_config(rng: random.Random, mod: Any) -> Any:
     return config
 
 
+def mod_of(side: Side, real: Side) -> Any:
+    """The module whose types ``side``'s store takes."""
+    return mc if side is real else kv
+
+
 def run_sequence(real: Side, ours: Side, seed: int, steps: int, prefix: str) -> None:
     """A seeded sequence of operations, each compared as it runs."""
     rng = random.Random(seed)
@@ -192,113 +206,128 @@ def run_sequence(real: Side, ours: Side, seed: int, steps: int, prefix: str) -> 
         at = rng.randrange(len(data) - size + 1)
         return data[at : at + size]
 
-    big_left = 6  # 8 MiB values: bounded so neither store nears its capacity
+    big_left = [6]  # 8 MiB values: bounded so neither store nears its capacity
     for step in range(steps):
-        op = rng.randrange(22)
-        key = rng.choice(keys)
-        v = value()
-        if len(v) == 8 << 20:
-            if big_left == 0:
-                v = v[:4096]
-            big_left -= 1
-        what = f"seed {seed} step {step} op {op} key {key} size {len(v)}"
-        seed_cfg = rng.random()
-        if op in (0, 1):
-            same(real, ours, what + " put", lambda s: s.store.put(key, v))
-        elif op == 2:
-            same(real, ours, what + " upsert", lambda s: s.store.upsert(key, v))
-        elif op == 3:
-            same(
-                real, ours, what + " put+pins",
-                lambda s: s.store.put(key, v, pin_config(random.Random(seed_cfg), mc if s is real else kv)),
-            )  # fmt: skip
-        elif op == 4:
-            same(
-                real, ours, what + " upsert+pins",
-                lambda s: s.store.upsert(key, v, pin_config(random.Random(seed_cfg), mc if s is real else kv)),
-            )  # fmt: skip
-        elif op in (5, 6):
-            same(real, ours, what + " get", lambda s: s.store.get(key))
-        elif op == 7:
-            same(real, ours, what + " get_size", lambda s: s.store.get_size(key))
-        elif op == 8:
-            same(real, ours, what + " is_exist", lambda s: s.store.is_exist(key))
-        elif op == 9:
-            batch = rng.sample(keys, 4)
-            same(real, ours, what + " batch_is_exist", lambda s: s.store.batch_is_exist(batch))
-        elif op == 10:
-            force = rng.random() < 0.4
-            same(real, ours, what + " remove", lambda s: s.store.remove(key, force))
-        elif op == 11:
-            batch = rng.sample(keys, 3)
-            vals = [value()[:100_000] for _ in batch]
-            same(real, ours, what + " put_batch", lambda s: s.store.put_batch(batch, vals))
-            same(real, ours, what + " get_batch", lambda s: s.store.get_batch(batch))
-        elif op == 12:
-            batch = rng.sample(keys, 3)
-            vals = [value()[:100_000] or b"x" for _ in batch]
-            same(real, ours, what + " upsert_batch", lambda s: s.store.upsert_batch(batch, vals))
-        elif op == 13:
-            size = rng.choice([1, 100, 65536, 1 << 20, BUF])
-            same(real, ours, what + " get_into", lambda s: s.store.get_into(key, s.ptr, size), scratch=min(size, 1 << 20))
-        elif op == 14:
-            batch = rng.sample(keys, 3)
-            sizes = [rng.choice([10, 65536, 3 << 20]) for _ in batch]
+        one_op(real, ours, rng, keys, value, big_left, f"seed {seed} step {step}")
 
-            def bgi(s: Side, batch: list[str] = batch, sizes: list[int] = sizes) -> Any:
-                ptrs = [s.ptr, s.ptr + (3 << 20), s.ptr + (6 << 20)]
-                return s.store.batch_get_into(batch, ptrs, sizes)
 
-            same(real, ours, what + " batch_get_into", bgi, scratch=9 << 20)
-        elif op == 15:
-            n = len(v)
-            s_real, s_ours = real, ours
-            s_real.buf[:n] = np.frombuffer(v, np.uint8)
-            s_ours.buf[:n] = np.frombuffer(v, np.uint8)
-            upsert = rng.random() < 0.5
-            same(
-                real, ours, what + " put_from/upsert_from",
-                lambda s: (s.store.upsert_from if upsert else s.store.put_from)(key, s.ptr, n),
-            )  # fmt: skip
-        elif op == 16:
-            same(real, ours, what + " get_buffer", lambda s: s.store.get_buffer(key))
-            batch = rng.sample(keys, 3)
-            same(real, ours, what + " batch_get_buffer", lambda s: s.store.batch_get_buffer(batch))
-        elif op == 17:
-            cut = rng.randrange(len(v) + 1)
-            parts = (v[:cut], v[cut:])
-            upsert = rng.random() < 0.5
-            same(
-                real, ours, what + " put_parts",
-                lambda s: (s.store.upsert_parts if upsert else s.store.put_parts)(key, *parts),
-            )  # fmt: skip
-        elif op == 18:
-            shape = rng.choice([(3, 4), (8,), (2, 3, 4), (64, 64)])
-            dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64, torch.uint8])
-            t = torch.from_numpy(np.frombuffer(data, np.uint8, 65536).copy())
-            t = t[: int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()]
-            t = t.view(dtype).reshape(shape)
-            fn = rng.choice(["put_tensor", "upsert_tensor", "pub_tensor"])
-            same(real, ours, what + " " + fn, lambda s: getattr(s.store, fn)(key, t))
-            same(real, ours, what + " get_tensor", lambda s: s.store.get_tensor(key))
-            same(real, ours, what + " get tensor bytes", lambda s: s.store.get(key))
-        elif op == 19:
-            batch = rng.sample(keys, 2)
-            same(real, ours, what + " batch_get_tensor", lambda s: s.store.batch_get_tensor(batch))
-        elif op == 20:
-            batch = rng.sample(keys, 2)
-            dst = [[rng.randrange(0, 4096) for _ in range(2)] for _ in batch]
-            src = [[rng.randrange(0, 200) for _ in range(2)] for _ in batch]
-            sizes = [[rng.randrange(0, 60) for _ in range(2)] for _ in batch]
-            same(
-                real, ours, what + " get_into_ranges",
-                lambda s: s.store.get_into_ranges([s.ptr], [batch], [dst], [src], [sizes]),
-                scratch=8192,
-            )  # fmt: skip
-        else:
-            batch = rng.sample(keys, 3)
-            force = rng.random() < 0.5
-            same(real, ours, what + " batch_remove", lambda s: s.store.batch_remove(batch, force))
+def one_op(
+    real: Side, ours: Side, rng: random.Random, keys: list[str], value: Callable[[], bytes],
+    big_left: list[int], label: str,
+) -> None:  # fmt: skip
+    """One generated operation (or two, reading back), compared."""
+    op = rng.randrange(22)
+    key = rng.choice(keys)
+    v = value()
+    if len(v) == 8 << 20:
+        if big_left[0] <= 0:
+            v = v[:4096]
+        big_left[0] -= 1
+    what = f"{label} op {op} key {key} size {len(v)}"
+    seed_cfg = rng.random()
+    if op in (0, 1):
+        same(real, ours, what + " put", lambda s: s.store.put(key, v))
+    elif op == 2:
+        same(real, ours, what + " upsert", lambda s: s.store.upsert(key, v))
+    elif op == 3:
+        same(
+            real, ours, what + " put+pins",
+            lambda s: s.store.put(key, v, pin_config(random.Random(seed_cfg), mod_of(s, real))),
+        )  # fmt: skip
+    elif op == 4:
+        same(
+            real, ours, what + " upsert+pins",
+            lambda s: s.store.upsert(key, v, pin_config(random.Random(seed_cfg), mod_of(s, real))),
+        )  # fmt: skip
+    elif op in (5, 6):
+        same(real, ours, what + " get", lambda s: s.store.get(key))
+    elif op == 7:
+        same(real, ours, what + " get_size", lambda s: s.store.get_size(key))
+    elif op == 8:
+        same(real, ours, what + " is_exist", lambda s: s.store.is_exist(key))
+    elif op == 9:
+        batch = rng.sample(keys, 4)
+        same(real, ours, what + " batch_is_exist", lambda s: s.store.batch_is_exist(batch))
+    elif op == 10:
+        force = rng.random() < 0.4
+        same(real, ours, what + " remove", lambda s: s.store.remove(key, force))
+    elif op == 11:
+        batch = rng.sample(keys, 3)
+        vals = [value()[:100_000] for _ in batch]
+        same(real, ours, what + " put_batch", lambda s: s.store.put_batch(batch, vals))
+        same(real, ours, what + " get_batch", lambda s: s.store.get_batch(batch))
+    elif op == 12:
+        batch = rng.sample(keys, 3)
+        vals = [value()[:100_000] or b"x" for _ in batch]
+        same(real, ours, what + " upsert_batch", lambda s: s.store.upsert_batch(batch, vals))
+    elif op == 13:
+        size = rng.choice([1, 100, 65536, 1 << 20, BUF])
+        same(
+            real,
+            ours,
+            what + " get_into",
+            lambda s: s.store.get_into(key, s.ptr, size),
+            scratch=min(size, 1 << 20),
+        )
+    elif op == 14:
+        batch = rng.sample(keys, 3)
+        sizes = [rng.choice([10, 65536, 3 << 20]) for _ in batch]
+
+        def bgi(s: Side, batch: list[str] = batch, sizes: list[int] = sizes) -> Any:
+            ptrs = [s.ptr, s.ptr + (3 << 20), s.ptr + (6 << 20)]
+            return s.store.batch_get_into(batch, ptrs, sizes)
+
+        same(real, ours, what + " batch_get_into", bgi, scratch=9 << 20)
+    elif op == 15:
+        n = len(v)
+        s_real, s_ours = real, ours
+        s_real.buf[:n] = np.frombuffer(v, np.uint8)
+        s_ours.buf[:n] = np.frombuffer(v, np.uint8)
+        upsert = rng.random() < 0.5
+        same(
+            real, ours, what + " put_from/upsert_from",
+            lambda s: (s.store.upsert_from if upsert else s.store.put_from)(key, s.ptr, n),
+        )  # fmt: skip
+    elif op == 16:
+        same(real, ours, what + " get_buffer", lambda s: s.store.get_buffer(key))
+        batch = rng.sample(keys, 3)
+        same(real, ours, what + " batch_get_buffer", lambda s: s.store.batch_get_buffer(batch))
+    elif op == 17:
+        cut = rng.randrange(len(v) + 1)
+        parts = (v[:cut], v[cut:])
+        upsert = rng.random() < 0.5
+        same(
+            real, ours, what + " put_parts",
+            lambda s: (s.store.upsert_parts if upsert else s.store.put_parts)(key, *parts),
+        )  # fmt: skip
+    elif op == 18:
+        shape = rng.choice([(3, 4), (8,), (2, 3, 4), (64, 64)])
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+        noise = np.random.default_rng(rng.randrange(1 << 30)).integers(0, 256, 65536, np.uint8)
+        t = torch.from_numpy(noise)
+        t = t[: int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()]
+        t = t.view(dtype).reshape(shape)
+        fn = rng.choice(["put_tensor", "upsert_tensor", "pub_tensor"])
+        same(real, ours, what + " " + fn, lambda s: getattr(s.store, fn)(key, t))
+        same(real, ours, what + " get_tensor", lambda s: s.store.get_tensor(key))
+        same(real, ours, what + " get tensor bytes", lambda s: s.store.get(key))
+    elif op == 19:
+        batch = rng.sample(keys, 2)
+        same(real, ours, what + " batch_get_tensor", lambda s: s.store.batch_get_tensor(batch))
+    elif op == 20:
+        batch = rng.sample(keys, 2)
+        dst = [[rng.randrange(0, 4096) for _ in range(2)] for _ in batch]
+        src = [[rng.randrange(0, 200) for _ in range(2)] for _ in batch]
+        sizes = [[rng.randrange(0, 60) for _ in range(2)] for _ in batch]
+        same(
+            real, ours, what + " get_into_ranges",
+            lambda s: s.store.get_into_ranges([s.ptr], [batch], [dst], [src], [sizes]),
+            scratch=8192,
+        )  # fmt: skip
+    else:
+        batch = rng.sample(keys, 3)
+        force = rng.random() < 0.5
+        same(real, ours, what + " batch_remove", lambda s: s.store.batch_remove(batch, force))
 
 
 @pytest.fixture
@@ -372,7 +401,9 @@ def test_mooncake_wheel_behaviours(pair: tuple[Side, Side]) -> None:
     )  # fmt: skip
     same(
         real, ours, "ranges mismatch",
-        lambda s: s.store.get_into_ranges([s.ptr], [[k1, k2]], [[[0], []]], [[[0, 1], []]], [[[], []]]),
+        lambda s: s.store.get_into_ranges(
+            [s.ptr], [[k1, k2]], [[[0], []]], [[[0, 1], []]], [[[], []]]
+        ),
     )  # fmt: skip
     same(real, ours, "ranges missing", lambda s: s.store.get_into_ranges(
         [s.ptr], [["missing-key", k1]], [[[0], [8]]], [[[0], [0]]], [[[4], [4]]]))  # fmt: skip
@@ -391,11 +422,21 @@ def test_mooncake_wheel_behaviours(pair: tuple[Side, Side]) -> None:
 
     same(real, ours, "pin enable", lambda s: s.store.put(sp, b"soft", cfg(s, "ENABLE", 1000)))
     same(real, ours, "pin ttl only", lambda s: s.store.upsert(sp, b"soft", cfg(s, None, 1000)))
-    same(real, ours, "pin disable+ttl", lambda s: s.store.upsert(sp, b"soft", cfg(s, "DISABLE", 1000)))
+    same(
+        real,
+        ours,
+        "pin disable+ttl",
+        lambda s: s.store.upsert(sp, b"soft", cfg(s, "DISABLE", 1000)),
+    )
     same(real, ours, "upsert plain", lambda s: s.store.upsert(sp, b"soft"))
     same(real, ours, "pin disable", lambda s: s.store.upsert(sp, b"soft", cfg(s, "DISABLE", None)))
     # batch_get_into with mismatched lists, empty lists; batch_get_buffer
-    same(real, ours, "bgi mismatch", lambda s: s.store.batch_get_into([k1, k2], [s.ptr] * 3, [64] * 3))
+    same(
+        real,
+        ours,
+        "bgi mismatch",
+        lambda s: s.store.batch_get_into([k1, k2], [s.ptr] * 3, [64] * 3),
+    )
     same(real, ours, "bgi empty", lambda s: s.store.batch_get_into([], [], []))
     same(real, ours, "bgb", lambda s: s.store.batch_get_buffer([k1, "non_existent_key", k2]))
     same(real, ours, "bgb empty", lambda s: s.store.batch_get_buffer([]))
@@ -411,7 +452,12 @@ def test_mooncake_wheel_behaviours(pair: tuple[Side, Side]) -> None:
     same(real, ours, "put_from 0", lambda s: s.store.put_from(f"{p}-pf0", s.ptr, 0))
     same(real, ours, "exists after", lambda s: s.store.batch_is_exist([f"{p}-pp", f"{p}-pf0"]))
     same(real, ours, "put_batch mismatch", lambda s: s.store.put_batch([f"{p}-x"], []))
-    same(real, ours, "put_batch empty value", lambda s: s.store.put_batch([f"{p}-b1", f"{p}-b2"], [b"x", b""]))
+    same(
+        real,
+        ours,
+        "put_batch empty value",
+        lambda s: s.store.put_batch([f"{p}-b1", f"{p}-b2"], [b"x", b""]),
+    )
     same(real, ours, "put over local buffer", lambda s: s.store.put(f"{p}-big", bytes(33 << 20)))
     same(real, ours, "get_into 0", lambda s: s.store.get_into(k1, s.ptr, 0))
     same(real, ours, "get_into too small", lambda s: s.store.get_into(k1, s.ptr, 5))
@@ -438,14 +484,33 @@ def test_mooncake_wheel_behaviours(pair: tuple[Side, Side]) -> None:
     same(real, ours, "get_tensor_with_tp", lambda s: s.store.get_tensor_with_tp(tp, 1, 2, 1))
     same(real, ours, "uneven tp", lambda s: s.store.put_tensor_with_tp(f"{p}-u", t, 0, 4, 1))
     same(real, ours, "not a tensor", lambda s: s.store.put_tensor(f"{p}-nt", b"abc"))
-    same(real, ours, "0-d tensor", lambda s: (s.store.put_tensor(f"{p}-0d", torch.tensor(3.0)), s.store.get_tensor(f"{p}-0d")))
-    same(real, ours, "empty tensor", lambda s: (s.store.put_tensor(f"{p}-e0", torch.zeros(0)), s.store.get_tensor(f"{p}-e0")))
+    same(
+        real,
+        ours,
+        "0-d tensor",
+        lambda s: (s.store.put_tensor(f"{p}-0d", torch.tensor(3.0)), s.store.get_tensor(f"{p}-0d")),
+    )
+    same(
+        real,
+        ours,
+        "empty tensor",
+        lambda s: (s.store.put_tensor(f"{p}-e0", torch.zeros(0)), s.store.get_tensor(f"{p}-e0")),
+    )
     same(real, ours, "get_tensor of bytes", lambda s: s.store.get_tensor(k1))
     same(real, ours, "cuda", lambda s: s.store.get_tensor_into_cuda(tp + "_tp_0", torch.zeros(12)))
-    same(real, ours, "get_tensor_into", lambda s: s.store.get_tensor_into(f"{tp}_tp_0", s.ptr, 4096))
-    same(real, ours, "put_tensor_from", lambda s: s.store.put_tensor_from(f"{p}-tf", s.ptr, 304 + 48))
+    same(
+        real, ours, "get_tensor_into", lambda s: s.store.get_tensor_into(f"{tp}_tp_0", s.ptr, 4096)
+    )
+    same(
+        real, ours, "put_tensor_from", lambda s: s.store.put_tensor_from(f"{p}-tf", s.ptr, 304 + 48)
+    )
     same(real, ours, "get tf", lambda s: s.store.get_tensor(f"{p}-tf"))
-    same(real, ours, "put_tensor_from garbage", lambda s: s.store.put_tensor_from(f"{p}-tg", s.ptr + 5000, 400))
+    same(
+        real,
+        ours,
+        "put_tensor_from garbage",
+        lambda s: s.store.put_tensor_from(f"{p}-tg", s.ptr + 5000, 400),
+    )
 
 
 def test_setup_config_parsing(master: Master) -> None:
@@ -472,10 +537,15 @@ def test_setup_config_parsing(master: Master) -> None:
             store.close()
         assert codes[1] == codes[0], f"setup {extra}: kvflow {codes[1]} != Mooncake {codes[0]}"
     missing = {"metadata_server": meta, "master_server_addr": base["master_server_addr"]}
-    assert kv.MooncakeDistributedStore().setup(missing) == mc.MooncakeDistributedStore().setup(missing)
+    assert kv.MooncakeDistributedStore().setup(missing) == mc.MooncakeDistributedStore().setup(
+        missing
+    )
     for mod in (mc, kv):
         s = mod.MooncakeDistributedStore()
-        assert s.setup("127.0.0.1", meta, 16 << 20, 16 << 20, "bogus", "", base["master_server_addr"]) == -1
+        assert (
+            s.setup("127.0.0.1", meta, 16 << 20, 16 << 20, "bogus", "", base["master_server_addr"])
+            == -1
+        )
         s.close()
     real, ours = master.client(16 << 20), kv_client()
     try:
@@ -485,7 +555,10 @@ def test_setup_config_parsing(master: Master) -> None:
         for store in (real, ours):
             assert store.put("teardown", b"Hello, World!") == 0
             assert store.close() == 0 and store.health_check() == 1
-        assert real.setup("127.0.0.1", meta, 16 << 20, 16 << 20, "tcp", "", base["master_server_addr"]) == 0
+        assert (
+            real.setup("127.0.0.1", meta, 16 << 20, 16 << 20, "tcp", "", base["master_server_addr"])
+            == 0
+        )
         assert ours.setup("127.0.0.1", "embedded", 16 << 20, 16 << 20, "tcp", "", "") == 0
         assert ours.get("teardown") == real.get("teardown") == b""
     finally:
