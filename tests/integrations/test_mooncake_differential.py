@@ -141,7 +141,7 @@ def norm(value: Any) -> Any:
             "tensor",
             str(value.dtype),
             tuple(value.shape),
-            value.contiguous().numpy().tobytes(),
+            value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
         )
     if isinstance(value, list | tuple):
         return [norm(v) for v in value]
