@@ -124,7 +124,7 @@ DEFAULT_KV_LEASE_TTL_MS = 10_000  # mooncake_master --default_kv_lease_ttl (0.3.
 
 def soft_pin_ms(config: ReplicateConfig) -> int | ErrorCode | None:
     """How long a write with ``config`` soft-pins its object (None: not pinned), or
-    INVALID_PARAMS where Mooncake refuses the config: a TTL without ENABLE, a TTL of 0 or
+    INVALID_PARAMS where Mooncake's master refuses the config: a TTL without ENABLE, a TTL
     above the maximum, or ``replica_num`` < 1."""
     if config.replica_num < 1:
         return ErrorCode.INVALID_PARAMS
@@ -133,7 +133,7 @@ def soft_pin_ms(config: ReplicateConfig) -> int | ErrorCode | None:
         return None if ttl is None else ErrorCode.INVALID_PARAMS
     if ttl is None:
         return DEFAULT_SOFT_PIN_TTL_MS
-    return ttl if 0 < ttl <= MAX_SOFT_PIN_TTL_MS else ErrorCode.INVALID_PARAMS
+    return ttl if ttl <= MAX_SOFT_PIN_TTL_MS else ErrorCode.INVALID_PARAMS
 
 
 __all__ = [
