@@ -233,8 +233,14 @@ class MooncakeDistributedStore:
         if member.present([bkey])[0]:
             if not upsert:
                 return 0  # Mooncake: a put of a key that exists succeeds and changes nothing
-            if member.store.shard.exists(bkey) and member.remove([bkey]) != 1:
-                return OBJECT_HAS_LEASE  # a peer is reading it this instant
+            if member.store.shard.exists(bkey):
+                old = self._sizes.get(bkey) or member.size_of(bkey)
+                if member.remove([bkey]) != 1:
+                    return OBJECT_HAS_LEASE  # a peer is reading it this instant
+                if old != data.nbytes:
+                    # Mooncake updates a same-size object in place (its lease stays) and
+                    # replaces one of another size with a new, unleased object.
+                    self._leases.release(key)
         try:
             ok = member.put(bkey, data)
         except KVDBError as exc:

@@ -38,6 +38,11 @@ class Leases:
             del self._leases[name]
             return False
 
+    def release(self, name: str) -> None:
+        """The object's lease ends now (it was replaced by a new object)."""
+        with self._lock:
+            self._leases.pop(name, None)
+
     def pin(self, name: str, soft_ms: int | None, hard: bool) -> None:
         """After a write: the object's pins (None / False: none)."""
         with self._lock:
