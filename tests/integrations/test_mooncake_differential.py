@@ -343,10 +343,10 @@ def _prefix() -> str:
     return f"t{uuid.uuid4().hex[:8]}"
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2, 3])
 def test_generated_sequences_match(pair: tuple[Side, Side], seed: int) -> None:
     real, ours = pair
-    run_sequence(real, ours, seed, 160, _prefix())
+    run_sequence(real, ours, seed, 250, _prefix())
 
 
 def test_concurrent_clients_match(master: Master) -> None:
@@ -356,7 +356,7 @@ def test_concurrent_clients_match(master: Master) -> None:
 
     def worker(i: int) -> None:
         try:
-            run_sequence(*sides[i], seed=100 + i, steps=60, prefix=_prefix())
+            run_sequence(*sides[i], seed=100 + i, steps=100, prefix=_prefix())
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -513,6 +513,7 @@ def test_mooncake_wheel_behaviours(pair: tuple[Side, Side]) -> None:
     )
 
 
+@pytest.mark.slow
 def test_setup_config_parsing(master: Master) -> None:
     """Dict setup, human-readable sizes, refused sizes, a second setup, a bad protocol."""
     meta = f"http://127.0.0.1:{master.http}/metadata"
