@@ -463,8 +463,11 @@ class MooncakeDistributedStore:
                 hits.append(keys[i])
                 if fetched.source != "remote":
                     hints[bkey] = fetched.nbytes
+            elif fetched.too_small:
+                out[i] = INVALID_PARAMS
+                hits.append(keys[i])  # Mooncake leases on the lookup, before the size check
             else:
-                out[i] = INVALID_PARAMS if fetched.too_small else OBJECT_NOT_FOUND
+                out[i] = OBJECT_NOT_FOUND
         self._leases.grant(hits)
         return out
 
