@@ -349,6 +349,7 @@ def test_generated_sequences_match(pair: tuple[Side, Side], seed: int) -> None:
     run_sequence(real, ours, seed, 250, _prefix())
 
 
+@pytest.mark.slow
 def test_concurrent_clients_match(master: Master) -> None:
     """Three clients per system at once, each its own seeded sequence and key space."""
     sides = [(Side(master.client(64 << 20)), Side(kv_client())) for _ in range(3)]
