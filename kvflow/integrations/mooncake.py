@@ -1,69 +1,83 @@
 """A Mooncake Store-compatible Python API over kvdb: switch the import, keep the calls.
 
 ``from kvflow.integrations.mooncake import MooncakeDistributedStore, ReplicateConfig`` in
-place of ``from mooncake.store import ...``. Methods, arguments and return conventions follow
-Mooncake's Python API page (0 / byte counts on success, negative codes on error, 1/0/-1 for
-existence, empty bytes for a missing get). ``metadata_server`` names kvflow's metadata
-replicas ("host:port,host:port,...") or "embedded" for a store in this process only; the
-differences are listed in README.md in this folder.
+place of ``from mooncake.store import ...``. Every public name of ``mooncake.store``
+(mooncake-transfer-engine 0.3.13.post1) that a CPU build can serve is here with Mooncake's
+arguments, defaults and return codes, checked against the real wheel by
+tests/integrations/test_mooncake_differential.py. ``metadata_server`` names kvflow's metadata
+replicas ("host:port,host:port,...") or "embedded" (a store in this process only); a
+Mooncake URL (``http://...``, ``etcd://...``, ``P2PHANDSHAKE``) runs embedded unless the
+config dict has ``kvflow_meta``. Differences: docs/mooncake-store.md.
 
-Thread-safe (the member is). Buffers passed by address must be registered first
-(``register_buffer``); an unregistered address is refused with INVALID_PARAMS.
+Thread-safe (the member is; the name, size and lease tables have their locks).
 """
 
 from __future__ import annotations
 
-import bisect
-import ctypes
 import logging
+import os
 import re
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from kvflow.integrations import mooncake_tensors as tensors
 from kvflow.integrations.config import MemberConfig
 from kvflow.integrations.member import ClusterMember
+from kvflow.integrations.mooncake_buffers import BufferHandle, Regions, view_at
+from kvflow.integrations.mooncake_leases import Leases
+from kvflow.integrations.mooncake_setup import SetupArgs, from_dict, parse_size
+from kvflow.integrations.mooncake_types import (
+    ErrorCode,
+    ObjectDataType,
+    ReplicaStatus,
+    ReplicateConfig,
+    SoftPinAction,
+    TaskStatus,
+    TaskType,
+    soft_pin_ms,
+)
+from kvflow.integrations.peers import parse_member_address
 from kvflow.kvdb import KVDBError, KVLayout, Namespace, NotEnoughReplicasError
 from kvflow.kvdb.keys import named_key
 
 logger = logging.getLogger(__name__)
 
-# Mooncake's ErrorCode values for the cases this API reports.
-INTERNAL_ERROR = -1
-BUFFER_OVERFLOW = -10
-NO_AVAILABLE_HANDLE = -200  # fewer members than replica_num can hold a copy
-INVALID_PARAMS = -600
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
+INTERNAL_ERROR = int(ErrorCode.INTERNAL_ERROR)
+BUFFER_OVERFLOW = int(ErrorCode.BUFFER_OVERFLOW)
+NO_AVAILABLE_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
+INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
+OBJECT_NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+OBJECT_ALREADY_EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+OBJECT_HAS_LEASE = int(ErrorCode.OBJECT_HAS_LEASE)
+TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
+NOT_SUPPORTED = int(ErrorCode.NOT_SUPPORTED)
 
 _LAYOUT = KVLayout(1, 1, 1, 1, "uint8")  # values are opaque bytes of any size
+_DEFAULT = ReplicateConfig()
+_EMBEDDED = ("", "embedded")
+META_ENV = "KVFLOW_MOONCAKE_META"  # kvflow metadata addresses for Mooncake-URL setups
 
 
-@dataclass
-class ReplicateConfig:
-    """Mooncake's replication config; kvflow reads ``replica_num`` (the block's replica
-    target in the metadata). ``preferred_segments`` is accepted and ignored."""
-
-    replica_num: int = 1
-    with_soft_pin: bool = False
-    preferred_segment: str = ""
+def _mooncake_url(server: str) -> bool:
+    return "://" in server or server.upper() == "P2PHANDSHAKE"
 
 
 class MooncakeDistributedStore:
-    """See the module doc. Construct, then ``setup(...)``; ``close()`` at the end."""
+    """See the module doc. Construct, then ``setup(...)``; ``close()`` at the end. Calls
+    before ``setup`` (or after ``close``) raise RuntimeError (Mooncake's crash the process)."""
 
     def __init__(self) -> None:
         self._member: ClusterMember | None = None
         self._ns: Namespace | None = None
-        self._names: dict[str, bytes] = {}  # keys put through this object (for regex/all)
-        self._sizes: dict[bytes, int] = {}  # value sizes of keys put here: hints for reads
-        # Registered buffers, sorted by address, as (starts, (start, end, view) per buffer):
-        # replaced whole under the lock, read without it.
-        self._regions: tuple[list[int], list[tuple[int, int, np.ndarray]]] = ([], [])
+        self._args: SetupArgs | None = None
+        self._names: dict[str, bytes] = {}  # objects written through this store (regex/all)
+        self._sizes: dict[bytes, int] = {}  # their sizes: hints for reads
+        self._regions = Regions()
+        self._leases = Leases(0)
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- setup
@@ -72,38 +86,59 @@ class MooncakeDistributedStore:
         self,
         local_hostname: str | Mapping[str, Any],
         metadata_server: str = "embedded",
-        global_segment_size: int = 16777216,
-        local_buffer_size: int = 1073741824,
+        global_segment_size: int | str = 16 << 20,
+        local_buffer_size: int | str = 16 << 20,
         protocol: str = "tcp",
         rdma_devices: str = "",
-        master_server_addr: str = "",
+        master_server_addr: str = "127.0.0.1:50051",
+        engine: object = None,
+        enable_ssd_offload: bool = False,
+        ssd_offload_path: str = "",
+        tenant_id: str = "default",
+        enable_client_http_server: bool = False,
+        client_http_port: int = 9300,
     ) -> int:
-        """Join (or, with "embedded", open) a store. A mapping as the first argument is a
-        config dict with the same names (``master_server_address`` also accepted) plus any
-        ``kvflow_*`` MemberConfig keys. Returns 0, or INVALID_PARAMS / INTERNAL_ERROR."""
+        """Join (or open, embedded) a store: positional as Mooncake's, or one config dict
+        (Mooncake's keys, sizes as ints or "16MB"-style strings, plus ``kvflow_*`` member
+        options and ``kvflow_kv_lease_ttl``). 0; INVALID_PARAMS for a bad argument;
+        INTERNAL_ERROR if already set up, for a protocol other than tcp, or a failed join."""
         if isinstance(local_hostname, Mapping):
-            cfg = dict(local_hostname)
+            parsed = from_dict(local_hostname)
         else:
-            cfg = {
-                "local_hostname": local_hostname,
-                "metadata_server": metadata_server,
-                "global_segment_size": global_segment_size,
-                "protocol": protocol,
-            }
-        if self._member is not None or cfg.get("protocol", "tcp") != "tcp":
-            logger.error("setup: already set up, or a protocol other than tcp")
+            sizes = [parse_size(global_segment_size), parse_size(local_buffer_size)]
+            if None in sizes:
+                parsed = f"not a size: {global_segment_size!r} / {local_buffer_size!r}"
+            else:
+                parsed = SetupArgs(
+                    str(local_hostname), str(metadata_server), sizes[0] or 0, sizes[1] or 0,
+                    str(protocol), str(tenant_id),
+                )  # fmt: skip
+        if isinstance(parsed, str):
+            logger.error("setup: %s", parsed)
             return INVALID_PARAMS
-        meta = str(cfg.get("metadata_server", "embedded"))
-        host = str(cfg.get("local_hostname", "127.0.0.1")).rpartition(":")
+        if self._member is not None or parsed.protocol != "tcp":
+            logger.error("setup: already set up, or protocol %r (only tcp)", parsed.protocol)
+            return INTERNAL_ERROR
+        return self._join(parsed)
+
+    def _join(self, args: SetupArgs) -> int:
+        meta: Any = "" if args.metadata_server in _EMBEDDED else args.metadata_server
+        if _mooncake_url(args.metadata_server):
+            meta = os.environ.get(META_ENV, "")
+            logger.info("setup: Mooncake metadata %r: kvflow meta %r", args.metadata_server, meta)
+        host = args.local_hostname.rpartition(":")
+        bind = os.environ.get("MC_TCP_BIND_ADDRESS") or host[0] or host[2] or "127.0.0.1"
         defaults: dict[str, Any] = {
             "node_id": f"mooncake-{uuid.uuid4().hex[:12]}",
-            "host": host[0] or host[2] or "127.0.0.1",
-            "dram_bytes": int(cfg.get("global_segment_size", 16777216)),
+            "host": bind,
+            "dram_bytes": max(args.global_segment_size, 1 << 20),
             "engine": "memory",
-            "meta": () if meta in ("", "embedded") else meta,
+            "meta": meta,
         }
+        if args.tenant_id != "default":
+            defaults["tenant"] = args.tenant_id
         try:
-            config = MemberConfig.from_mapping(cfg, **defaults)
+            config = MemberConfig.from_mapping(args.kvflow, **defaults)
             self._ns = Namespace(config.tenant, "mooncake-store", _LAYOUT)
             self._member = ClusterMember(config, self._ns)
         except (ValueError, TypeError) as exc:
@@ -112,90 +147,102 @@ class MooncakeDistributedStore:
         except Exception:
             logger.exception("setup failed")
             return INTERNAL_ERROR
+        self._args = args
+        self._leases = Leases(args.lease_ttl_ms)
         return 0
 
     def close(self) -> int:
-        if self._member is not None:
-            self._member.close()
-            self._member = None
+        """Leave the store; this process's objects go with it (as Mooncake's segment). 0."""
+        member, self._member = self._member, None
+        if member is not None:
+            member.close()
+        with self._lock:
+            self._names.clear()
+            self._sizes.clear()
+        self._leases.clear()
+        self._regions.clear()
         return 0
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up or closed."""
+        return 0 if self._member is not None else 1
+
+    def get_hostname(self) -> str:
+        """``host:port`` of this client: the transfer server's port in a cluster, 0 when
+        embedded (nothing listens)."""
+        member, _ = self._ready()
+        assert self._args is not None
+        host = self._args.local_hostname.rpartition(":")
+        parsed = parse_member_address(member.address)
+        port = parsed[1].rpartition(":")[2] if parsed else "0"
+        return f"{host[0] or host[2]}:{port}"
 
     def _ready(self) -> tuple[ClusterMember, Namespace]:
         if self._member is None or self._ns is None:
-            raise RuntimeError("setup() first")
+            raise RuntimeError("MooncakeDistributedStore: setup() first (or it was closed)")
         return self._member, self._ns
 
-    def _key(self, key: Any) -> bytes | None:
-        if not isinstance(key, str) or not key:
+    def _key(self, name: Any) -> bytes | None:
+        if not isinstance(name, str) or not name:
             return None
-        known = self._names.get(key)
-        return known if known is not None else named_key(self._ready()[1], key.encode("utf-8"))
+        known = self._names.get(name)
+        return known if known is not None else named_key(self._ready()[1], name.encode("utf-8"))
 
     # ----------------------------------------------------------------- buffers
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Allow ``[buffer_ptr, buffer_ptr + size)`` in the zero-copy calls (and as a direct
-        destination of remote reads). 0, or INVALID_PARAMS."""
+        """Register ``[buffer_ptr, buffer_ptr + size)`` (a remote read lands there directly).
+        0; INVALID_PARAMS for a null pointer, a size of 0 or a start registered already."""
         member, _ = self._ready()
-        if (
-            not isinstance(buffer_ptr, int)
-            or buffer_ptr <= 0
-            or not isinstance(size, int)
-            or size <= 0
-        ):
+        if buffer_ptr <= 0 or size <= 0:
             return INVALID_PARAMS
-        view = self._view(buffer_ptr, size)
-        with self._lock:
-            regions = [r for r in self._regions[1] if r[0] != buffer_ptr]
-            regions.append((buffer_ptr, buffer_ptr + size, view))
-            regions.sort(key=lambda r: r[0])
-            self._regions = ([r[0] for r in regions], regions)
+        view = self._regions.add(buffer_ptr, size)
+        if view is None:
+            return INVALID_PARAMS
         member.register_destination(view)
         return 0
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
-        with self._lock:
-            regions = [r for r in self._regions[1] if r[0] != buffer_ptr]
-            if len(regions) == len(self._regions[1]):
-                return INVALID_PARAMS
-            self._regions = ([r[0] for r in regions], regions)
-        return 0
+        return 0 if self._regions.drop(buffer_ptr) else INVALID_PARAMS
 
-    def _view(self, ptr: int, size: int) -> np.ndarray:
-        return np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(ptr))
-
-    def _registered_view(self, ptr: Any, size: Any) -> np.ndarray | None:
-        """A view of ``[ptr, ptr + size)`` if it lies inside one registered buffer."""
-        if not isinstance(ptr, int) or not isinstance(size, int) or size <= 0:
+    def _dest(self, ptr: int, size: int) -> np.ndarray | None:
+        """Where a read into ``ptr`` goes: the registered view, or (as Mooncake over tcp) the
+        caller's memory as is; None for a null pointer or a size <= 0."""
+        if ptr <= 0 or size <= 0:
             return None
-        starts, regions = self._regions
-        i = bisect.bisect_right(starts, ptr) - 1
-        if i >= 0 and ptr + size <= regions[i][1]:
-            start, _, view = regions[i]
-            return view[ptr - start : ptr - start + size]
-        for start, end, view in regions[: max(i, 0)]:  # overlapping registrations
-            if start <= ptr and ptr + size <= end:
-                return view[ptr - start : ptr - start + size]
-        return None
+        view = self._regions.find(ptr, size)
+        return view if view is not None else view_at(ptr, size)
 
     # ----------------------------------------------------------------- writes
 
-    def put(self, key: str, value: bytes, config: ReplicateConfig | None = None) -> int:
-        """Store ``value`` (copied). 0; OBJECT_ALREADY_EXISTS if ``key`` is held here
-        (objects are immutable); INVALID_PARAMS for a bad key or an empty value;
-        INTERNAL_ERROR when no tier has room."""
+    def _write(
+        self, key: str, value: Any, config: ReplicateConfig | None, upsert: bool, staged: bool
+    ) -> int:
+        """One put/upsert. ``staged``: the value passes through the local buffer (Mooncake
+        refuses a value larger than ``local_buffer_size`` there)."""
         member, _ = self._ready()
+        config = config if config is not None else _DEFAULT
+        data = memoryview(value).cast("B")  # TypeError for a non-buffer, as Mooncake
+        soft = soft_pin_ms(config)
         bkey = self._key(key)
-        try:
-            data = memoryview(value)
-        except TypeError:
+        assert self._args is not None
+        if bkey is None or data.nbytes == 0 or isinstance(soft, ErrorCode):
             return INVALID_PARAMS
-        if bkey is None or data.nbytes == 0:
+        if staged and data.nbytes > self._args.local_buffer_size:
             return INVALID_PARAMS
-        if member.store.shard.exists(bkey):
-            return OBJECT_ALREADY_EXISTS
+        if member.present([bkey])[0]:
+            if not upsert:
+                return 0  # Mooncake: a put of a key that exists succeeds and changes nothing
+            if member.store.shard.exists(bkey):
+                old = self._sizes.get(bkey) or member.size_of(bkey)
+                if member.remove([bkey]) != 1:
+                    return OBJECT_HAS_LEASE  # a peer is reading it this instant
+                if old != data.nbytes:
+                    # Mooncake updates a same-size object in place (its lease stays) and
+                    # replaces one of another size with a new, unleased object.
+                    self._leases.release(key)
         try:  # acknowledged only once replica_num members hold it (docs/durability.md)
-            ok = member.put(bkey, data, replicas=1 if config is None else config.replica_num)
+            ok = member.put(bkey, data, replicas=config.replica_num)
         except NotEnoughReplicasError as exc:
             logger.warning("put key=%s: %s", key, exc)
             return NO_AVAILABLE_HANDLE
@@ -203,57 +250,186 @@ class MooncakeDistributedStore:
             logger.warning("put key=%s: %s", key, exc)
             return INVALID_PARAMS
         if not ok:
-            return INTERNAL_ERROR
+            return NO_AVAILABLE_HANDLE
         with self._lock:
             self._names[key] = bkey
             self._sizes[bkey] = data.nbytes
+        self._leases.pin(key, soft, bool(config.with_hard_pin))
         return 0
 
-    def put_from(
-        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
-    ) -> int:
-        view = self._registered_view(buffer_ptr, size)
-        return INVALID_PARAMS if view is None else self.put(key, view, config)
+    def put(self, key: str, value: Any, config: ReplicateConfig = _DEFAULT) -> int:
+        """Store ``value`` (copied). 0, also when ``key`` exists (then nothing changes);
+        INVALID_PARAMS for an empty key or value, a value over ``local_buffer_size``, a bad
+        soft-pin config; NO_AVAILABLE_HANDLE when no tier has room."""
+        return self._write(key, value, config, upsert=False, staged=True)
 
-    def put_batch(
-        self, keys: Sequence[str], values: Sequence[bytes], config: ReplicateConfig | None = None
+    def upsert(self, key: str, value: Any, config: ReplicateConfig = _DEFAULT) -> int:
+        """Insert or replace (even a leased object, as Mooncake). Codes as ``put``."""
+        return self._write(key, value, config, upsert=True, staged=True)
+
+    def _batch(
+        self, keys: Sequence[str], values: Sequence[Any], one: Callable[[str, Any], int]
     ) -> int:
-        """0 if every put succeeded, else the first error code."""
         if len(keys) != len(values):
             return INVALID_PARAMS
-        codes = [self.put(k, v, config) for k, v in zip(keys, values, strict=True)]
+        if any(memoryview(v).nbytes == 0 for v in values):
+            return INVALID_PARAMS  # Mooncake refuses the whole batch
+        codes = [one(k, v) for k, v in zip(keys, values, strict=True)]
         return next((c for c in codes if c != 0), 0)
 
-    def batch_put_from(
-        self,
-        keys: Sequence[str],
-        buffer_ptrs: Sequence[int],
-        sizes: Sequence[int],
-        config: ReplicateConfig | None = None,
-    ) -> list[int]:
-        if not len(keys) == len(buffer_ptrs) == len(sizes):
+    def put_batch(
+        self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig = _DEFAULT
+    ) -> int:
+        """0 if every put succeeded, else the first error (the others are still put)."""
+        return self._batch(keys, values, lambda k, v: self.put(k, v, config))
+
+    def upsert_batch(
+        self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig = _DEFAULT
+    ) -> int:
+        return self._batch(keys, values, lambda k, v: self.upsert(k, v, config))
+
+    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig = _DEFAULT) -> int:
+        """The parts, concatenated, as one object (no parts: 0, nothing stored)."""
+        views = [memoryview(p).cast("B") for p in parts]
+        return self.put(key, b"".join(views), config) if views else 0
+
+    def upsert_parts(self, key: str, *parts: Any, config: ReplicateConfig = _DEFAULT) -> int:
+        views = [memoryview(p).cast("B") for p in parts]
+        return self.upsert(key, b"".join(views), config) if views else 0
+
+    def _from(self, ptr: int, size: int) -> np.ndarray | None:
+        return None if ptr <= 0 or size <= 0 else self._dest(ptr, size)
+
+    def put_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = _DEFAULT
+    ) -> int:
+        """Store ``size`` bytes at ``buffer_ptr``. A size of 0 returns 0 and stores nothing
+        (as Mooncake)."""
+        if size == 0:
+            return 0
+        view = self._from(buffer_ptr, size)
+        return INVALID_PARAMS if view is None else self._write(key, view, config, False, False)
+
+    def upsert_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = _DEFAULT
+    ) -> int:
+        if size == 0:
+            return 0
+        view = self._from(buffer_ptr, size)
+        return INVALID_PARAMS if view is None else self._write(key, view, config, True, False)
+
+    def _batch_from(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], upsert: bool,
+        config: ReplicateConfig,
+    ) -> list[int]:  # fmt: skip
+        if not len(keys) == len(ptrs) == len(sizes):
             return [INVALID_PARAMS] * len(keys)
-        return [
-            self.put_from(k, p, s, config) for k, p, s in zip(keys, buffer_ptrs, sizes, strict=True)
-        ]
+        out = []
+        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+            view = self._from(ptr, size)
+            out.append(
+                INVALID_PARAMS if view is None else self._write(key, view, config, upsert, False)
+            )
+        return out
+
+    def batch_put_from(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
+        config: ReplicateConfig = _DEFAULT,
+    ) -> list[int]:  # fmt: skip
+        return self._batch_from(keys, buffer_ptrs, sizes, False, config)
+
+    def batch_upsert_from(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
+        config: ReplicateConfig = _DEFAULT,
+    ) -> list[int]:  # fmt: skip
+        return self._batch_from(keys, buffer_ptrs, sizes, True, config)
+
+    def put_from_with_metadata(
+        self, key: str, buffer_ptr: int, metadata_buffer_ptr: int, size: int, metadata_size: int,
+        config: ReplicateConfig = _DEFAULT,
+    ) -> int:  # fmt: skip
+        """One object: the metadata bytes, then the data bytes."""
+        data, meta = self._from(buffer_ptr, size), self._from(metadata_buffer_ptr, metadata_size)
+        if data is None or meta is None:
+            return INVALID_PARAMS
+        return self._write(key, meta.tobytes() + data.tobytes(), config, False, False)
+
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]], config: ReplicateConfig = _DEFAULT,
+    ) -> list[int]:  # fmt: skip
+        """Per key, its buffers concatenated as one object."""
+        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
+            return [INVALID_PARAMS] * len(keys)
+        out = []
+        for key, ptrs, sizes in zip(keys, all_buffer_ptrs, all_sizes, strict=True):
+            views = [self._from(p, s) for p, s in zip(ptrs, sizes, strict=False)]
+            if len(ptrs) != len(sizes) or not views or any(v is None for v in views):
+                out.append(INVALID_PARAMS)
+                continue
+            value = b"".join(v.tobytes() for v in views if v is not None)
+            out.append(self._write(key, value, config, False, False))
+        return out
 
     # ----------------------------------------------------------------- reads
 
+    def _fetch(self, names: Sequence[str]) -> list[bytes | None]:
+        """Each object's bytes (None: missing or a bad key); hits are leased."""
+        member, _ = self._ready()
+        out: list[bytes | None] = []
+        for name in names:
+            bkey = self._key(name)
+            data = None if bkey is None else self._read_one(member, bkey)
+            out.append(data)
+        self._leases.grant(n for n, d in zip(names, out, strict=True) if d is not None)
+        return out
+
+    def _read_one(self, member: ClusterMember, bkey: bytes) -> bytes | None:
+        nbytes = self._sizes.get(bkey)
+        for _ in range(2):  # a second time if the size hint was stale
+            if nbytes is None:
+                nbytes = member.size_of(bkey)
+            if nbytes is None:
+                return None
+            out = bytearray(nbytes)
+            fetched = member.read_fitting([bkey], [np.frombuffer(out, np.uint8)], [nbytes])[0]
+            if not fetched.too_small:
+                return bytes(out[: fetched.nbytes]) if fetched.source is not None else None
+            nbytes = fetched.nbytes
+        return None
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes, or b"" if it is missing."""
+        return self._fetch([key])[0] or b""
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+        """Per key ``get``; an empty list gives ``[b""]`` (as Mooncake)."""
+        return [d or b"" for d in self._fetch(keys)] if keys else [b""]
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        data = self._fetch([key])[0]
+        return None if data is None else BufferHandle(data)
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
+        return [None if d is None else BufferHandle(d) for d in self._fetch(keys)]
+
     def get_size(self, key: str) -> int:
-        """The object's size, OBJECT_NOT_FOUND, or INVALID_PARAMS."""
+        """The object's size, or OBJECT_NOT_FOUND (also for an empty key)."""
         member, _ = self._ready()
         bkey = self._key(key)
         if bkey is None:
-            return INVALID_PARAMS
+            return OBJECT_NOT_FOUND
         known = self._sizes.get(bkey)
-        if known is not None and member.store.shard.exists(bkey):
-            return known
-        size = member.size_of(bkey)
-        return OBJECT_NOT_FOUND if size is None else size
+        size = known if known is not None and member.store.shard.exists(bkey) else None
+        size = size if size is not None else member.size_of(bkey)
+        if size is None:
+            return OBJECT_NOT_FOUND
+        self._leases.grant([key])
+        return size
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
-        """Bytes read into the registered buffer, or OBJECT_NOT_FOUND, BUFFER_OVERFLOW
-        (buffer smaller than the object), INVALID_PARAMS (bad key or unregistered buffer)."""
+        """Bytes read into ``buffer_ptr``; OBJECT_NOT_FOUND; INVALID_PARAMS for a buffer
+        smaller than the object, a size of 0 or a null pointer."""
         return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
     def batch_get_into(
@@ -268,96 +444,505 @@ class MooncakeDistributedStore:
         idx: list[int] = []
         bkeys: list[bytes] = []
         views: list[np.ndarray] = []
-        hints = self._sizes
         for i, (key, ptr, size) in enumerate(zip(keys, buffer_ptrs, sizes, strict=True)):
             bkey = self._key(key)
-            view = self._registered_view(ptr, size)
-            if bkey is not None and view is not None:
+            view = self._dest(ptr, size)
+            if bkey is None:
+                out[i] = OBJECT_NOT_FOUND
+            elif view is not None:
                 idx.append(i)
                 bkeys.append(bkey)
                 views.append(view)
         if not idx:
             return out
+        hints = self._sizes
         got = member.read_fitting(bkeys, views, [hints.get(k) for k in bkeys])
+        hits = []
         for i, bkey, fetched in zip(idx, bkeys, got, strict=True):
             if fetched.source is not None:
                 out[i] = fetched.nbytes
+                hits.append(keys[i])
                 if fetched.source != "remote":
                     hints[bkey] = fetched.nbytes
+            elif fetched.too_small:
+                out[i] = INVALID_PARAMS
+                hits.append(keys[i])  # Mooncake leases on the lookup, before the size check
             else:
-                out[i] = BUFFER_OVERFLOW if fetched.too_small else OBJECT_NOT_FOUND
+                out[i] = OBJECT_NOT_FOUND
+        self._leases.grant(hits)
         return out
 
-    def get(self, key: str) -> bytes:
-        """The object's bytes, or b"" if it is missing (or the key is bad)."""
-        member, _ = self._ready()
-        bkey = self._key(key)
-        if bkey is None:
-            return b""
-        nbytes = self._sizes.get(bkey)
-        for _ in range(2):  # a second time if the size hint was stale
-            if nbytes is None:
-                nbytes = member.size_of(bkey)
-            if nbytes is None:
-                return b""
-            out = bytearray(nbytes)
-            fetched = member.read_fitting([bkey], [np.frombuffer(out, np.uint8)], [nbytes])[0]
-            if not fetched.too_small:
-                return bytes(out[: fetched.nbytes]) if fetched.source is not None else b""
-            nbytes = fetched.nbytes
-        return b""
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]], prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:  # fmt: skip
+        """Per key, the object scattered over its buffers in order: its size; INVALID_PARAMS
+        if the buffers are smaller than it, TRANSFER_FAIL if larger (as Mooncake)."""
+        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
+            return [INVALID_PARAMS] * len(keys)
+        out = []
+        for ptrs, sizes, data in zip(all_buffer_ptrs, all_sizes, self._fetch(keys), strict=True):
+            total = sum(sizes)
+            if data is None:
+                out.append(OBJECT_NOT_FOUND)
+            elif len(ptrs) != len(sizes) or total < len(data) or min(sizes, default=0) <= 0:
+                out.append(INVALID_PARAMS)
+            elif total > len(data):
+                out.append(TRANSFER_FAIL)
+            else:
+                at = 0
+                for ptr, size in zip(ptrs, sizes, strict=True):
+                    view_at(ptr, size)[:] = np.frombuffer(data, np.uint8, size, at)
+                    at += size
+                out.append(len(data))
+        return out
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
-        return [self.get(k) for k in keys]
+    def get_into_ranges(
+        self, buffer_ptrs: Sequence[int], all_keys: Sequence[Sequence[str]],
+        all_dst_offsets: Sequence[Sequence[Sequence[int]]],
+        all_src_offsets: Sequence[Sequence[Sequence[int]]],
+        all_sizes: Sequence[Sequence[Sequence[int]]],
+    ) -> list[list[list[int]]]:  # fmt: skip
+        """Byte ranges of objects into registered buffers: per buffer, per key, per range
+        the bytes copied or a code (OBJECT_NOT_FOUND; INVALID_PARAMS for an unregistered
+        buffer, mismatched lists, a range past the object or the registered buffer)."""
+        self._ready()
+        n = len(buffer_ptrs)
+        if not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
+            return [[[INVALID_PARAMS]] for _ in range(n)]
+        out: list[list[list[int]]] = []
+        for ptr, keys, dsts, srcs, sizes in zip(
+            buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes, strict=True
+        ):
+            out.append(self._ranges(ptr, keys, dsts, srcs, sizes))
+        return out
+
+    def _ranges(
+        self, ptr: int, keys: Sequence[str], dsts: Sequence[Sequence[int]],
+        srcs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
+    ) -> list[list[int]]:  # fmt: skip
+        room = self._regions.room(ptr)
+        if not room or not len(keys) == len(dsts) == len(srcs) == len(sizes):
+            return [[INVALID_PARAMS] * max(1, len(d)) for d in dsts] or [[INVALID_PARAMS]]
+        dest = view_at(ptr, room)
+        out: list[list[int]] = []
+        for dst, src, size, data in zip(dsts, srcs, sizes, self._fetch(keys), strict=True):
+            if not len(dst) == len(src) == len(size):
+                out.append([INVALID_PARAMS] * max(1, len(dst)) if dst or src or size else [])
+                continue
+            if data is None:
+                out.append([OBJECT_NOT_FOUND] * len(dst))
+                continue
+            row = []
+            for d, s, m in zip(dst, src, size, strict=True):
+                if d < 0 or s < 0 or m < 0 or s + m > len(data) or d + m > room:
+                    row.append(INVALID_PARAMS)
+                else:
+                    dest[d : d + m] = np.frombuffer(data, np.uint8, m, s)
+                    row.append(m)
+            out.append(row)
+        return out
 
     def is_exist(self, key: str) -> int:
-        """1 held (here or by a live member), 0 not, -1 bad key."""
-        member, _ = self._ready()
-        bkey = self._key(key)
-        return -1 if bkey is None else int(member.present([bkey])[0])
+        """1 held (here or by a live member; the object is leased), 0 not (or an empty key)."""
+        return self.batch_is_exist([key])[0]
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        return [self.is_exist(k) for k in keys]
+        member, _ = self._ready()
+        bkeys = [self._key(k) for k in keys]
+        valid = [b for b in bkeys if b is not None]
+        held = iter(member.present(valid) if valid else [])
+        out = [0 if b is None else int(next(held)) for b in bkeys]
+        self._leases.grant(k for k, hit in zip(keys, out, strict=True) if hit)
+        return out
 
     # ----------------------------------------------------------------- removal
 
-    def remove(self, key: str) -> int:
-        """0 removed from this process's shard, OBJECT_NOT_FOUND, INVALID_PARAMS."""
+    def remove(self, key: str, force: bool = False) -> int:
+        """0 removed (this process's copy); OBJECT_NOT_FOUND; OBJECT_HAS_LEASE for an object
+        read within the lease TTL (unless ``force``). Pins never block a remove."""
         member, _ = self._ready()
         bkey = self._key(key)
-        if bkey is None:
-            return INVALID_PARAMS
+        if bkey is None or not member.store.shard.exists(bkey):
+            return OBJECT_NOT_FOUND
+        if not force and self._leases.leased(key):
+            return OBJECT_HAS_LEASE
+        if member.remove([bkey]) != 1:
+            return OBJECT_HAS_LEASE  # a peer is reading it this instant
         with self._lock:
             self._names.pop(key, None)
             self._sizes.pop(bkey, None)
-        return 0 if member.remove([bkey]) == 1 else OBJECT_NOT_FOUND
+        self._leases.forget(key)
+        return 0
 
-    def remove_by_regex(self, regex: str) -> int:
-        """How many keys put through this object that match ``regex`` (``re.search``) were
-        removed; INVALID_PARAMS for a bad pattern."""
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        return [self.remove(k, force) for k in keys]
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """How many objects whose names match (``re.search``) were removed (leased ones stay
+        unless ``force``); INVALID_PARAMS for a bad pattern."""
         try:
-            pattern = re.compile(regex)
+            pattern = re.compile(regex_pattern)
         except (re.error, TypeError):
             return INVALID_PARAMS
         with self._lock:
             names = [n for n in self._names if pattern.search(n)]
-        return sum(self.remove(n) == 0 for n in names)
+        return sum(self.remove(n, force) == 0 for n in names)
 
-    def remove_all(self) -> int:
-        """Remove every object this process's shard holds; how many."""
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every object of this process's shard (leased ones stay unless ``force``);
+        how many."""
         member, _ = self._ready()
         with self._lock:
-            self._names.clear()
-            self._sizes.clear()
-        return member.remove_all()
+            names = list(self._names)
+        removed = sum(self.remove(n, force) == 0 for n in names)
+        with self._lock:
+            kept = set(self._names.values())
+        rest = [k for k, _ in member.store.shard.holdings() if k not in kept]
+        return removed + member.remove(rest)
 
+    # ----------------------------------------------------------------- tensors
+
+    def _put_tensor(self, key: str, tensor: Any, config: ReplicateConfig, upsert: bool) -> int:
+        try:
+            raw = tensors.encode(tensor)
+        except ValueError as exc:
+            logger.warning("put_tensor key=%s: %s", key, exc)
+            return INVALID_PARAMS
+        return self._write(key, raw, config, upsert, staged=True)
+
+    def put_tensor(self, key: str, tensor: Any) -> int:
+        """A CPU torch tensor as one object in Mooncake's tensor format."""
+        return self._put_tensor(key, tensor, _DEFAULT, False)
+
+    def pub_tensor(self, key: str, tensor: Any, config: ReplicateConfig = _DEFAULT) -> int:
+        return self._put_tensor(key, tensor, config, False)
+
+    def upsert_tensor(self, key: str, tensor: Any) -> int:
+        return self._put_tensor(key, tensor, _DEFAULT, True)
+
+    def upsert_pub_tensor(self, key: str, tensor: Any, config: ReplicateConfig = _DEFAULT) -> int:
+        return self._put_tensor(key, tensor, config, True)
+
+    def _tensor_batch(
+        self, keys: Sequence[str], items: Sequence[Any], one: Callable[[str, Any], int]
+    ) -> list[int]:
+        if len(keys) != len(items):
+            return [INVALID_PARAMS] * len(keys)
+        return [one(k, t) for k, t in zip(keys, items, strict=True)]
+
+    def batch_put_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any]) -> list[int]:
+        return self._tensor_batch(keys, tensors_list, self.put_tensor)
+
+    def batch_pub_tensor(
+        self, keys: Sequence[str], tensors_list: Sequence[Any], config: ReplicateConfig = _DEFAULT
+    ) -> list[int]:
+        return self._tensor_batch(keys, tensors_list, lambda k, t: self.pub_tensor(k, t, config))
+
+    def batch_upsert_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any]) -> list[int]:
+        return self._tensor_batch(keys, tensors_list, self.upsert_tensor)
+
+    def batch_upsert_pub_tensor(
+        self, keys: Sequence[str], tensors_list: Sequence[Any], config: ReplicateConfig = _DEFAULT
+    ) -> list[int]:
+        return self._tensor_batch(
+            keys, tensors_list, lambda k, t: self.upsert_pub_tensor(k, t, config)
+        )
+
+    def get_tensor(self, key: str) -> Any:
+        """The tensor, or None (missing, or not a tensor object)."""
+        data = self._fetch([key])[0]
+        return None if data is None else tensors.decode(data)
+
+    def batch_get_tensor(self, keys: Sequence[str]) -> list[Any]:
+        return [None if d is None else tensors.decode(d) for d in self._fetch(keys)]
+
+    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
+        """The tensor read into the buffer (a view of it), or None."""
+        return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+
+    def batch_get_tensor_into(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[Any]:
+        codes = self.batch_get_into(keys, buffer_ptrs, sizes)
+        return [
+            tensors.decode(view_at(p, n), copy=False) if n > 0 else None
+            for p, n in zip(buffer_ptrs, codes, strict=False)
+        ]
+
+    def _tensor_from(self, key: str, ptr: int, size: int, upsert: bool) -> int:
+        view = self._from(ptr, size)
+        if view is None or tensors.decode(view, copy=False) is None:
+            return INVALID_PARAMS
+        return self._write(key, view, _DEFAULT, upsert, staged=False)
+
+    def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        """A tensor object already in Mooncake's format at ``buffer_ptr`` (as
+        ``get_tensor_into`` leaves it); INVALID_PARAMS if it is not one."""
+        return self._tensor_from(key, buffer_ptr, size, False)
+
+    def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self._tensor_from(key, buffer_ptr, size, True)
+
+    def batch_put_tensor_from(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID_PARAMS] * len(keys)
+        return [self.put_tensor_from(*a) for a in zip(keys, buffer_ptrs, sizes, strict=True)]
+
+    def batch_upsert_tensor_from(
+        self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID_PARAMS] * len(keys)
+        return [self.upsert_tensor_from(*a) for a in zip(keys, buffer_ptrs, sizes, strict=True)]
+
+    def _put_tp(
+        self, key: str, tensor: Any, config: ReplicateConfig, tp_size: int, split_dim: int
+    ) -> int:
+        parts = tensors.shards(tensor, tp_size, split_dim)
+        if parts is None:
+            return INVALID_PARAMS
+        codes = [self._write(f"{key}_tp_{r}", p, config, False, True) for r, p in enumerate(parts)]
+        return next((c for c in codes if c != 0), 0)
+
+    def put_tensor_with_tp(
+        self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> int:
+        """Every rank's shard, split evenly along ``split_dim``, under ``key_tp_<rank>``;
+        INVALID_PARAMS for an uneven split."""
+        return self._put_tp(key, tensor, _DEFAULT, tp_size, split_dim)
+
+    def pub_tensor_with_tp(
+        self, key: str, tensor: Any, config: ReplicateConfig = _DEFAULT, tp_rank: int = 0,
+        tp_size: int = 1, split_dim: int = 0,
+    ) -> int:  # fmt: skip
+        return self._put_tp(key, tensor, config, tp_size, split_dim)
+
+    def batch_put_tensor_with_tp(
+        self, base_keys: Sequence[str], tensors_list: Sequence[Any], tp_rank: int = 0,
+        tp_size: int = 1, split_dim: int = 0,
+    ) -> list[int]:  # fmt: skip
+        return self._tensor_batch(
+            base_keys, tensors_list, lambda k, t: self._put_tp(k, t, _DEFAULT, tp_size, split_dim)
+        )
+
+    def batch_pub_tensor_with_tp(
+        self, base_keys: Sequence[str], tensors_list: Sequence[Any],
+        config: ReplicateConfig = _DEFAULT, tp_rank: int = 0, tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:  # fmt: skip
+        return self._tensor_batch(
+            base_keys, tensors_list, lambda k, t: self._put_tp(k, t, config, tp_size, split_dim)
+        )
+
+    def put_tensor_with_tp_from(
+        self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> int:  # fmt: skip
+        view = self._from(buffer_ptr, size)
+        tensor = None if view is None else tensors.decode(view)
+        return (
+            INVALID_PARAMS
+            if tensor is None
+            else self._put_tp(key, tensor, _DEFAULT, tp_size, split_dim)
+        )
+
+    def batch_put_tensor_with_tp_from(
+        self, base_keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
+        tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0,
+    ) -> list[int]:  # fmt: skip
+        if not len(base_keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID_PARAMS] * len(base_keys)
+        return [
+            self.put_tensor_with_tp_from(k, p, s, tp_rank, tp_size, split_dim)
+            for k, p, s in zip(base_keys, buffer_ptrs, sizes, strict=True)
+        ]
+
+    @staticmethod
+    def _tp_key(key: str, tp_rank: int, tp_size: int) -> str:
+        return key if tp_size <= 1 else f"{key}_tp_{tp_rank}"
+
+    def get_tensor_with_tp(
+        self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> Any:
+        """Rank ``tp_rank``'s shard (``key`` itself when ``tp_size`` is 1), or None."""
+        return self.get_tensor(self._tp_key(key, tp_rank, tp_size))
+
+    def batch_get_tensor_with_tp(
+        self, base_keys: Sequence[str], tp_rank: int = 0, tp_size: int = 1
+    ) -> list[Any]:
+        return self.batch_get_tensor([self._tp_key(k, tp_rank, tp_size) for k in base_keys])
+
+    def get_tensor_with_tp_into(
+        self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> Any:  # fmt: skip
+        return self.get_tensor_into(self._tp_key(key, tp_rank, tp_size), buffer_ptr, size)
+
+    def batch_get_tensor_with_tp_into(
+        self, base_keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> list[Any]:  # fmt: skip
+        keys = [self._tp_key(k, tp_rank, tp_size) for k in base_keys]
+        return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
+
+    def get_tensor_into_cuda(self, key: str, tensor: Any) -> int:
+        """CUDA destinations need a CUDA build: INVALID_PARAMS, as Mooncake's CPU wheel."""
+        return INVALID_PARAMS
+
+    def batch_get_tensor_into_cuda(
+        self, keys: Sequence[str], tensors_list: Sequence[Any]
+    ) -> list[int]:
+        return [INVALID_PARAMS] * len(keys)
+
+    # The TensorParallelism / ReadTarget family: without a parallelism request these are
+    # the plain tensor calls (as Mooncake's); a request is NOT_SUPPORTED here.
+
+    def put_tensor_with_parallelism(
+        self, key: str, tensor: Any, parallelism: Any = None, config: ReplicateConfig = _DEFAULT,
+        writer_partition: Any = None,
+    ) -> int:  # fmt: skip
+        if parallelism is not None or writer_partition is not None:
+            return NOT_SUPPORTED
+        return self.pub_tensor(key, tensor, config)
+
+    def upsert_tensor_with_parallelism(
+        self, key: str, tensor: Any, parallelism: Any = None, config: ReplicateConfig = _DEFAULT,
+        writer_partition: Any = None,
+    ) -> int:  # fmt: skip
+        if parallelism is not None or writer_partition is not None:
+            return NOT_SUPPORTED
+        return self.upsert_pub_tensor(key, tensor, config)
+
+    def batch_put_tensor_with_parallelism(
+        self, keys: Sequence[str], tensors_list: Sequence[Any], parallelisms: Any = None,
+        config: ReplicateConfig = _DEFAULT, writer_partitions: Any = None,
+    ) -> list[int]:  # fmt: skip
+        if parallelisms is not None or writer_partitions is not None:
+            return [NOT_SUPPORTED] * len(keys)
+        return self.batch_pub_tensor(keys, tensors_list, config)
+
+    def batch_upsert_tensor_with_parallelism(
+        self, keys: Sequence[str], tensors_list: Sequence[Any], parallelisms: Any = None,
+        config: ReplicateConfig = _DEFAULT, writer_partitions: Any = None,
+    ) -> list[int]:  # fmt: skip
+        if parallelisms is not None or writer_partitions is not None:
+            return [NOT_SUPPORTED] * len(keys)
+        return self.batch_upsert_pub_tensor(keys, tensors_list, config)
+
+    def get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
+        return self.get_tensor(key) if target is None else None
+
+    def batch_get_tensor_with_parallelism(
+        self, keys: Sequence[str], targets: Any = None
+    ) -> list[Any]:
+        return self.batch_get_tensor(keys) if targets is None else [None] * len(keys)
+
+    # ----------------------------------------------------------------- not served here
+
+    def get_replica_desc(self, key: str) -> list[Any]:
+        """Mooncake's segment descriptors do not exist here: always []."""
+        return []
+
+    def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[Any]]:
+        return {}
+
+    def mount_segment(
+        self, path: str, size: int, offset: int = 0, protocol: str = "tcp", location: str = ""
+    ) -> dict[str, Any]:
+        return {"ret": INTERNAL_ERROR, "segment_ids": []}
+
+    def allocate_and_mount_segment(
+        self, size: int, protocol: str = "tcp", location: str = ""
+    ) -> dict[str, Any]:
+        return {"ret": INTERNAL_ERROR, "segment_ids": []}
+
+    def unmount_segment(self, segment_ids: Sequence[str], grace_period_seconds: int = 0) -> int:
+        return NOT_SUPPORTED
+
+    def unmount_and_free_segment(
+        self, segment_ids: Sequence[str], grace_period_seconds: int = 0
+    ) -> int:
+        return NOT_SUPPORTED
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        return NOT_SUPPORTED
+
+    def create_copy_task(self, key: str, targets: Sequence[str]) -> tuple[tuple[int, int], int]:
+        return (0, 0), NOT_SUPPORTED
+
+    def create_move_task(self, key: str, source: str, target: str) -> tuple[tuple[int, int], int]:
+        return (0, 0), NOT_SUPPORTED
+
+    def query_task(self, task_id: tuple[int, int]) -> tuple[None, int]:
+        return None, NOT_SUPPORTED
+
+    def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> list[str]:
+        return []
+
+    def get_offload_rpc_read_count(self) -> int:
+        return 0
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        return 0
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        return NOT_SUPPORTED
+
+    def init_all(self, protocol: str, device_name: str, mount_segment_size: int) -> int:
+        return NOT_SUPPORTED
+
+
+# Module-level enum values, as mooncake.store exports them (FAILED and PROCESSING are
+# TaskStatus's there too).
+UNKNOWN, KVCACHE, TENSOR, WEIGHT, SAMPLE = list(ObjectDataType)[:5]
+ACTIVATION, GRADIENT, OPTIMIZER_STATE, METADATA, GENERAL = list(ObjectDataType)[5:]
+UNDEFINED, INITIALIZED, COMPLETE, REMOVED = (
+    ReplicaStatus.UNDEFINED, ReplicaStatus.INITIALIZED, ReplicaStatus.COMPLETE,
+    ReplicaStatus.REMOVED,
+)  # fmt: skip
+PENDING, PROCESSING, FAILED, SUCCESS = list(TaskStatus)
+REPLICA_COPY, REPLICA_MOVE = list(TaskType)
 
 __all__ = [
+    "ACTIVATION",
     "BUFFER_OVERFLOW",
+    "COMPLETE",
+    "FAILED",
+    "GENERAL",
+    "GRADIENT",
+    "INITIALIZED",
     "INTERNAL_ERROR",
     "INVALID_PARAMS",
+    "KVCACHE",
+    "METADATA",
+    "NOT_SUPPORTED",
+    "NO_AVAILABLE_HANDLE",
     "OBJECT_ALREADY_EXISTS",
+    "OBJECT_HAS_LEASE",
     "OBJECT_NOT_FOUND",
+    "OPTIMIZER_STATE",
+    "PENDING",
+    "PROCESSING",
+    "REMOVED",
+    "REPLICA_COPY",
+    "REPLICA_MOVE",
+    "SAMPLE",
+    "SUCCESS",
+    "TENSOR",
+    "TRANSFER_FAIL",
+    "UNDEFINED",
+    "UNKNOWN",
+    "WEIGHT",
+    "BufferHandle",
+    "ErrorCode",
     "MooncakeDistributedStore",
+    "ObjectDataType",
+    "ReplicaStatus",
     "ReplicateConfig",
+    "SoftPinAction",
+    "TaskStatus",
+    "TaskType",
 ]

@@ -1,4 +1,6 @@
-"""The Mooncake Store-compatible API: every method, its return codes and bad input."""
+"""The Mooncake Store-compatible API on its own (no Mooncake wheel needed): return codes,
+bad input, re-adopted objects, two cluster members. test_mooncake_differential.py compares
+every behaviour with the real Mooncake."""
 
 from __future__ import annotations
 
@@ -9,14 +11,16 @@ import numpy as np
 import pytest
 
 from kvflow.integrations.mooncake import (
-    BUFFER_OVERFLOW,
+    INTERNAL_ERROR,
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
-    OBJECT_ALREADY_EXISTS,
+    OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,
     MooncakeDistributedStore,
     ReplicateConfig,
+    SoftPinAction,
 )
+from kvflow.integrations.mooncake_setup import parse_size
 from tests.integrations.test_sglang_cluster import meta  # noqa: F401 - fixture
 
 
@@ -31,32 +35,50 @@ def store() -> Iterator[MooncakeDistributedStore]:
 def test_setup_positional_and_dict_and_bad_input() -> None:
     s = MooncakeDistributedStore()
     assert s.setup({"local_hostname": "127.0.0.1", "metadata_server": "embedded"}) == 0
-    assert s.setup("127.0.0.1", "embedded") == INVALID_PARAMS  # already set up
+    assert s.setup("127.0.0.1", "embedded") == INTERNAL_ERROR  # already set up
+    assert s.get_hostname() == "127.0.0.1:0" and s.health_check() == 0
     s.close()
+    assert s.health_check() == 1
     assert (
-        MooncakeDistributedStore().setup("127.0.0.1", "embedded", protocol="rdma") == INVALID_PARAMS
+        MooncakeDistributedStore().setup("127.0.0.1", "embedded", protocol="rdma") == INTERNAL_ERROR
     )
     bad = MooncakeDistributedStore()
-    assert (
-        bad.setup({"metadata_server": "embedded", "kvflow_tenant": "no spaces"}) == INVALID_PARAMS
-    )
-    assert bad.setup({"metadata_server": "embedded", "kvflow_bogus": 1}) == INVALID_PARAMS
+    base = {"local_hostname": "h", "metadata_server": "embedded"}
+    assert bad.setup({**base, "kvflow_tenant": "no spaces"}) == INVALID_PARAMS
+    assert bad.setup({**base, "kvflow_bogus": 1}) == INVALID_PARAMS
+    assert bad.setup({**base, "global_segment_size": "50%"}) == INVALID_PARAMS
+    assert bad.setup({**base, "kvflow_kv_lease_ttl": "soon"}) == INVALID_PARAMS
+    assert bad.setup({"metadata_server": "embedded"}) == INVALID_PARAMS  # no local_hostname
+    assert bad.setup("h", "embedded", "lots") == INVALID_PARAMS  # sizes are never raised on
+    assert [parse_size(v) for v in ("16MB", "16 MB", "1.5GB", "16m", "7", 5, "1GiB", "50%")] == [
+        16 << 20, 16 << 20, 3 << 29, 16 << 20, 7, 5, None, None,
+    ]  # fmt: skip
 
 
 def test_put_get_exist_size_remove(store: MooncakeDistributedStore) -> None:
     assert store.put("hello", b"Hello, Mooncake Store!") == 0
-    assert store.put("hello", b"other") == OBJECT_ALREADY_EXISTS
+    assert store.put("hello", b"other") == 0  # as Mooncake: succeeds, changes nothing
     assert store.get("hello") == b"Hello, Mooncake Store!"
     assert store.get("missing") == b""
     assert store.is_exist("hello") == 1 and store.is_exist("missing") == 0
-    assert store.is_exist("") == -1
+    assert store.is_exist("") == 0
     assert store.get_size("hello") == 22 and store.get_size("missing") == OBJECT_NOT_FOUND
     assert store.put("", b"x") == INVALID_PARAMS
     assert store.put("empty", b"") == INVALID_PARAMS
-    assert store.put("notbytes", 12345) == INVALID_PARAMS  # type: ignore[arg-type]
-    assert store.remove("hello") == 0
+    with pytest.raises(TypeError):
+        store.put("notbytes", 12345)  # type: ignore[arg-type]
+    assert store.put("big", bytes((1 << 20) + 1)) == INVALID_PARAMS  # over local_buffer_size
+    assert store.remove("hello") == OBJECT_HAS_LEASE  # read just now
+    assert store.remove("hello", force=True) == 0
     assert store.remove("hello") == OBJECT_NOT_FOUND
     assert store.get("hello") == b""
+    assert store.upsert("u", b"one") == 0 and store.get("u") == b"one"
+    assert store.upsert("u", b"three") == 0 and store.get("u") == b"three"  # leased: still
+    pin = ReplicateConfig()
+    pin.soft_pin_ttl_ms = 5  # a TTL without SoftPinAction.ENABLE
+    assert store.put("p", b"x", pin) == INVALID_PARAMS
+    pin.soft_pin_action = SoftPinAction.ENABLE
+    assert store.put("p", b"x", pin) == 0 and store.remove("p") == 0  # pins never block
 
 
 def test_batches_regex_and_remove_all(store: MooncakeDistributedStore) -> None:
@@ -64,16 +86,22 @@ def test_batches_regex_and_remove_all(store: MooncakeDistributedStore) -> None:
     values = [b"v1", b"value-2", b"a" * 1000]
     assert store.put_batch(keys, values) == 0
     assert store.put_batch(["x"], []) == INVALID_PARAMS
-    assert store.put_batch(["model_a"], [b"dup"]) == OBJECT_ALREADY_EXISTS
+    assert store.put_batch(["model_a"], [b"dup"]) == 0
+    assert store.remove_by_regex("^user_session_.*") == 2  # not read yet: no lease
+    assert store.put_batch(keys[:2], values[:2]) == 0
     assert store.get_batch([*keys, "nope"]) == [*values, b""]
     assert store.batch_is_exist([*keys, "nope"]) == [1, 1, 1, 0]
-    assert store.remove_by_regex("^user_session_.*") == 2
+    assert store.remove_by_regex("^user_session_.*") == 0  # leased by the reads
+    assert store.remove_by_regex("^user_session_.*", True) == 2
     assert store.remove_by_regex("(") == INVALID_PARAMS
     assert store.batch_is_exist(keys) == [0, 0, 1]
+    two = ReplicateConfig()
+    two.replica_num = 2
     # one process cannot hold two replicas: refused, nothing left behind (docs/durability.md)
-    assert store.put("b", b"bb", ReplicateConfig(replica_num=2)) == NO_AVAILABLE_HANDLE
+    assert store.put("b", b"bb", two) == NO_AVAILABLE_HANDLE
     assert store.is_exist("b") == 0
-    assert store.remove_all() == 1
+    assert store.remove_all() == 0  # model_a is leased
+    assert store.remove_all(force=True) == 1
     assert store.batch_is_exist(["model_a", "b"]) == [0, 0]
 
 
@@ -83,15 +111,17 @@ def test_zero_copy_needs_registered_buffers_and_reports_sizes(
     src = np.arange(4096, dtype=np.uint8)
     dst = np.zeros(8192, dtype=np.uint8)
     sp, dp = src.ctypes.data, dst.ctypes.data
-    assert store.put_from("k", sp, src.nbytes) == INVALID_PARAMS  # not registered yet
     assert store.register_buffer(sp, src.nbytes) == 0
+    assert store.register_buffer(sp, src.nbytes) == INVALID_PARAMS  # twice
     assert store.register_buffer(0, 10) == INVALID_PARAMS
     assert store.put_from("k", sp, src.nbytes) == 0
-    assert store.get_into("k", dp, dst.nbytes) == INVALID_PARAMS  # destination unregistered
+    assert store.get_into("k", dp, dst.nbytes) == 4096  # unregistered: as Mooncake over tcp
+    assert np.array_equal(dst[:4096], src)
+    dst[:] = 0
     assert store.register_buffer(dp, dst.nbytes) == 0
     assert store.get_into("k", dp, dst.nbytes) == 4096  # a larger buffer is fine
     assert np.array_equal(dst[:4096], src)
-    assert store.get_into("k", dp, 100) == BUFFER_OVERFLOW
+    assert store.get_into("k", dp, 100) == INVALID_PARAMS  # too small, as Mooncake
     assert store.get_into("missing", dp, 100) == OBJECT_NOT_FOUND
     half = src.nbytes // 2
     assert store.batch_put_from(["a", "b"], [sp, sp + half], [half, half]) == [0, 0]
@@ -103,13 +133,13 @@ def test_zero_copy_needs_registered_buffers_and_reports_sizes(
         dst[half : 2 * half], src[:half]
     )
     assert store.unregister_buffer(dp) == 0 and store.unregister_buffer(dp) == INVALID_PARAMS
-    assert store.get_into("k", dp, dst.nbytes) == INVALID_PARAMS
 
 
 def test_reads_of_readopted_objects_learn_their_size(tmp_path: Path) -> None:
     """Objects this object did not put (an SSD tier re-adopted after a restart) have no size
     hint: get_into learns it (a larger buffer, a too small one) and batch reads still work."""
     config = {
+        "local_hostname": "127.0.0.1",
         "metadata_server": "embedded",
         "kvflow_data_dir": str(tmp_path),
         "kvflow_node_id": "restarted",
@@ -125,7 +155,7 @@ def test_reads_of_readopted_objects_learn_their_size(tmp_path: Path) -> None:
     try:
         dst = np.zeros(8192, dtype=np.uint8)
         assert again.register_buffer(dst.ctypes.data, dst.nbytes) == 0
-        assert again.get_into("p", dst.ctypes.data, 4999) == BUFFER_OVERFLOW
+        assert again.get_into("p", dst.ctypes.data, 4999) == INVALID_PARAMS
         got = again.batch_get_into(
             ["q", "p", "r"],
             [dst.ctypes.data, dst.ctypes.data + 100, dst.ctypes.data],
@@ -166,7 +196,7 @@ def test_two_members_read_each_others_objects(meta: str) -> None:  # noqa: F811
             [base, base + 4000, base + 5000, base + 7000],
             [4000, 10, 2000, 100],
         )
-        assert got == [3000, OBJECT_NOT_FOUND, 1000, BUFFER_OVERFLOW]
+        assert got == [3000, OBJECT_NOT_FOUND, 1000, INVALID_PARAMS]
         assert bytes(dst[:3000]) == b"y" * 3000 and bytes(dst[5000:6000]) == b"x" * 1000
         assert not dst[7000:7100].any()  # nothing written into the too small buffer
     finally:
