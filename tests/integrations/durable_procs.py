@@ -73,7 +73,8 @@ def writer(
     store = MooncakeDistributedStore()
     code = store.setup(member_config(meta, node_id, holds=holds))
     conn.send(("ready", node_id, code))
-    config = ReplicateConfig(replica_num=replicas)
+    config = ReplicateConfig()  # Mooncake's class: fields are set, not passed
+    config.replica_num = replicas
     for i in range(n):
         key = f"{prefix}{i}"
         conn.send(("try", key))
