@@ -28,3 +28,14 @@ def test_own_address_is_left_out_of_the_shared_list(me: int) -> None:
 def test_the_others_only_still_works() -> None:
     config = _config(NAMES[0], ",".join(NAMES[1:]))
     assert config.partner_addresses == tuple(NAMES[1:])  # type: ignore[attr-defined]
+
+
+def test_raft_peers_names_are_resolved_again_within_seconds() -> None:
+    """A replica rescheduled on another IP keeps its DNS name; the others must dial the new
+    address soon (pysyncobj caches a resolved name for 600 s by default)."""
+    from kvflow.replication import MetadataConfig
+    from kvflow.replication.raft import syncobj_conf
+
+    conf = syncobj_conf(MetadataConfig(self_address=NAMES[0], partner_addresses=tuple(NAMES[1:])))
+    assert conf.dnsCacheTime <= 5.0
+    assert conf.dnsFailCacheTime <= 1.0
