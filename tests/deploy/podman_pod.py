@@ -69,17 +69,34 @@ class PodmanCluster:
             self.pods += pods(workload, NAMESPACE, self.ips)
 
     # -- files standing in for the cluster ------------------------------------------------------
-    def _write_files(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+    def stable_name(self, pod: Pod) -> str | None:
+        service = pod.workload["spec"].get("serviceName")
         domain = self.configmaps["kvflow-config"]["data"]["CLUSTER_DOMAIN"]
+        return f"{pod.name}.{service}.{NAMESPACE}.svc.{domain}" if service else None
+
+    def _write_hosts(self) -> None:
+        """The cluster DNS: every StatefulSet pod's stable name -> its address. Rewritten in
+        place (the containers bind-mount this one file)."""
         lines = ["127.0.0.1 localhost"]
         for pod in self.pods:
-            service = pod.workload["spec"].get("serviceName")
-            if service:
-                lines.append(f"{pod.ip} {pod.name}.{service}.{NAMESPACE}.svc.{domain} {pod.name}")
+            name = self.stable_name(pod)
+            if name:
+                lines.append(f"{self.ips[pod.name]} {name} {pod.name}")
         hosts = self.root / "hosts"
-        hosts.write_text("\n".join(lines) + "\n")
+        with open(hosts, "r+" if hosts.exists() else "w") as handle:
+            handle.truncate(0)
+            handle.write("\n".join(lines) + "\n")
         hosts.chmod(0o644)
+
+    def move(self, pod_name: str, ip: str) -> None:
+        """The pod's stable name now resolves to ``ip`` (a pod rescheduled elsewhere); start
+        its container again (``podman start``) to bring it back there."""
+        self.ips[pod_name] = ip
+        self._write_hosts()
+
+    def _write_files(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._write_hosts()
         self._secret("kvflow-cluster-secret", "cluster-secret", secrets.token_hex(32) + "\n")
         self._secret("kvflow-api-keys", "api-keys", f"{self.api_key} - admin\n")
 

@@ -1,8 +1,10 @@
 """`make container-test`: the small overlay's topology (3 meta, 2 prefill, 1 decode, 2 routers)
 as one podman pod from the image `make container-test` builds, each Kubernetes pod a container
 started as its manifest starts it (tests/deploy/podman_pod.py). An OpenAI chat request through
-a router, the nodes listed with `kvflow kvdb nodes`, a prefill node killed and the request
-still served, a router stopped with SIGTERM exiting cleanly; then everything is removed.
+each router, the nodes listed with `kvflow kvdb nodes`, a prefill node killed and the request
+still served; that node and a metadata replica brought back on other addresses under their
+stable names, rejoining by themselves (the node serves again, the replica catches up); a
+router stopped with SIGTERM exiting cleanly; then everything is removed.
 
 Opt-in (KVFLOW_CONTAINER_TEST=1; the Makefile target sets it): it needs podman and the image,
 and takes minutes and several GB of memory.
@@ -36,9 +38,9 @@ pytestmark = [
 
 CHAT = """
 import json, sys, urllib.request
-url, key = sys.argv[1], sys.argv[2]
+url, key, prompt = sys.argv[1], sys.argv[2], sys.argv[3]
 body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        "messages": [{"role": "user", "content": prompt}]}
 req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
     {"Content-Type": "application/json", "Authorization": "Bearer " + key})
 with urllib.request.urlopen(req, timeout=120) as resp:
@@ -46,10 +48,26 @@ with urllib.request.urlopen(req, timeout=120) as resp:
 """
 
 
-def _chat(cluster: PodmanCluster, router: str) -> dict[str, Any]:
+META_STATE = """
+import sys, urllib.request
+for name in sys.argv[1:]:
+    text = urllib.request.urlopen(f"http://{name}:9466/metrics", timeout=10).read().decode()
+    values = dict(line.split()[:2] for line in text.splitlines() if line.startswith("meta_"))
+    print(name.split(".")[0], values["meta_is_leader"], values["meta_blocks"])
+"""
+QUESTION = "What is the capital of France?"
+
+
+def _long_prompt(seed: int) -> str:
+    """A prompt of several full KV blocks (new blocks for the metadata group to record)."""
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    return " ".join(f"{words[(i * 7 + seed) % 8]}{seed}" for i in range(300)) + " Summarise."
+
+
+def _chat(cluster: PodmanCluster, router: str, prompt: str = QUESTION) -> dict[str, Any]:
     url = f"http://{cluster.ips[router]}:8000"
     t0 = time.monotonic()
-    out = cluster.client(["-c", CHAT, url, cluster.api_key], entrypoint="python3")
+    out = cluster.client(["-c", CHAT, url, cluster.api_key, prompt], entrypoint="python3")
     assert out.returncode == 0, out.stdout + out.stderr
     answer: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     answer["seconds"] = round(time.monotonic() - t0, 2)
@@ -58,6 +76,22 @@ def _chat(cluster: PodmanCluster, router: str) -> dict[str, Any]:
     text = answer["body"]["choices"][0]["message"]["content"]
     assert isinstance(text, str) and text.strip()
     return answer
+
+
+def _meta_agree(cluster: PodmanCluster, deadline_s: float = 120.0) -> None:
+    """Until every replica records the same number of blocks (more than none) and one leads."""
+    names = [cluster.stable_name(p) for p in cluster.pods if p.component == "meta"]
+    end = time.monotonic() + deadline_s
+    while True:
+        out = cluster.client(["-c", META_STATE, *[n for n in names if n]], entrypoint="python3")
+        rows = [line.split() for line in out.stdout.splitlines()]
+        leaders = sum(float(r[1]) == 1.0 for r in rows)
+        blocks = {r[2] for r in rows}
+        if out.returncode == 0 and leaders == 1 and len(blocks) == 1 and float(*blocks) > 0:
+            print(f"metadata replicas (name, leader, blocks): {rows}", flush=True)
+            return
+        assert time.monotonic() < end, f"replicas disagree: {out.stdout}{out.stderr}"
+        time.sleep(3.0)
 
 
 def test_small_topology_in_one_podman_pod(tmp_path: Path) -> None:
@@ -93,6 +127,26 @@ def test_small_topology_in_one_podman_pod(tmp_path: Path) -> None:
         print("killed kvflow-prefill-0", flush=True)
         for router in ("kvflow-router-0", "kvflow-router-1", "kvflow-router-0"):
             _chat(cluster, router)
+
+        # prefill-0 comes back on another address under its stable name, by itself; with
+        # prefill-1 killed, only it can serve the next request.
+        cluster.move("kvflow-prefill-0", "127.77.0.60")
+        podman("start", "kvflow-prefill-0")
+        cluster.wait_healthy("kvflow-prefill-0", 600)
+        podman("kill", "--signal", "KILL", "kvflow-prefill-1")
+        print("kvflow-prefill-0 back at 127.77.0.60; killed kvflow-prefill-1", flush=True)
+        _chat(cluster, "kvflow-router-0")
+        _chat(cluster, "kvflow-router-0", _long_prompt(1))
+
+        # meta-0 likewise: killed, back on another address with its journal; the group
+        # replicates new entries to it there.
+        podman("kill", "--signal", "KILL", "kvflow-meta-0")
+        cluster.move("kvflow-meta-0", "127.77.0.61")
+        podman("start", "kvflow-meta-0")
+        cluster.wait_healthy("kvflow-meta-0", 300)
+        print("kvflow-meta-0 back at 127.77.0.61", flush=True)
+        _chat(cluster, "kvflow-router-0", _long_prompt(2))
+        _meta_agree(cluster)
 
         # SIGTERM through tini reaches kvflow, which shuts down and exits 0.
         stopped = podman("stop", "-t", "30", "kvflow-router-1", timeout=60)
