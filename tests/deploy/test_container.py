@@ -52,8 +52,8 @@ META_STATE = """
 import sys, urllib.request
 for name in sys.argv[1:]:
     text = urllib.request.urlopen(f"http://{name}:9466/metrics", timeout=10).read().decode()
-    values = dict(line.split()[:2] for line in text.splitlines() if line.startswith("meta_"))
-    print(name.split(".")[0], values["meta_is_leader"], values["meta_blocks"])
+    values = dict(line.split()[:2] for line in text.splitlines() if line.startswith("kvflow_"))
+    print(name.split(".")[0], values["kvflow_meta_is_leader"], values["kvflow_meta_blocks"])
 """
 QUESTION = "What is the capital of France?"
 
@@ -76,6 +76,16 @@ def _chat(cluster: PodmanCluster, router: str, prompt: str = QUESTION) -> dict[s
     text = answer["body"]["choices"][0]["message"]["content"]
     assert isinstance(text, str) and text.strip()
     return answer
+
+
+def _nodes(cluster: PodmanCluster) -> dict[str, dict[str, Any]]:
+    """``kvflow kvdb nodes --json`` through router 0 (an admin key)."""
+    router = f"{cluster.ips['kvflow-router-0']}:50051"
+    argv = ["kvdb", "--server", router, "--api-key", cluster.api_key, "nodes", "--json"]
+    listed = cluster.client(argv)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    print(f"kvflow kvdb nodes --json: {listed.stdout.strip()}", flush=True)
+    return {row["node"]: row for row in json.loads(listed.stdout)}
 
 
 def _meta_agree(cluster: PodmanCluster, deadline_s: float = 120.0) -> None:
@@ -106,20 +116,7 @@ def test_small_topology_in_one_podman_pod(tmp_path: Path) -> None:
         _chat(cluster, "kvflow-router-0")
         _chat(cluster, "kvflow-router-1")
 
-        listed = cluster.client(
-            [
-                "kvdb",
-                "--server",
-                f"{cluster.ips['kvflow-router-0']}:50051",
-                "--api-key",
-                cluster.api_key,
-                "nodes",
-                "--json",
-            ]
-        )
-        assert listed.returncode == 0, listed.stdout + listed.stderr
-        print(f"kvflow kvdb nodes --json: {listed.stdout.strip()}", flush=True)
-        nodes = {row["node"]: row for row in json.loads(listed.stdout)}
+        nodes = _nodes(cluster)
         assert set(nodes) == {"kvflow-prefill-0", "kvflow-prefill-1", "kvflow-decode-0"}
         assert all(".kvflow-" in row["address"] for row in nodes.values())  # stable DNS names
 
@@ -133,6 +130,8 @@ def test_small_topology_in_one_podman_pod(tmp_path: Path) -> None:
         cluster.move("kvflow-prefill-0", "127.77.0.60")
         podman("start", "kvflow-prefill-0")
         cluster.wait_healthy("kvflow-prefill-0", 600)
+        # it registered again: its transfer endpoint is the new address (the name resolved)
+        assert _nodes(cluster)["kvflow-prefill-0"]["address"].endswith("|127.77.0.60:7300")
         podman("kill", "--signal", "KILL", "kvflow-prefill-1")
         print("kvflow-prefill-0 back at 127.77.0.60; killed kvflow-prefill-1", flush=True)
         _chat(cluster, "kvflow-router-0")
