@@ -1,13 +1,10 @@
-"""docs/kubernetes.md: the blocks marked ``<!-- doc-test: ID -->`` run as written.
-
-The block is read from the page here (the text between the marker's fence and the closing
-fence); the shell blocks run with bash in a temporary folder that links the repository's
-``deploy`` and ``tests`` folders, with this environment's ``bin`` first on PATH."""
+"""docs/kubernetes.md: the blocks marked ``<!-- doc-test: ID -->`` run as written (read with
+``tests/docs/blocks.py:block``); the shell blocks with bash in a temporary folder that links
+the repository's ``deploy`` and ``tests`` folders, this environment's ``bin`` first on PATH."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.manifests import ROOT, kubectl
+from tests.docs.blocks import block
 
-PAGE = ROOT / "docs" / "kubernetes.md"
-
-
-def block(page: Path, block_id: str) -> str:
-    text = page.read_text()
-    match = re.search(
-        rf"<!-- doc-test: {re.escape(block_id)} -->\n```[a-z]*\n(.*?)\n```", text, re.DOTALL
-    )
-    assert match is not None, f"{page.name}: no doc-test block {block_id}"
-    return match.group(1)
+PAGE = "kubernetes.md"
 
 
 def _run_sh(code: str, cwd: Path) -> str:
@@ -44,27 +33,19 @@ def _run_sh(code: str, cwd: Path) -> str:
     return out.stdout
 
 
-def test_every_fence_is_marked() -> None:
-    lines = PAGE.read_text().splitlines()
-    opening = False
-    for n, line in enumerate(lines):
-        if line.startswith("```"):
-            opening = not opening
-            if opening:
-                before = lines[n - 1] if n else ""
-                assert re.match(r"<!-- (doc-test|illustrative): .+ -->", before), f"line {n + 1}"
-
-
 @pytest.mark.skipif(kubectl() is None, reason="kubectl is not installed")
 def test_render(tmp_path: Path) -> None:
-    out = _run_sh(block(PAGE, "render"), tmp_path)
+    out = _run_sh(block(PAGE, "k8s-render"), tmp_path)
     assert int(out.strip().splitlines()[-1]) >= 10  # every object of the small overlay
     assert (tmp_path / "kvflow-small.yaml").stat().st_size > 0
 
 
 def test_sizing() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", block(PAGE, "sizing")], capture_output=True, text=True, check=True
+        [sys.executable, "-c", block(PAGE, "k8s-sizing")],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "KV per token: 46080 bytes; one page: 2.81 MiB" in out
     assert "memory limit >=" in out
@@ -79,10 +60,10 @@ def test_sizing_numbers_are_the_default_models() -> None:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     shape = (config["num_hidden_layers"], config["num_key_value_heads"], head_dim)
     assert shape == (30, 3, 64)
-    assert "layers, kv_heads, head_dim, dtype_bytes = 30, 3, 64, 4" in block(PAGE, "sizing")
+    assert "layers, kv_heads, head_dim, dtype_bytes = 30, 3, 64, 4" in block(PAGE, "k8s-sizing")
 
 
 def test_replay(tmp_path: Path) -> None:
-    out = _run_sh(block(PAGE, "replay"), tmp_path)
+    out = _run_sh(block(PAGE, "k8s-replay"), tmp_path)
     rows = [line for line in out.splitlines() if line.startswith("cache-aware")]
     assert len(rows) == 3
