@@ -3,12 +3,24 @@ group's members, itself included); the replica leaves its own --address out."""
 
 from __future__ import annotations
 
+import secrets
+from pathlib import Path
+
 import pytest
 
 from kvflow.tools.cli import build_parser
 from kvflow.tools.meta import config_from_args
 
 NAMES = [f"kvflow-meta-{i}.kvflow-meta.ns.svc.cluster.local:7100" for i in range(3)]
+
+
+@pytest.fixture(autouse=True)
+def cluster_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica with partners needs the cluster secret (its Raft password)."""
+    path = tmp_path / "cluster.secret"
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    monkeypatch.setenv("KVFLOW_CLUSTER_SECRET_FILE", str(path))
 
 
 def _config(address: str, peers: str) -> object:
