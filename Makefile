@@ -31,7 +31,7 @@ MOONCAKE_EXTRA := (test "$$(id -u)" != 0 || ldconfig -p | grep -q libibverbs.so.
 # clusters, failover, hung peers, the attack and fuzz suites; about 11 minutes on 2 cores).
 PYTEST_ARGS ?= -m "not gpu"
 
-.PHONY: run test lint test-fast test-loaded compile clean docs
+.PHONY: run test lint test-fast test-loaded compile clean docs container-test
 
 # The editable install is pure Python; the compiled modules are built in place by the next rule
 # (setup.py; once, and again after a change to kvflow/router/).
@@ -79,6 +79,18 @@ docs: $(STAMP)
 LOAD_PROCS ?= 2
 test-loaded: lint
 	$(BIN)/python -m tests.loaded --busy $(LOAD_PROCS) -- $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Opt-in, never part of `make test`: builds a Debian base (mmdebstrap) and kvflow's image with
+# podman, then runs the small Kubernetes overlay as one podman pod (tests/deploy/test_container.py;
+# minutes, several GB). CONTAINERS_CONF: runc, cgroupfs and ulimits for sandboxes like CI's.
+CONTAINERS_CONF ?= $(CURDIR)/deploy/podman/containers.conf
+KVFLOW_IMAGE ?= localhost/kvflow:dev
+container-test: $(STAMP)
+	CONTAINERS_CONF=$(CONTAINERS_CONF) deploy/podman/build-base.sh localhost/kvflow-base:bookworm
+	CONTAINERS_CONF=$(CONTAINERS_CONF) $(BIN)/python deploy/podman/build_image.py \
+		--base localhost/kvflow-base:bookworm --tag $(KVFLOW_IMAGE)
+	CONTAINERS_CONF=$(CONTAINERS_CONF) KVFLOW_IMAGE=$(KVFLOW_IMAGE) KVFLOW_CONTAINER_TEST=1 \
+		flock /tmp/kvflow-heavy.lock $(BIN)/python -m pytest tests/deploy/test_container.py -v -s
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build kvflow/_compiled.json

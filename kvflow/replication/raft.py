@@ -21,6 +21,11 @@ from kvflow.replication.errors import (
 
 CLOSED = -1
 """Our own fail reason for writes still waiting when the group is closed."""
+# How long a peer's resolved address is reused (pysyncobj's default: 600 s). Peers named by DNS
+# (a Kubernetes StatefulSet's stable names) come back on another IP when rescheduled; the
+# others dial the new one within this many seconds, and retry a failed lookup after the next.
+DNS_CACHE_S = 5.0
+DNS_FAIL_CACHE_S = 1.0
 
 _LEADER_LOST = {
     FAIL_REASON.NOT_LEADER: "leader changed before commit",
@@ -110,6 +115,8 @@ def syncobj_conf(config: MetadataConfig) -> SyncObjConf:
         maxBindRetries=config.bind_retries,
         commandsWaitLeader=True,
         dynamicMembershipChange=False,
+        dnsCacheTime=DNS_CACHE_S,
+        dnsFailCacheTime=DNS_FAIL_CACHE_S,
         # Bind the configured host only: without bindAddress pysyncobj binds 0.0.0.0.
         bindAddress=config.self_address,
         password=config.password,

@@ -40,7 +40,10 @@ def add_meta_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meta-id", default="0", help="this replica's name (journal folder)")
     parser.add_argument("--address", help="this replica's Raft endpoint HOST:PORT (required)")
     parser.add_argument(
-        "--peers", default="", help="comma-separated Raft endpoints of the other replicas"
+        "--peers",
+        default="",
+        help="comma-separated Raft endpoints of the group's replicas; this replica's own "
+        "--address may be among them and is left out (every replica can get the same list)",
     )
     parser.add_argument("--grpc-port", type=int, default=0, help="metadata service port; 0 = any")
     if "--host" not in existing:
@@ -64,7 +67,8 @@ def config_from_args(args: argparse.Namespace) -> MetadataConfig:
         raise ValueError("--address: this replica's Raft endpoint HOST:PORT is required")
     if not str(args.meta_id) or "/" in str(args.meta_id):
         raise ValueError(f"--meta-id: expected a plain name, got {args.meta_id!r}")
-    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    listed = (p.strip() for p in args.peers.split(","))
+    peers = tuple(p for p in listed if p and p != args.address)
     journal = None if args.memory_journal else Path(args.data_dir) / f"meta-{args.meta_id}"
     return MetadataConfig(
         self_address=args.address,
