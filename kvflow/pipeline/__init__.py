@@ -5,6 +5,13 @@ Nothing here knows about LLMs, and nothing here imports the rest of kvflow.
 
 from __future__ import annotations
 
+from kvflow.pipeline.admission import (
+    AdmissionConfig,
+    AdmissionQueue,
+    Priority,
+    QueueFull,
+    Ticket,
+)
 from kvflow.pipeline.channel import OutputChannel
 from kvflow.pipeline.config import PipelineConfig
 from kvflow.pipeline.context import RequestContext, SpanHandle
@@ -44,6 +51,8 @@ from kvflow.pipeline.tracing import (
 
 __all__ = [
     "LATENCY_BUCKETS_S",
+    "AdmissionConfig",
+    "AdmissionQueue",
     "DeadlineExceeded",
     "FinalError",
     "FunctionStage",
@@ -56,7 +65,9 @@ __all__ = [
     "PipelineConfig",
     "PipelineError",
     "PipelineMetrics",
+    "Priority",
     "ProcessTraces",
+    "QueueFull",
     "RequestCancelled",
     "RequestContext",
     "RequestHandle",
@@ -66,6 +77,7 @@ __all__ = [
     "Stage",
     "StageError",
     "StageStats",
+    "Ticket",
     "TraceStatus",
     "Tracer",
     "format_breakdown",

@@ -66,3 +66,14 @@ class NodeCallFailed(RuntimeError):
     def __init__(self, node: object, details: str) -> None:
         super().__init__(details)
         self.node = node
+
+
+class NodeBusy(RuntimeError):
+    """A node refused a call for lack of room (RESOURCE_EXHAUSTED: no staging or KV pages, its
+    queue full): backpressure, not a failure. The router tries the next-best node of that
+    kind for the request and, when every one is busy, the request waits in the router's
+    admission queue (NoCapacity); the node is not marked failed."""
+
+    def __init__(self, node: object, details: str) -> None:
+        super().__init__(details)
+        self.node = node

@@ -1,9 +1,12 @@
 """remote-generate: the router's last stage. It runs reuse-load, prefill and stream on the
 chosen prefill node and decode on the chosen decode node, through the node API; a node that
 fails a call is routed around and the request is routed again (``route.route_and_commit``,
-the same function the route stage uses). Tokens already sent to the client are never sent
-twice: a retry regenerates the same tokens (sampling is seeded per request id) and only the
-new ones go out.
+the same function the route stage uses). A node that refuses for lack of room (``NodeBusy``:
+no staging or KV pages) is backpressure: the request is routed again among the other nodes of
+that kind (the conductor's next-best), and when every one has refused it, ``NoCapacity`` sends
+it back to wait in the admission queue (api/generation.py). Tokens already sent to the client
+are never sent twice: a retry regenerates the same tokens (sampling is seeded per request id)
+and only the new ones go out.
 
 The wire is not this module's business: ``NodeCalls`` (api/node_client.py) turns each call
 into a proto request and each failure a retry can fix into ``NodeCallFailed``."""
@@ -18,7 +21,7 @@ from typing import Any, Protocol
 
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.router import Conductor, InstanceState
-from kvflow.stages.errors import NoCapacity, NodeCallFailed
+from kvflow.stages.errors import NoCapacity, NodeBusy, NodeCallFailed
 from kvflow.stages.route import route_and_commit
 from kvflow.stages.state import GenerateState
 
@@ -81,24 +84,42 @@ class RemoteGenerateStage(Stage):
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
-        for attempt in range(ATTEMPTS):
+        busy: set[str] = set()  # nodes that refused this request for lack of room
+        attempt = failures = 0
+        while True:
             if attempt:
                 await route_and_commit(
                     self._conductor(),
                     state,
                     ctx.request_id,
-                    self._instances,
+                    lambda: self._without(busy),
                     self._instance_wait_s,
                     self._on_wait,
                 )
+            attempt += 1
             try:
                 await self._once(ctx, state)
                 return
+            except NodeBusy as err:
+                busy.add(err.node.instance_id)  # type: ignore[attr-defined]
+                logger.info("req=%s: %s; trying another node", ctx.request_id, err)
+                prefill, decode = self._without(busy)
+                if not prefill or not decode:
+                    raise NoCapacity(f"every node of a kind is busy ({err})") from err
             except NodeCallFailed as err:
                 self._on_failed(err.node)
-                logger.warning("req=%s attempt %d failed: %s", ctx.request_id, attempt + 1, err)
-                if attempt + 1 == ATTEMPTS:
+                failures += 1
+                logger.warning("req=%s attempt %d failed: %s", ctx.request_id, attempt, err)
+                if failures == ATTEMPTS:
                     raise
+
+    def _without(self, busy: set[str]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """The instances (prefill, decode) but those in ``busy``."""
+        prefill, decode = self._instances()
+        return (
+            {k: v for k, v in prefill.items() if k not in busy},
+            {k: v for k, v in decode.items() if k not in busy},
+        )
 
     async def _once(self, ctx: RequestContext[Any], state: GenerateState) -> None:
         prefill, decode = state.prefill, state.decode

@@ -85,7 +85,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--balancing-threshold", type=float, default=2.0)
     p.add_argument("--max-tokens-limit", type=int, default=4096)
     limits = p.add_argument_group("limits per request and tenant (embedded, router)")
-    limits.add_argument("--max-prompt-bytes", type=int, default=1 << 20)
+    limits.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=1 << 20,
+        help="the largest prompt text; gRPC refuses larger messages before reading them",
+    )
+    limits.add_argument(
+        "--max-upload-bytes",
+        type=int,
+        default=8 << 20,
+        help="the largest warm-up corpus file one gRPC Submit may carry",
+    )
     limits.add_argument(
         "--tenant-max-concurrency", type=int, help="requests in flight per tenant (default: any)"
     )
@@ -93,6 +104,47 @@ def register(subparsers: Any) -> None:
         "--tenant-rate", type=float, help="requests a second per tenant (token bucket)"
     )
     limits.add_argument("--tenant-burst", type=int, help="the bucket's size (default: the rate)")
+    queue = p.add_argument_group("the admission queue (embedded, router)")
+    queue.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests that may wait for a place; the next gets HTTP 429 / RESOURCE_EXHAUSTED",
+    )
+    queue.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=1 << 22,
+        help="tokens (prompt + max_tokens) the waiting requests may hold together",
+    )
+    queue.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=128,
+        help="the most requests running at once (fewer while the engines have no room)",
+    )
+    queue.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=300.0,
+        help="the longest a request waits in the queue before it is refused (429)",
+    )
+    timeouts = p.add_argument_group("HTTP connections (embedded, router)")
+    timeouts.add_argument(
+        "--http-header-timeout-s",
+        type=float,
+        default=10.0,
+        help="close a connection whose request headers are not all in within this",
+    )
+    timeouts.add_argument(
+        "--http-body-timeout-s",
+        type=float,
+        default=30.0,
+        help="answer 408 to a request whose body is not all in within this",
+    )
+    timeouts.add_argument(
+        "--http-keep-alive-s", type=float, default=5.0, help="close idle keep-alive connections"
+    )
     cluster = p.add_argument_group("--role node / router")
     cluster.add_argument("--meta", default="", help="metadata replicas' gRPC HOST:PORT, comma list")
     cluster.add_argument("--node-id", default="", help="this node's name (--role node)")
@@ -123,9 +175,14 @@ def _routing(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens_limit": args.max_tokens_limit,
         "default_max_tokens": min(64, args.max_tokens_limit),
         "max_prompt_bytes": args.max_prompt_bytes,
+        "max_upload_bytes": args.max_upload_bytes,
         "tenant_max_concurrency": args.tenant_max_concurrency,
         "tenant_rate_per_s": args.tenant_rate,
         "tenant_burst": args.tenant_burst,
+        "max_queued_requests": args.max_queued_requests,
+        "max_queued_tokens": args.max_queued_tokens,
+        "max_running_requests": args.max_running_requests,
+        "queue_timeout_s": args.queue_timeout_s,
     }
 
 
@@ -148,7 +205,13 @@ def http_config(args: argparse.Namespace) -> Any:
 
     if not args.http_port:
         return None
-    return HttpConfig(port=args.http_port, max_body_bytes=args.max_body_bytes)
+    return HttpConfig(
+        port=args.http_port,
+        max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.http_header_timeout_s,
+        body_timeout_s=args.http_body_timeout_s,
+        keep_alive_s=args.http_keep_alive_s,
+    )
 
 
 async def _start_http(

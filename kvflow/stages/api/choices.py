@@ -95,7 +95,7 @@ class Choices:
         except BaseException:
             await first.aclose()  # type: ignore[attr-defined]
             for c in choices[1:]:
-                c.gen.handle.cancel("a sibling choice was refused")
+                c.gen.cancel("a sibling choice was refused")
             raise
         return cls(choices, _chain(head, first), keep)
 

@@ -14,6 +14,7 @@ from kvflow.pipeline import (
     DeadlineExceeded,
     Overloaded,
     PipelineClosed,
+    QueueFull,
     RequestCancelled,
     StageError,
 )
@@ -36,7 +37,7 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and details for the error a request ended with."""
     if isinstance(error, InvalidArgument):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, Rejected | NoCapacity | Overloaded | RateLimited):
+    if isinstance(error, Rejected | NoCapacity | Overloaded | RateLimited | QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, DeadlineExceeded):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)

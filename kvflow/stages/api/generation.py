@@ -9,7 +9,9 @@ The fronts only translate their wire format to ``GenerateInput`` and ``Chunk``/`
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -17,13 +19,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.kvdb import DEFAULT_TENANT
-from kvflow.pipeline import RequestCancelled, RequestContext, RequestTrace
+from kvflow.pipeline import (
+    AdmissionQueue,
+    Overloaded,
+    Priority,
+    RequestCancelled,
+    RequestContext,
+    RequestHandle,
+    RequestTrace,
+    Ticket,
+)
 from kvflow.stages.api.convert import status_for
 from kvflow.stages.api.limits import check_prompt_bytes
 from kvflow.stages.detokenize import IncrementalDetokenizer
 from kvflow.stages.engine import SamplingParams, TokenLogprob
-from kvflow.stages.errors import InvalidArgument
+from kvflow.stages.errors import InvalidArgument, NoCapacity
 from kvflow.stages.state import GenerateState
+
+logger = logging.getLogger(__name__)
 
 TRACE_TENANT = "tenant"
 """The request-level trace attribute that names the request's tenant."""
@@ -165,40 +178,117 @@ def of_tenant(tenant: str | None) -> Callable[[RequestTrace], bool] | None:
 class Generation:
     """One request on ``frontend``'s pipeline, submitted at construction.
 
-    Construction raises InvalidArgument (bad input), RateLimited (the tenant is over a
-    limit of ``frontend.tenant_limits``: checked after validation, before submitting; the
-    permit is given back when the request ends), Overloaded or PipelineClosed (not
-    admitted). Iterate ``chunks()`` once; it raises the request's error (a FinalError, a
-    StageError...) and ends the request if the caller stops iterating early (a client that
-    went away: every page, pin and booking is freed by the stages' cleanup). After it:
+    Construction raises InvalidArgument (bad input) or RateLimited (the tenant is over a
+    limit of ``frontend.tenant_limits``: checked after validation; the permit is given back
+    when the request ends). Iterate ``chunks()`` once (or ``cancel`` it): it first waits in
+    the frontend's admission queue (``frontend.admission``; QueueFull when it is full), then
+    submits; a request that finds no room (no staging or KV pages) before its first token
+    waits again at its place. It raises the request's error (a FinalError, a StageError...)
+    and ends the request if the caller stops iterating early (a client that went away: its
+    place in the queue, and every page, pin and booking, are freed). After it:
     ``finish_reason`` ("stop" | "length"), ``usage()``, ``prompt_logprobs``.
     Not thread-safe: use on the event loop that runs the pipeline."""
 
-    def __init__(self, frontend: Any, inp: GenerateInput) -> None:
+    def __init__(
+        self, frontend: Any, inp: GenerateInput, priority: Priority = Priority.INTERACTIVE
+    ) -> None:
         self._frontend = frontend
+        self._inp = inp
         self.state = build_state(inp, frontend.config)
         self.request_id = request_id_of(inp.request_id)
         self.state.booking.request_id = self.request_id
-        self._detok = IncrementalDetokenizer(
-            frontend.tokenizer,
-            stop=inp.stop,
-            skip_special_tokens=inp.skip_special_tokens,
-            include_stop=inp.include_stop,
-        )
+        self._detok = self._detokenizer()
         self._skip = inp.skip_tokens
         self.finish_reason: str | None = None
         self.num_tokens = 0
         self.text = ""
-        tenant = inp.tenant or DEFAULT_TENANT
-        permit = frontend.tenant_limits.admit(tenant)
-        ctx = RequestContext(self.request_id, state=self.state)
-        ctx.set_attr(TRACE_TENANT, tenant)  # a request-level attr: ExportTrace filters on it
-        try:
-            self.handle = frontend.pipeline.try_submit(ctx)
-        except BaseException:
-            permit.release()
-            raise
-        self.handle.add_done_callback(permit.release)
+        self.handle: RequestHandle | None = None
+        self._attempt = 0
+        self._closed = False
+        self._cancelled: str | None = None
+        self._tenant = inp.tenant or DEFAULT_TENANT
+        self._permit = frontend.tenant_limits.admit(self._tenant)
+        self._admission: AdmissionQueue | None = getattr(frontend, "admission", None)
+        self._ticket: Ticket | None = None
+        if self._admission is not None:
+            self._ticket = self._admission.ticket(_tokens_of(inp, self.state), priority)
+
+    def _detokenizer(self) -> IncrementalDetokenizer:
+        inp = self._inp
+        return IncrementalDetokenizer(
+            self._frontend.tokenizer,
+            stop=inp.stop,
+            skip_special_tokens=inp.skip_special_tokens,
+            include_stop=inp.include_stop,
+        )
+
+    def cancel(self, reason: str) -> None:
+        """End the request: before it was admitted it never runs; after, it is cancelled."""
+        self._cancelled = reason
+        if self.handle is not None:
+            self.handle.cancel(reason)
+        else:
+            self._finish(ok=False)
+
+    async def _start(self) -> None:
+        """Wait in the admission queue (when the frontend has one), then submit. A request
+        that found no room (Overloaded at submission, NoCapacity before its first token)
+        waits again at its place: see ``_retry``."""
+        while True:
+            if self._cancelled is not None:
+                raise RequestCancelled(self._cancelled, request_id=self.request_id)
+            ctx = RequestContext(self.request_id, state=self.state)
+            ctx.set_attr(TRACE_TENANT, self._tenant)  # request-level: ExportTrace filters on it
+            if self._admission is not None and self._ticket is not None:
+                ticket = self._ticket
+                with ctx.span("queue", priority=ticket.priority.name.lower()) as span:
+                    await self._admission.wait(ticket)
+                    span.set_attrs(queued_ms=round(ticket.queued_s * 1000.0, 3))
+                    span.set_attrs(retries=ticket.retries)
+            try:
+                handle = self._frontend.pipeline.try_submit(ctx)
+            except Overloaded:
+                self._no_room()
+                continue
+            except BaseException:
+                self._finish(ok=False)
+                raise
+            self._attempt += 1
+            attempt = self._attempt
+            self.handle = handle
+            handle.add_done_callback(functools.partial(self._ended, attempt, handle))
+            return
+
+    def _may_retry(self, error: BaseException | None) -> bool:
+        """Whether ``error`` is a lack of room that waiting can fix: nothing was generated
+        for the caller yet, and the caller still waits."""
+        return (
+            isinstance(error, NoCapacity | Overloaded)
+            and self._admission is not None
+            and self.num_tokens == 0
+            and not self._closed
+            and self._cancelled is None
+        )
+
+    def _no_room(self) -> None:
+        """Back to the queue with a fresh state (the last attempt's ended and freed its)."""
+        assert self._admission is not None and self._ticket is not None
+        self._admission.no_room(self._ticket)
+        self.state = build_state(self._inp, self._frontend.config)
+        self.state.booking.request_id = self.request_id
+        self._detok = self._detokenizer()
+
+    def _ended(self, attempt: int, handle: RequestHandle) -> None:
+        """The pipeline ended an attempt: its place and the tenant's permit are given back,
+        unless it is retried (``chunks`` decides) or a later attempt runs."""
+        if attempt != self._attempt or self._may_retry(handle.error):
+            return
+        self._finish(ok=handle.error is None)
+
+    def _finish(self, ok: bool) -> None:
+        self._permit.release()
+        if self._admission is not None and self._ticket is not None:
+            self._admission.release(self._ticket, ok=ok)
 
     @property
     def stopped(self) -> str | None:
@@ -216,27 +306,43 @@ class Generation:
             async for chunk in self._run():
                 yield chunk
         except BaseException as exc:
-            self.handle.cancel("client went away" if _is_cancel(exc) else "server error")
+            self._closed = True
+            if self.handle is not None:
+                self.handle.cancel("client went away" if _is_cancel(exc) else "server error")
             if _is_cancel(exc):
                 metrics.requests.labels(outcome="cancelled").inc()
             else:
                 metrics.requests.labels(outcome=status_for(exc)[0].name.lower()).inc()
             raise
+        finally:
+            self._closed = True
+            if self.handle is None or self.handle.done():
+                self._finish(ok=self.handle is not None and self.handle.error is None)
         metrics.requests.labels(outcome="ok").inc()
         self._observe()
 
     async def _run(self) -> AsyncIterator[Chunk]:
-        detok = self._detok
-        try:
-            async for kind, payload in self.handle:
-                if kind == "tokens" and detok.stopped is None:
-                    chunk = self._chunk(payload)
-                    if chunk is not None:
-                        yield chunk
-            await self.handle.result()
-        except RequestCancelled:
-            if detok.stopped is None:  # not our own cancel at a stop string
-                raise
+        while True:
+            await self._start()
+            assert self.handle is not None
+            handle, detok = self.handle, self._detok
+            try:
+                async for kind, payload in handle:
+                    if kind == "tokens" and detok.stopped is None:
+                        chunk = self._chunk(payload)
+                        if chunk is not None:
+                            yield chunk
+                await handle.result()
+            except RequestCancelled:
+                if detok.stopped is None:  # not our own cancel at a stop string
+                    raise
+            except (NoCapacity, Overloaded) as exc:
+                if not self._may_retry(exc):
+                    raise
+                logger.info("req=%s: no room (%s); waiting again", self.request_id, exc)
+                self._no_room()
+                continue
+            break
         tail = detok.flush()
         self.text += tail
         stopped = detok.stopped is not None
@@ -259,7 +365,7 @@ class Generation:
         lps = (
             state.output_logprobs[start : start + n] if state.sampling.logprobs is not None else []
         )
-        if detok.stopped is not None:
+        if detok.stopped is not None and self.handle is not None:
             self.handle.cancel("stop string")
         self.text += text
         return Chunk(ids, text, lps) if ids or text else None
@@ -295,6 +401,16 @@ class Generation:
         m.generated_tokens.inc(u.completion_tokens)
         for tier, tokens in u.cached_by_tier.items():
             m.cached_tokens.labels(tier=tier).inc(tokens)
+
+
+def _tokens_of(inp: GenerateInput, state: GenerateState) -> int:
+    """What a request counts against the queue's token bound: its prompt's tokens (a text
+    prompt: its UTF-8 bytes / 4, a guess before tokenizing) plus max_tokens."""
+    if inp.prompt_ids is not None:
+        prompt = len(inp.prompt_ids)
+    else:
+        prompt = len((inp.prompt_text or "").encode()) // 4 + 1
+    return prompt + state.max_tokens
 
 
 def _is_cancel(exc: BaseException) -> bool:

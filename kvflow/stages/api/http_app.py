@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvflow.pipeline import PipelineError
 from kvflow.security.tls import TlsSettings, uvicorn_ssl
 from kvflow.stages.api.auth import Authenticator, Unauthenticated
+from kvflow.stages.api.http_conn import timed_protocol
 from kvflow.stages.api.http_errors import HttpError, http_error_for
 from kvflow.stages.api.openai_routes import OpenAIApi
 from kvflow.stages.api.sglang_routes import SGLangApi
@@ -124,6 +125,7 @@ class HttpServer:
         self._host = host
         self._port = config.port
         self._grace_s = grace_s
+        self._config = config
         self._server: _LoopServer | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
@@ -140,8 +142,11 @@ class HttpServer:
             sock.close()
             raise
         self.port = sock.getsockname()[1]
+        c = self._config
         config = uvicorn.Config(
             self._app,
+            http=timed_protocol(c.header_timeout_s, c.body_timeout_s),
+            timeout_keep_alive=c.keep_alive_s,  # type: ignore[arg-type]
             log_level="warning",
             access_log=False,
             lifespan="off",

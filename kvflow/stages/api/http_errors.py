@@ -11,7 +11,8 @@ a request's error to an HTTP status.
 | body over the limit | 413 |
 | the conductor rejects it (TTFT/TBT SLO) | 429 with Retry-After |
 | the tenant is over a limit (RateLimited: concurrency, rate) | 429 with Retry-After |
-| overloaded (first queue full), no capacity, shutting down | 503 with Retry-After |
+| the admission queue is full, or the wait in it too long (QueueFull) | 429 with Retry-After |
+| no capacity after the first token, shutting down | 503 with Retry-After |
 | deadline exceeded | 504 |
 | the client went away before a non-streaming answer (nobody reads it) | 499 |
 | anything else (a stage failed) | 500 |
@@ -24,7 +25,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from kvflow.pipeline import DeadlineExceeded, Overloaded, PipelineClosed, StageError
+from kvflow.pipeline import DeadlineExceeded, Overloaded, PipelineClosed, QueueFull, StageError
 from kvflow.stages.errors import InvalidArgument, NoCapacity, RateLimited, Rejected
 
 _TYPES = {
@@ -91,6 +92,8 @@ def http_error_for(error: BaseException) -> HttpError:
     if isinstance(error, RateLimited):
         retry = str(max(1, math.ceil(error.retry_after_s)))
         return HttpError(429, str(error), headers={"Retry-After": retry})
+    if isinstance(error, QueueFull):
+        return HttpError(429, str(error), headers={"Retry-After": str(int(error.retry_after_s))})
     if isinstance(error, Overloaded | NoCapacity | PipelineClosed):
         return HttpError(503, str(error), headers={"Retry-After": "1"})
     if isinstance(error, DeadlineExceeded):

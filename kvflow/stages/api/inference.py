@@ -12,7 +12,6 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvflow.kvdb import ADMIN_SERVICE_NAME, AccessDeniedError, Viewer, add_admin_service
-from kvflow.pipeline import Overloaded, PipelineClosed
 from kvflow.security import process_secret
 from kvflow.security.grpc_input import AioInputInterceptor
 from kvflow.security.tls import add_port
@@ -29,7 +28,7 @@ from kvflow.stages.api.auth import (
 from kvflow.stages.api.choices import start_generation
 from kvflow.stages.api.convert import logprobs_to_msgs, sampling_fields, status_for
 from kvflow.stages.api.generation import GenerateInput, Usage, request_id_of
-from kvflow.stages.api.limits import TokenizerPool, check_prompt_bytes
+from kvflow.stages.api.limits import TokenizerPool, check_prompt_bytes, max_message_bytes
 from kvflow.stages.errors import InvalidArgument, NoCapacity, RateLimited
 
 logger = logging.getLogger(__name__)
@@ -40,10 +39,12 @@ class Frontend(Protocol):
     stages (or the router's part of it), the tokenizer, the model's identity (``model_name``:
     the served name; ``card``: its ModelCard), and introspection. ``config`` has
     ``default_max_tokens``, ``max_tokens_limit`` and ``max_prompt_bytes``; ``prefill``/``decode``
-    map instance ids; ``tenant_limits`` (api/limits.py) admits each tenant's requests."""
+    map instance ids; ``tenant_limits`` (api/limits.py) admits each tenant's requests;
+    ``admission`` (pipeline/admission.py) is the waiting queue every request passes."""
 
     config: Any
     pipeline: Any
+    admission: Any
     tokenizer: Any
     grammars: Any  # a GrammarCompiler: requests' grammars are compiled (checked) before queueing
     serving_metrics: Any
@@ -128,7 +129,7 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
             if request.WhichOneof("input") is None:
                 raise InvalidArgument("give a prompt or token_ids")
             gen = await start_generation(self._cluster, self._input(request, tenant, rid))
-        except (InvalidArgument, RateLimited, Overloaded, PipelineClosed) as exc:
+        except (InvalidArgument, RateLimited) as exc:
             code, details = status_for(exc)
             await context.abort(code, details)
             return
@@ -243,11 +244,16 @@ def create_server(
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the inference service, the kvdb admin service (``kvflow kvdb``)
     and reflection, behind the API-key gate (``auth``; None: open, or the cluster secret of
-    this process); returns (server, port). Call ``await server.start()``."""
+    this process); returns (server, port). Call ``await server.start()``. The largest
+    message it receives is derived from the prompt limit (``limits.max_message_bytes``)."""
     auth = auth or Authenticator(None, process_secret())
     auth.log_mode()
+    c = cluster.config
+    limit = max_message_bytes(
+        c.max_prompt_bytes, cluster.max_model_len, getattr(c, "max_upload_bytes", 0)
+    )
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+        options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)],
         interceptors=[AuthInterceptor(auth), AioInputInterceptor()],
     )
     pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(cluster, auth), server)

@@ -27,6 +27,21 @@ MAX_BUCKETS = 4096
 """Token buckets kept at most; beyond it full ones (idle tenants) are forgotten."""
 
 
+MESSAGE_OVERHEAD_BYTES = 64 << 10
+"""A Generate message's room besides its prompt: stop strings, sampling, ids, metadata."""
+TOKEN_ID_BYTES = 5
+"""The most one token id takes on the wire (a uint32 varint)."""
+
+
+def max_message_bytes(max_prompt_bytes: int, max_model_len: int, upload_bytes: int = 0) -> int:
+    """The largest gRPC message the inference server receives, derived from the prompt limit:
+    a prompt of ``max_prompt_bytes`` or ``max_model_len`` token ids plus the rest of the
+    message (at least ``upload_bytes``: a warm-up corpus file). gRPC refuses a larger one
+    (RESOURCE_EXHAUSTED) from its length prefix, before it is allocated."""
+    prompt = max(max_prompt_bytes, TOKEN_ID_BYTES * max_model_len)
+    return max(prompt + MESSAGE_OVERHEAD_BYTES, upload_bytes)
+
+
 def check_prompt_bytes(text: str, limit: int) -> None:
     """InvalidArgument when ``text`` is over ``limit`` UTF-8 bytes (``max_prompt_bytes`` of
     the routing config). Costs O(limit) at most: a text longer than ``limit`` characters is

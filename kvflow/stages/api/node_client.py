@@ -2,7 +2,8 @@
 
 Each call carries the trace context in its metadata (``convert.TRACE_PARENT``), so the node's
 spans join the request's trace. A failure that a retry on another node can fix (UNAVAILABLE,
-DEADLINE_EXCEEDED, CANCELLED, INTERNAL) becomes ``NodeCallFailed(node)``; ABORTED from a
+DEADLINE_EXCEEDED, CANCELLED, INTERNAL) becomes ``NodeCallFailed(node)``; a refusal for lack
+of room (RESOURCE_EXHAUSTED) becomes ``NodeBusy(node)``; ABORTED from a
 Prefill (its KV stream's decode side failed: ``errors.StreamTargetFailed``) becomes
 ``NodeCallFailed(the request's decode node)``; any other status propagates as it is. Every
 call takes its deadline (``timeout``; the defaults are the ceilings); ``node_guard.NodeGuard``
@@ -24,7 +25,7 @@ from kvflow.stages.api.convert import (
     sampling_to_msg,
 )
 from kvflow.stages.engine import TokenLogprob
-from kvflow.stages.errors import NodeCallFailed
+from kvflow.stages.errors import NodeBusy, NodeCallFailed
 from kvflow.stages.state import GenerateState
 
 RETRYABLE = (
@@ -46,6 +47,8 @@ def _failed(node: Any, err: grpc.aio.AioRpcError, target: Any = None) -> BaseExc
         return NodeCallFailed(
             target, f"node {target.instance_id} (via {node.instance_id}): {err.details()}"
         )
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return NodeBusy(node, f"node {node.instance_id}: busy: {err.details()}")
     if err.code() in RETRYABLE:
         return NodeCallFailed(node, f"node {node.instance_id}: {err.code().name} {err.details()}")
     return err

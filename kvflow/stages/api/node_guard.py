@@ -37,7 +37,7 @@ import grpc
 from kvflow.replication import BreakerConfig, CircuitBreaker
 from kvflow.stages.api import node_pb2
 from kvflow.stages.api.node_client import NodeClient
-from kvflow.stages.errors import NodeCallFailed
+from kvflow.stages.errors import NodeBusy, NodeCallFailed
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)
@@ -216,6 +216,9 @@ class NodeGuard:
         except NodeCallFailed as err:
             self._outcome(err.node, False)
             raise
+        except NodeBusy:
+            self._outcome(node, True)  # it answered: busy is not broken
+            raise
         finally:
             self._leave(down, (node,))
         self._outcome(node, True)
@@ -236,6 +239,9 @@ class NodeGuard:
                     self._outcome(err.node, False)  # the node at fault: maybe one of ``also``
                     if err.node is not node:
                         self._outcome(node, True)  # it answered; end a half-open probe
+                    raise
+                except NodeBusy:
+                    self._outcome(node, True)  # it answered: busy is not broken
                     raise
                 yield ev
             self._outcome(node, True)

@@ -99,7 +99,9 @@ class OpenAIApi:
                 sampling={**inp.sampling, "prompt_logprobs": body.logprobs},
                 logprob_start=0,
             )
-        choices = await Choices.start(self._frontend, inp, count, keep)
+        choices = await unless_disconnected(
+            request, Choices.start(self._frontend, inp, count, keep)
+        )  # a client that leaves while queued frees its place
         first = choices.choices[0].gen
         rid, created = f"cmpl-{first.request_id}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
@@ -208,7 +210,9 @@ class OpenAIApi:
             inp = dataclasses.replace(inp, sampling={**inp.sampling, "grammar": tool_grammar})
         if body.logprobs:
             inp = _with_logprobs(inp, body.top_logprobs or 0)
-        choices = await Choices.start(self._frontend, inp, body.n, body.n)
+        choices = await unless_disconnected(
+            request, Choices.start(self._frontend, inp, body.n, body.n)
+        )
         rid, created = f"chatcmpl-{choices.choices[0].gen.request_id}", int(time.time())
         calls_of = _calls_parser(plan, body.parallel_tool_calls)
         if body.stream:

@@ -197,13 +197,15 @@ class SGLangApi:
                 runs.append((Generation(self._frontend, inp), sp))
         except BaseException:
             for gen, _ in runs:
-                gen.handle.cancel("another prompt of the batch was refused")
+                gen.cancel("another prompt of the batch was refused")
             raise
         if body.stream:
             if batched:
+                for gen, _ in runs:
+                    gen.cancel("a batch cannot stream")
                 raise HttpError(400, "stream one prompt at a time")
             gen, sp = runs[0]
-            events = await primed(self._stream(body, gen, sp))
+            events = await unless_disconnected(request, primed(self._stream(body, gen, sp)))
             return StreamingResponse(
                 sse_stream(events), media_type="text/event-stream", headers=SSE_HEADERS
             )
@@ -214,7 +216,7 @@ class SGLangApi:
         for out in outs:
             if isinstance(out, BaseException):
                 for gen, _ in runs:
-                    gen.handle.cancel("another prompt of the batch failed")
+                    gen.cancel("another prompt of the batch failed")
                 raise out
         return JSONResponse(outs if batched else outs[0])
 

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from kvflow.kvdb import KVLayout, Store, StoreConfig, open_store
+from kvflow.pipeline import AdmissionConfig, AdmissionQueue, Metrics
 from kvflow.replication import NodeId
 from kvflow.router import (
     Conductor,
@@ -22,9 +23,22 @@ from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
 from kvflow.stages.hash import DEFAULT_TENANT, namespace_for
 from kvflow.stages.runtime.worker import EngineWorker
 from kvflow.stages.serve.closers import Closers
-from kvflow.stages.serve.config import EngineStoreConfig
+from kvflow.stages.serve.config import EngineStoreConfig, RoutingConfig
 
 logger = logging.getLogger(__name__)
+
+
+def build_admission(config: RoutingConfig, metrics: Metrics) -> AdmissionQueue:
+    """The admission queue of a process that serves the inference API (embedded, router)."""
+    return AdmissionQueue(
+        AdmissionConfig(
+            max_queued_requests=config.max_queued_requests,
+            max_queued_tokens=config.max_queued_tokens,
+            max_running=config.max_running_requests,
+            queue_timeout_s=config.queue_timeout_s,
+        ),
+        metrics,
+    )
 
 
 def ensure_model(config: EngineStoreConfig) -> Path:

@@ -35,11 +35,18 @@ class HttpConfig:
         port: the TCP port (bound on the server's host only); 0 picks a free one.
         max_body_bytes: a request body over this is refused with 413 before it is read whole.
         max_batch: the most prompts one SGLang /generate call may carry.
+        header_timeout_s: a connection whose request line and headers are not all in within
+            this is closed (slow-header clients), on a new connection and between requests.
+        body_timeout_s: a request body not all in within this gets 408.
+        keep_alive_s: an idle keep-alive connection is closed after this.
     """
 
     port: int = 8000
     max_body_bytes: int = 4 << 20
     max_batch: int = 64
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
 
     def __post_init__(self) -> None:
         if (
@@ -50,6 +57,11 @@ class HttpConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         _positive_int("max_body_bytes", self.max_body_bytes)
         _positive_int("max_batch", self.max_batch)
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"{name} must be a number > 0")
+            _positive_or_none(name, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +137,14 @@ class RoutingConfig:
         tenant_rate_per_s / tenant_burst: a token bucket per tenant: requests admitted per
             second on average, and at most ``tenant_burst`` at once (None: the rate rounded
             up, at least 1); None rate: no limit. Decided in ``api/limits.py:TenantLimits``.
+        max_queued_requests / max_queued_tokens: the admission queue's bounds (requests
+            waiting; their prompt + max_tokens tokens together); past either, HTTP 429 /
+            RESOURCE_EXHAUSTED naming the limit (``pipeline/admission.py``).
+        max_running_requests: the most requests admitted at once; fewer while the engines
+            have no room (the limit adapts). queue_timeout_s: the longest one waits.
+        max_upload_bytes: the largest warm-up corpus file one Submit may carry; the gRPC
+            server's receive limit is the larger of it and what the prompt limit needs
+            (``api/limits.py:max_message_bytes``).
     """
 
     policy: str = "cache-aware"
@@ -140,6 +160,11 @@ class RoutingConfig:
     tenant_max_concurrency: int | None = None
     tenant_rate_per_s: float | None = None
     tenant_burst: int | None = None
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 22
+    max_running_requests: int = 128
+    queue_timeout_s: float = 300.0
+    max_upload_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         _model_name(self.served_model_name)
@@ -148,6 +173,10 @@ class RoutingConfig:
             "max_tokens_limit",
             "trace_capacity",
             "max_prompt_bytes",
+            "max_queued_requests",
+            "max_queued_tokens",
+            "max_running_requests",
+            "max_upload_bytes",
         ):
             _positive_int(name, getattr(self, name))
         for name in ("tenant_max_concurrency", "tenant_burst"):
@@ -161,6 +190,9 @@ class RoutingConfig:
             raise ValueError("tenant_burst needs tenant_rate_per_s")
         _positive_or_none("ttft_slo_s", self.ttft_slo_s)
         _positive_or_none("tbt_slo_s", self.tbt_slo_s)
+        if self.queue_timeout_s is None:
+            raise ValueError("queue_timeout_s must be a number > 0")
+        _positive_or_none("queue_timeout_s", self.queue_timeout_s)
         if not self.balancing_threshold >= 1.0:
             raise ValueError(f"balancing_threshold must be >= 1, got {self.balancing_threshold!r}")
         if self.default_max_tokens > self.max_tokens_limit:

@@ -32,6 +32,7 @@ from kvflow.stages.runtime.prefix_index import ShardPrefixIndex
 from kvflow.stages.runtime.replicator import Replicator
 from kvflow.stages.runtime.staging import StagingArea
 from kvflow.stages.serve.build import (
+    build_admission,
     build_conductor,
     ensure_model,
     kv_layout,
@@ -132,6 +133,7 @@ class EmbeddedCluster:
         self.replicator = Replicator(self.metadata.view, shards, metrics=self.metrics)
         self.serving_metrics = ServingMetrics(self.metrics)
         self.tenant_limits = TenantLimits.from_config(c)  # every front's admission
+        self.admission = build_admission(c, self.metrics)  # the waiting queue
         self.serving_metrics.track_hit_rates(
             {pid: shard_hit_rates(inst.store.shard) for pid, inst in self.prefill.items()}
         )

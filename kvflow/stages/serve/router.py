@@ -46,7 +46,7 @@ from kvflow.stages.hash import HashStage
 from kvflow.stages.remote_generate import RemoteGenerateStage
 from kvflow.stages.route import RouteStage
 from kvflow.stages.runtime.peers import parse_node_address
-from kvflow.stages.serve.build import build_conductor
+from kvflow.stages.serve.build import build_admission, build_conductor
 from kvflow.stages.serve.config import RouterSettings
 from kvflow.stages.serve.metrics import ServingMetrics
 from kvflow.stages.tokenize import TokenizeStage
@@ -108,6 +108,7 @@ class RouterServer:
         self.metrics = Metrics()
         self.serving_metrics = ServingMetrics(self.metrics)
         self.tenant_limits = TenantLimits.from_config(settings)  # every front's admission
+        self.admission = build_admission(settings, self.metrics)  # the waiting queue
         self._node_failures = self.metrics.counter(
             "node_failures", "Calls to a node that failed (the request was routed again)", ["node"]
         )

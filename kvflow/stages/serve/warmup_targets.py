@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvflow.kvdb import Namespace
-from kvflow.pipeline import RequestContext
+from kvflow.pipeline import Priority, RequestContext
 from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.hash import namespace_for
 from kvflow.stages.state import GenerateState
@@ -61,7 +61,9 @@ class FrontendTarget:
     def online_busy(self, warm_in_flight: int) -> bool:
         # This process's pipeline: another router's traffic reaches the conductor's books
         # through the nodes' load reports, which lag by a refresh, so it is not gated on.
-        return bool(self._f.pipeline.in_flight() > warm_in_flight)
+        # Interactive requests waiting for admission come first, too.
+        waiting = self._f.admission.waiting(Priority.INTERACTIVE)
+        return bool(self._f.pipeline.in_flight() > warm_in_flight or waiting)
 
     def submit(self, request_id: str, state: GenerateState) -> Any:
         return self._f.pipeline.try_submit(RequestContext(request_id, state=state))
