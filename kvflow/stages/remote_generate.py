@@ -73,6 +73,7 @@ class RemoteGenerateStage(Stage):
         instance_wait_s: float,
         on_failed: Callable[[Any], None],
         on_wait: Callable[[], None] | None = None,
+        on_busy: Callable[[Any], None] | None = None,
     ) -> None:
         self._calls = calls
         self._conductor = conductor
@@ -81,6 +82,7 @@ class RemoteGenerateStage(Stage):
         self._instance_wait_s = instance_wait_s
         self._on_failed = on_failed
         self._on_wait = on_wait
+        self._on_busy = on_busy
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
@@ -102,6 +104,8 @@ class RemoteGenerateStage(Stage):
                 return
             except NodeBusy as err:
                 busy.add(err.node.instance_id)  # type: ignore[attr-defined]
+                if self._on_busy is not None:
+                    self._on_busy(err.node)
                 logger.info("req=%s: %s; trying another node", ctx.request_id, err)
                 prefill, decode = self._without(busy)
                 if not prefill or not decode:

@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-metadata": ("kvflow.tools.bench.metadata", "metadata registration throughput"),
     "bench-transfer": ("kvflow.tools.bench.transfer", "transfer engine throughput"),
     "bench-http": ("kvflow.tools.bench.http", "HTTP streaming vs gRPC: TTFT and TPOT"),
+    "bench-load": ("kvflow.tools.bench.load", "many HTTP clients: goodput, TTFT, refusals"),
     "kvdb": ("kvflow.tools.kvadmin", "inspect and manage a server's kvdb (admin service)"),
     "warmup": (
         "kvflow.tools.warmup",

@@ -112,6 +112,11 @@ class RouterServer:
         self._node_failures = self.metrics.counter(
             "node_failures", "Calls to a node that failed (the request was routed again)", ["node"]
         )
+        self._node_busy = self.metrics.counter(
+            "node_busy",
+            "Calls a node refused for lack of room (the request went to another or waited)",
+            ["node"],
+        )
         self._instance_waits = self.metrics.counter(
             "instance_waits", "Requests that found no healthy prefill or decode node and waited"
         )
@@ -175,6 +180,7 @@ class RouterServer:
                     s.instance_wait_s,
                     on_failed=self.mark_failed,
                     on_wait=self.count_wait,
+                    on_busy=self.count_busy,
                 ),
             ],
             PipelineConfig(
@@ -275,6 +281,9 @@ class RouterServer:
     def count_wait(self) -> None:
         self.waits_total += 1
         self._instance_waits.inc()
+
+    def count_busy(self, node: RemoteNode) -> None:
+        self._node_busy.labels(node=node.instance_id).inc()
 
     def mark_failed(self, node: RemoteNode) -> None:
         """Route around ``node`` until it answers a probe again (a dead node never does)."""

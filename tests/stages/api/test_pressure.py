@@ -81,9 +81,7 @@ def test_burst_beyond_the_staging_pages_is_all_served(make: Any) -> None:
     c = client(server)
 
     def over_http(i: int) -> int:
-        out = c.completions.create(
-            model="tiny-chat", prompt=PROMPT_IDS, max_tokens=6, seed=i
-        )
+        out = c.completions.create(model="tiny-chat", prompt=PROMPT_IDS, max_tokens=6, seed=i)
         return out.usage.completion_tokens
 
     def over_grpc(i: int) -> int:

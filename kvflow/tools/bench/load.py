@@ -1,0 +1,368 @@
+"""Load benchmark: many HTTP clients against one server, as users would load it.
+
+Two kinds of load through the OpenAI API (``/v1/completions``, streamed):
+
+- closed loop: C clients (``--concurrency``, e.g. 1,8,32,64,128), each sending its next
+  request as soon as the last one ended, ``--requests-per-client`` each;
+- open loop: Poisson arrivals (seeded) at multiples (``--rates``, e.g. 0.5,1,2,4) of the
+  capacity measured by the closed loop (the completed requests per second at its highest
+  concurrency), ``--open-requests`` each.
+
+Per level: goodput (requests served per second and their output tokens per second), TTFT and
+TPOT p50/p99 of the served ones, the admission queue's mean wait (the server's
+``kvflow_admission_queue_seconds``, scraped before and after), and every refusal by its HTTP
+status (or ``conn`` for a connection error). Without ``--url`` it starts ``kvflow serve``
+(the embedded server) in a process of its own on free ports, with ``--model`` (default: the
+tiny demo model) and stops it at the end.
+
+Seeded (prompts, arrivals); prints one summary line; ``--json PATH`` writes every number.
+
+    python -m kvflow.tools.bench.load --concurrency 1,8,64 --rates 0.5,1,2,4
+    python -m kvflow.tools.bench.load --url http://127.0.0.1:8000 --metrics-url \\
+        http://127.0.0.1:9464/metrics --model-name SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WORDS = ("kv cache prefix block token store tier moon cake flow page decode prefill route").split()
+
+
+@dataclass
+class Outcome:
+    """One request: ``status`` 200 when served (``ttft_s``, ``tpot_s`` set), else its HTTP
+    status or ``conn``."""
+
+    status: str
+    ttft_s: float = 0.0
+    tpot_s: float | None = None
+    tokens: int = 0
+
+
+@dataclass
+class Level:
+    name: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    wall_s: float = 0.0
+    queue_s: float = 0.0  # mean admission wait (server side), when scraped
+
+    def summary(self) -> dict[str, Any]:
+        ok = [o for o in self.outcomes if o.status == "200"]
+        refused: dict[str, int] = {}
+        for o in self.outcomes:
+            if o.status != "200":
+                refused[o.status] = refused.get(o.status, 0) + 1
+        ttft = [o.ttft_s * 1000 for o in ok]
+        tpot = [o.tpot_s * 1000 for o in ok if o.tpot_s is not None]
+        wall = max(self.wall_s, 1e-9)
+        return {
+            "requests": len(self.outcomes),
+            "served": len(ok),
+            "refused": refused,
+            "http_5xx": sum(n for s, n in refused.items() if s.startswith("5")),
+            "goodput_rps": len(ok) / wall,
+            "goodput_tokens_per_s": sum(o.tokens for o in ok) / wall,
+            "ttft_p50_ms": pct(ttft, 50),
+            "ttft_p99_ms": pct(ttft, 99),
+            "tpot_p50_ms": pct(tpot, 50),
+            "tpot_p99_ms": pct(tpot, 99),
+            "queue_mean_ms": self.queue_s * 1000,
+            "wall_s": self.wall_s,
+        }
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def one_request(session: Any, url: str, model: str, text: str, max_tokens: int) -> Outcome:
+    import aiohttp
+
+    body = {
+        "model": model,
+        "prompt": text,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return Outcome(str(resp.status))
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    tokens = int(event["usage"]["completion_tokens"])
+                choices = event.get("choices") or []
+                if choices and choices[0].get("text"):
+                    arrivals.append(time.perf_counter())
+                if "error" in event:
+                    return Outcome(f"stream-{event['error'].get('code', 'error')}")
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return Outcome("conn")
+    if not arrivals:
+        return Outcome("empty")
+    tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else None
+    return Outcome("200", arrivals[0] - start, tpot, tokens or len(arrivals))
+
+
+class Target:
+    """The server's HTTP URL, its model name and (optionally) its metrics URL."""
+
+    def __init__(self, url: str, model: str, metrics_url: str | None) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.metrics_url = metrics_url
+
+    def queue_totals(self) -> tuple[float, float] | None:
+        """(sum, count) of kvflow_admission_queue_seconds, or None without metrics."""
+        if self.metrics_url is None:
+            return None
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith("kvflow_admission_queue_seconds_sum "):
+                total = float(line.split()[1])
+            elif line.startswith("kvflow_admission_queue_seconds_count "):
+                count = float(line.split()[1])
+        return total, count
+
+
+async def closed_loop(
+    target: Target, clients: int, per_client: int, max_tokens: int, rng: random.Random, words: int
+) -> Level:
+    import aiohttp
+
+    texts = [[prompt(rng, words) for _ in range(per_client)] for _ in range(clients)]
+    level = Level(f"closed_c{clients}")
+    before = target.queue_totals()
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def client(mine: list[str]) -> None:
+            for text in mine:
+                level.outcomes.append(
+                    await one_request(session, target.url, target.model, text, max_tokens)
+                )
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client(t) for t in texts))
+        level.wall_s = time.perf_counter() - start
+    level.queue_s = _queue_mean(before, target.queue_totals())
+    return level
+
+
+async def open_loop(
+    target: Target, rate: float, n: int, max_tokens: int, rng: random.Random, words: int, name: str
+) -> Level:
+    import aiohttp
+
+    gaps = [rng.expovariate(rate) for _ in range(n)]
+    texts = [prompt(rng, words) for _ in range(n)]
+    level = Level(name)
+    before = target.queue_totals()
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+        tasks = []
+        due = start
+        for gap, text in zip(gaps, texts, strict=True):
+            due += gap
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            tasks.append(
+                asyncio.create_task(
+                    one_request(session, target.url, target.model, text, max_tokens)
+                )
+            )
+        level.outcomes = list(await asyncio.gather(*tasks))
+        level.wall_s = time.perf_counter() - start
+    level.queue_s = _queue_mean(before, target.queue_totals())
+    return level
+
+
+def _queue_mean(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float:
+    if before is None or after is None or after[1] <= before[1]:
+        return 0.0
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_embedded(model: Path, data_dir: Path, extra: list[str]) -> tuple[Any, Target]:
+    """``kvflow serve`` (embedded) in a process of its own; returns once /health answers."""
+    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
+    cmd = [
+        sys.executable, "-m", "kvflow.tools.cli", "serve", "--model", str(model),
+        "--data-dir", str(data_dir), "--port", str(grpc_port), "--http-port", str(http_port),
+        "--metrics-port", str(metrics_port), *extra,
+    ]  # fmt: skip
+    log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(
+                    f"the server did not start; see {data_dir / 'server.log'}"
+                ) from None
+            time.sleep(0.5)
+    models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
+    name = models["data"][0]["id"]
+    return proc, Target(url, name, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+async def run(args: argparse.Namespace, target: Target) -> dict[str, Level]:
+    rng = random.Random(args.seed)
+    levels: dict[str, Level] = {}
+    await closed_loop(target, 2, 2, args.max_tokens, rng, args.prompt_words)  # warm-up
+    for c in [int(x) for x in args.concurrency.split(",") if x]:
+        level = await closed_loop(
+            target, c, args.requests_per_client, args.max_tokens, rng, args.prompt_words
+        )
+        levels[level.name] = level
+        logger.warning("%s: %s", level.name, _short(level.summary()))
+    rates = [float(x) for x in args.rates.split(",") if x]
+    if rates and levels:
+        top = levels[max(levels, key=lambda k: int(k.split("_c")[1]))].summary()
+        capacity = max(top["goodput_rps"], 1e-3)
+        for mult in rates:
+            name = f"open_{mult:g}x"
+            level = await open_loop(
+                target, mult * capacity, args.open_requests, args.max_tokens, rng,
+                args.prompt_words, name,
+            )  # fmt: skip
+            levels[name] = level
+            logger.warning("%s (%.2f req/s): %s", name, mult * capacity, _short(level.summary()))
+    return levels
+
+
+def _short(s: dict[str, Any]) -> str:
+    refused = ",".join(f"{k}:{v}" for k, v in sorted(s["refused"].items())) or "none"
+    return (
+        f"{s['served']}/{s['requests']} served, 5xx {s['http_5xx']}, refused {refused}, "
+        f"goodput {s['goodput_rps']:.2f} req/s {s['goodput_tokens_per_s']:.1f} tok/s, "
+        f"ttft p50/p99 {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms, "
+        f"tpot p50/p99 {s['tpot_p50_ms']:.1f}/{s['tpot_p99_ms']:.1f} ms, "
+        f"queue {s['queue_mean_ms']:.0f} ms"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="a running server's HTTP URL (default: start kvflow serve)")
+    p.add_argument("--metrics-url", help="with --url: its Prometheus URL (for queue time)")
+    p.add_argument("--model-name", help="with --url: the served model's name")
+    p.add_argument("--model", type=Path, help="the model to serve (default: the tiny demo)")
+    p.add_argument("--server-args", default="", help="more `kvflow serve` flags, one string")
+    p.add_argument("--concurrency", default="1,8,32,64,128", help="closed-loop clients")
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--rates", default="0.5,1,2,4", help="open loop: multiples of capacity")
+    p.add_argument("--open-requests", type=int, default=128, help="requests per open level")
+    p.add_argument("--prompt-words", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    proc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if args.url:
+                if not args.model_name:
+                    p.error("--url needs --model-name")
+                target = Target(args.url, args.model_name, args.metrics_url)
+                served = args.url
+            else:
+                model = args.model
+                if model is None:
+                    from kvflow.stages.engine import write_demo_model
+
+                    model = write_demo_model(Path(tmp) / "tiny", preset="tiny", seed=args.seed)
+                proc, target = start_embedded(model, Path(tmp), args.server_args.split())
+                served = f"kvflow serve --model {model.name} {args.server_args}".strip()
+            levels = asyncio.run(run(args, target))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+    summaries = {name: level.summary() for name, level in levels.items()}
+    load = os.getloadavg()
+    doc = {
+        "bench": "load",
+        "server": served,
+        "prompt_words": args.prompt_words,
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.requests_per_client,
+        "open_requests": args.open_requests,
+        "seed": args.seed,
+        "results": summaries,
+        "load_avg": load,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2))
+    served_all = sum(s["served"] for s in summaries.values())
+    total = sum(s["requests"] for s in summaries.values())
+    five = sum(s["http_5xx"] for s in summaries.values())
+    parts = [f"{name}: {_short(s)}" for name, s in summaries.items()]
+    print(
+        f"bench load ({served}; {args.prompt_words} words + {args.max_tokens} tokens): "
+        f"{served_all}/{total} served, {five} 5xx; "
+        + "; ".join(parts)
+        + f"; load avg {load[0]:.2f}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
