@@ -43,7 +43,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-WORDS = ("kv cache prefix block token store tier moon cake flow page decode prefill route").split()
+WORDS = ["kv", "cache", "prefix", "block", "token", "store", "tier", "moon"]
+WORDS += ["cake", "flow", "page", "decode", "prefill", "route"]
 
 
 @dataclass
