@@ -292,8 +292,7 @@ def _short(s: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--url", help="a running server's HTTP URL (default: start kvflow serve)")
     p.add_argument("--metrics-url", help="with --url: its Prometheus URL (for queue time)")
     p.add_argument("--model-name", help="with --url: the served model's name")
@@ -307,14 +306,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def register(subparsers: Any) -> None:
+    add_arguments(subparsers.add_parser("bench-load", help=__doc__.splitlines()[0]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    return run_bench(p.parse_args(argv))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.url and not args.model_name:
+        print("bench-load: --url needs --model-name", file=sys.stderr)
+        return 2
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
         try:
             if args.url:
-                if not args.model_name:
-                    p.error("--url needs --model-name")
                 target = Target(args.url, args.model_name, args.metrics_url)
                 served = args.url
             else:
