@@ -228,11 +228,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_embedded(model: Path, data_dir: Path, extra: list[str]) -> tuple[Any, Target]:
-    """``kvflow serve`` (embedded) in a process of its own; returns once /health answers."""
+def start_embedded(
+    model: Path, data_dir: Path, extra: list[str], python: str = sys.executable
+) -> tuple[Any, Target]:
+    """``kvflow serve`` (embedded) run by ``python`` in a process of its own; returns once
+    /health answers."""
+    data_dir.mkdir(parents=True, exist_ok=True)
     grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
     cmd = [
-        sys.executable, "-m", "kvflow.tools.cli", "serve", "--model", str(model),
+        python, "-m", "kvflow.tools.cli", "serve", "--model", str(model),
         "--data-dir", str(data_dir), "--port", str(grpc_port), "--http-port", str(http_port),
         "--metrics-port", str(metrics_port), *extra,
     ]  # fmt: skip
@@ -256,7 +260,16 @@ def start_embedded(model: Path, data_dir: Path, extra: list[str]) -> tuple[Any, 
     return proc, Target(url, name, f"http://127.0.0.1:{metrics_port}/metrics")
 
 
-async def run(args: argparse.Namespace, target: Target) -> dict[str, Level]:
+def _capacity(levels: dict[str, Level]) -> float:
+    """Requests served per second by the closed loop at its highest concurrency."""
+    closed = [k for k in levels if k.startswith("closed_c")]
+    top = max(closed, key=lambda k: int(k.split("_c")[1]))
+    return max(levels[top].summary()["goodput_rps"], 1e-3)
+
+
+async def run(args: argparse.Namespace, target: Target, capacity: float | None) -> dict[str, Level]:
+    """Every level against ``target``; the open loop's rates are multiples of ``capacity``
+    (None: measured here by the closed loop)."""
     rng = random.Random(args.seed)
     levels: dict[str, Level] = {}
     await closed_loop(target, 2, 2, args.max_tokens, rng, args.prompt_words)  # warm-up
@@ -268,8 +281,7 @@ async def run(args: argparse.Namespace, target: Target) -> dict[str, Level]:
         logger.warning("%s: %s", level.name, _short(level.summary()))
     rates = [float(x) for x in args.rates.split(",") if x]
     if rates and levels:
-        top = levels[max(levels, key=lambda k: int(k.split("_c")[1]))].summary()
-        capacity = max(top["goodput_rps"], 1e-3)
+        capacity = capacity if capacity is not None else _capacity(levels)
         for mult in rates:
             name = f"open_{mult:g}x"
             level = await open_loop(
@@ -279,6 +291,34 @@ async def run(args: argparse.Namespace, target: Target) -> dict[str, Level]:
             levels[name] = level
             logger.warning("%s (%.2f req/s): %s", name, mult * capacity, _short(level.summary()))
     return levels
+
+
+def _model(given: str | None, tmp: Path, seed: int) -> Path:
+    if given == "default":
+        from kvflow.stages.engine.default_model import ensure_default_model
+
+        return ensure_default_model(tmp / "models")
+    if given:
+        return Path(given)
+    from kvflow.stages.engine import write_demo_model
+
+    return write_demo_model(tmp / "tiny", preset="tiny", seed=seed)
+
+
+def _against(
+    args: argparse.Namespace, model: Path, data_dir: Path, python: str, capacity: float | None
+) -> dict[str, Level]:
+    """Every level against a fresh ``kvflow serve`` run by ``python``, stopped after."""
+    proc, target = start_embedded(model, data_dir, args.server_args.split(), python)
+    try:
+        return asyncio.run(run(args, target, capacity))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def _short(s: dict[str, Any]) -> str:
@@ -296,7 +336,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--url", help="a running server's HTTP URL (default: start kvflow serve)")
     p.add_argument("--metrics-url", help="with --url: its Prometheus URL (for queue time)")
     p.add_argument("--model-name", help="with --url: the served model's name")
-    p.add_argument("--model", type=Path, help="the model to serve (default: the tiny demo)")
+    p.add_argument(
+        "--model",
+        help="the model directory to serve, or `default` (SmolLM2-135M-Instruct, imported "
+        "into a temporary directory); default: the tiny demo model",
+    )
+    p.add_argument(
+        "--baseline-python",
+        help="also run the same levels, same seed, against `kvflow serve` run by this "
+        "interpreter (e.g. another checkout's .venv/bin/python), for a comparison",
+    )
     p.add_argument("--server-args", default="", help="more `kvflow serve` flags, one string")
     p.add_argument("--concurrency", default="1,8,32,64,128", help="closed-loop clients")
     p.add_argument("--requests-per-client", type=int, default=4)
@@ -324,29 +373,20 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.url and not args.model_name:
         print("bench-load: --url needs --model-name", file=sys.stderr)
         return 2
-    proc = None
+    baseline: dict[str, Level] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            if args.url:
-                target = Target(args.url, args.model_name, args.metrics_url)
-                served = args.url
-            else:
-                model = args.model
-                if model is None:
-                    from kvflow.stages.engine import write_demo_model
-
-                    model = write_demo_model(Path(tmp) / "tiny", preset="tiny", seed=args.seed)
-                proc, target = start_embedded(model, Path(tmp), args.server_args.split())
-                served = f"kvflow serve --model {model.name} {args.server_args}".strip()
-            levels = asyncio.run(run(args, target))
-        finally:
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+        if args.url:
+            target = Target(args.url, args.model_name, args.metrics_url)
+            served = args.url
+            levels = asyncio.run(run(args, target, None))
+        else:
+            model = _model(args.model, Path(tmp), args.seed)
+            served = f"kvflow serve --model {model.name} {args.server_args}".strip()
+            levels = _against(args, model, Path(tmp) / "server", sys.executable, None)
+            if args.baseline_python:  # the same arrival rates, for a like-for-like comparison
+                baseline = _against(
+                    args, model, Path(tmp) / "baseline", args.baseline_python, _capacity(levels)
+                )
     summaries = {name: level.summary() for name, level in levels.items()}
     load = os.getloadavg()
     doc = {
@@ -358,6 +398,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "open_requests": args.open_requests,
         "seed": args.seed,
         "results": summaries,
+        "baseline_python": args.baseline_python,
+        "baseline": {name: level.summary() for name, level in baseline.items()},
         "load_avg": load,
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
@@ -368,6 +410,7 @@ def run_bench(args: argparse.Namespace) -> int:
     total = sum(s["requests"] for s in summaries.values())
     five = sum(s["http_5xx"] for s in summaries.values())
     parts = [f"{name}: {_short(s)}" for name, s in summaries.items()]
+    parts += [f"baseline {name}: {_short(s)}" for name, s in doc["baseline"].items()]
     print(
         f"bench load ({served}; {args.prompt_words} words + {args.max_tokens} tokens): "
         f"{served_all}/{total} served, {five} 5xx; "
