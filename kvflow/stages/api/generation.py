@@ -283,7 +283,7 @@ class Generation:
         unless it is retried (``chunks`` decides) or a later attempt runs."""
         if attempt != self._attempt or self._may_retry(handle.error):
             return
-        self._finish(ok=handle.error is None)
+        self._finish(ok=handle.error is None or self._detok.stopped is not None)
 
     def _finish(self, ok: bool) -> None:
         self._permit.release()
