@@ -12,6 +12,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvflow.kvdb import ADMIN_SERVICE_NAME, AccessDeniedError, Viewer, add_admin_service
+from kvflow.pipeline import QueueFull
 from kvflow.security import process_secret
 from kvflow.security.grpc_input import AioInputInterceptor
 from kvflow.security.tls import add_port
@@ -145,6 +146,9 @@ class InferenceServicer(pb2_grpc.InferenceServicer):  # type: ignore[misc,name-d
                 raise
             code, details = status_for(exc)
             logger.info("req=%s ended: %s %s", gen.request_id, code.name, details)
+            if isinstance(exc, QueueFull):  # as HTTP's Retry-After, in whole seconds
+                retry = (("retry-after", str(int(exc.retry_after_s))),)
+                await context.abort(code, details, trailing_metadata=retry)
             await context.abort(code, details)
             return
         start, prompt_lps = gen.prompt_logprobs

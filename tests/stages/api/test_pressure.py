@@ -129,6 +129,8 @@ def test_full_queue_answers_429_naming_the_limit(make: Any) -> None:
         server.generate("x", max_tokens=2)
     assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queued_requests" in rpc.value.details()
+    trailers = dict(rpc.value.trailing_metadata() or ())
+    assert int(trailers["retry-after"]) >= 1
     stream.cancel()
     t.join(60)
     assert queued and queued[0][0] == 200  # the queued one was served once there was room
