@@ -241,7 +241,9 @@ def start_embedded(
         "--metrics-port", str(metrics_port), *extra,
     ]  # fmt: skip
     log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # cwd: the data dir, so `-m kvflow` imports the interpreter's own install (its checkout),
+    # not a kvflow package that happens to sit in the caller's working directory
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=data_dir)
     url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 600
     while True:
@@ -258,6 +260,17 @@ def start_embedded(
     models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
     name = models["data"][0]["id"]
     return proc, Target(url, name, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+def _checkout(python: str, cwd: Path) -> str:
+    """Where ``python`` imports kvflow from, and that checkout's commit."""
+    code = "import kvflow, os; print(os.path.dirname(os.path.dirname(kvflow.__file__)))"
+    out = subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True)
+    root = out.stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return f"{root}@{head.stdout.strip() or '?'}"
 
 
 def _capacity(levels: dict[str, Level]) -> float:
@@ -373,7 +386,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.url and not args.model_name:
         print("bench-load: --url needs --model-name", file=sys.stderr)
         return 2
+    if args.baseline_python:  # absolute, not resolved: a venv's python is a symlink
+        args.baseline_python = os.path.abspath(args.baseline_python)
     baseline: dict[str, Level] = {}
+    checkouts: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.url:
             target = Target(args.url, args.model_name, args.metrics_url)
@@ -382,8 +398,10 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             model = _model(args.model, Path(tmp), args.seed)
             served = f"kvflow serve --model {model.name} {args.server_args}".strip()
+            checkouts["server"] = _checkout(sys.executable, Path(tmp))
             levels = _against(args, model, Path(tmp) / "server", sys.executable, None)
             if args.baseline_python:  # the same arrival rates, for a like-for-like comparison
+                checkouts["baseline"] = _checkout(args.baseline_python, Path(tmp))
                 baseline = _against(
                     args, model, Path(tmp) / "baseline", args.baseline_python, _capacity(levels)
                 )
@@ -399,6 +417,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "results": summaries,
         "baseline_python": args.baseline_python,
+        "checkouts": checkouts,
         "baseline": {name: level.summary() for name, level in baseline.items()},
         "load_avg": load,
         "cpus": os.cpu_count(),
