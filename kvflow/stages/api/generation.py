@@ -233,7 +233,7 @@ class Generation:
     async def _start(self) -> None:
         """Wait in the admission queue (when the frontend has one), then submit. A request
         that found no room (Overloaded at submission, NoCapacity before its first token)
-        waits again at its place: see ``_retry``."""
+        waits again at its place: see ``_no_room``."""
         while True:
             if self._cancelled is not None:
                 raise RequestCancelled(self._cancelled, request_id=self.request_id)
@@ -248,6 +248,9 @@ class Generation:
             try:
                 handle = self._frontend.pipeline.try_submit(ctx)
             except Overloaded:
+                if self._admission is None:
+                    self._finish(ok=False)
+                    raise
                 self._no_room()
                 continue
             except BaseException:
