@@ -6,7 +6,9 @@ no staging or KV pages) is backpressure: the request is routed again among the o
 that kind (the conductor's next-best), and when every one has refused it, ``NoCapacity`` sends
 it back to wait in the admission queue (api/generation.py). Tokens already sent to the client
 are never sent twice: a retry regenerates the same tokens (sampling is seeded per request id)
-and only the new ones go out.
+and only the new ones go out. A request whose calls failed ATTEMPTS times before its first
+token goes back to the admission queue too (an overloaded cluster, not a broken request);
+after its first token, the failure is the request's error.
 
 The wire is not this module's business: ``NodeCalls`` (api/node_client.py) turns each call
 into a proto request and each failure a retry can fix into ``NodeCallFailed``."""
@@ -115,6 +117,11 @@ class RemoteGenerateStage(Stage):
                 failures += 1
                 logger.warning("req=%s attempt %d failed: %s", ctx.request_id, attempt, err)
                 if failures == ATTEMPTS:
+                    if state.emitted_tokens == 0:  # nothing sent yet: wait and retry later
+                        raise NoCapacity(
+                            f"no node could take the request ({ATTEMPTS} failed calls; "
+                            f"last: {err})"
+                        ) from err
                     raise
 
     def _without(self, busy: set[str]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
