@@ -119,8 +119,7 @@ class RemoteGenerateStage(Stage):
                 if failures == ATTEMPTS:
                     if state.emitted_tokens == 0:  # nothing sent yet: wait and retry later
                         raise NoCapacity(
-                            f"no node could take the request ({ATTEMPTS} failed calls; "
-                            f"last: {err})"
+                            f"no node could take the request ({ATTEMPTS} failed calls; last: {err})"
                         ) from err
                     raise
 

@@ -1,7 +1,8 @@
 """A small real cluster under a burst (1 metadata replica, 1 prefill node, 2 decode nodes, 6 KV
-pages and 6 staging pages per node, 1 router, processes on 127.0.0.1): every request is served, over the
-router's HTTP front (the openai client) and gRPC alike, with no 5xx and no INTERNAL: a decode
-node that refuses for lack of room is backpressure; the router tries the other one or waits."""
+pages and 6 staging pages per node, 1 router, processes on 127.0.0.1): every request is
+served, over the router's HTTP front (the openai client) and gRPC alike, with no 5xx and no
+INTERNAL: a node that refuses for lack of room is backpressure; the router tries another one
+or waits."""
 
 from __future__ import annotations
 

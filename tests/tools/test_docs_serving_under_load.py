@@ -1,8 +1,5 @@
 """The command blocks of docs/serving-under-load.md, run as written: the queue flags parse into
-the documented defaults, and the small load benchmark serves every request with no 5xx.
-
-(tests/docs/blocks.py is not in this branch yet: the block between a ``doc-test`` marker and
-its closing fence is read here.)"""
+the documented defaults, and the small load benchmark serves every request with no 5xx."""
 
 from __future__ import annotations
 
@@ -16,18 +13,9 @@ import pytest
 
 from kvflow.tools import cli
 from kvflow.tools.serve import config_from_args, http_config
+from tests.docs.blocks import ROOT, block
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "serving-under-load.md"
-
-
-def block(page: Path, block_id: str) -> str:
-    """The fenced block right after ``<!-- doc-test: block_id -->`` in ``page``."""
-    text = page.read_text()
-    match = re.search(
-        rf"<!-- doc-test: {re.escape(block_id)} -->\n```[a-z]*\n(.*?)\n```", text, re.S
-    )
-    assert match, f"no doc-test block {block_id!r} in {page}"
-    return match.group(1)
+PAGE = ROOT / "docs" / "serving-under-load.md"
 
 
 def argv_of(command: str) -> list[str]:
@@ -37,7 +25,7 @@ def argv_of(command: str) -> list[str]:
 
 
 def test_queue_flags_are_the_defaults() -> None:
-    argv = argv_of(block(PAGE, "serve-queue-flags"))
+    argv = argv_of(block("serving-under-load.md", "serve-queue-flags"))
     args = cli.build_parser("serve").parse_args(argv)
     config = config_from_args(args)
     defaults = cli.build_parser("serve").parse_args(["serve"])
@@ -59,7 +47,7 @@ def test_documented_defaults_match_the_tables() -> None:
 
 @pytest.mark.slow
 def test_small_load_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = argv_of(block(PAGE, "bench-load-small"))
+    argv = argv_of(block("serving-under-load.md", "bench-load-small"))
     out = tmp_path / "load.json"
     assert cli.main([*argv, "--json", str(out)]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
