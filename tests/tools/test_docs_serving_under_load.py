@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.stages.serve.config import RoutingConfig
 from kvflow.tools import cli
-from kvflow.tools.serve import config_from_args, http_config
+from kvflow.tools.serve import _routing, http_config
 from tests.docs.blocks import ROOT, block
 
 PAGE = ROOT / "docs" / "serving-under-load.md"
@@ -27,9 +28,9 @@ def argv_of(command: str) -> list[str]:
 def test_queue_flags_are_the_defaults() -> None:
     argv = argv_of(block("serving-under-load.md", "serve-queue-flags"))
     args = cli.build_parser("serve").parse_args(argv)
-    config = config_from_args(args)
+    config = RoutingConfig(**_routing(args))
     defaults = cli.build_parser("serve").parse_args(["serve"])
-    assert config == config_from_args(defaults)  # the page shows the defaults
+    assert config == RoutingConfig(**_routing(defaults))  # the page shows the defaults
     assert config.max_queued_requests >= 256  # the issue's floor for the default
     assert http_config(args) == http_config(defaults)
 
@@ -61,6 +62,7 @@ def test_small_load_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_config_fields_are_flags() -> None:
     """The queue's config fields all come from `kvflow serve` flags."""
     args = cli.build_parser("serve").parse_args(["serve", "--max-queued-requests", "7"])
-    fields = {f.name for f in dataclasses.fields(config_from_args(args))}
+    config = RoutingConfig(**_routing(args))
+    fields = {f.name for f in dataclasses.fields(config)}
     assert {"max_queued_requests", "max_queued_tokens", "max_running_requests"} <= fields
-    assert config_from_args(args).max_queued_requests == 7
+    assert config.max_queued_requests == 7
