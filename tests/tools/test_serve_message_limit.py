@@ -37,7 +37,7 @@ def test_oversized_message_refused_before_allocation(tiny_model: Path, tmp_path:
         sys.executable, "-m", "kvflow.tools.cli", "serve", "--model", str(tiny_model),
         "--data-dir", str(tmp_path), "--port", str(port), "--http-port", "0",
         "--metrics-port", "0", "--block-size", "16", "--num-pages", "64",
-        "--staging-pages", "64", "--dram-mb", "16", "--max-upload-bytes", "1",
+        "--dram-mb", "16", "--max-upload-bytes", "1",
     ]  # fmt: skip
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
