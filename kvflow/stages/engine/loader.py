@@ -63,9 +63,15 @@ def _read_state(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor
 
 
 def load_weights(
-    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    fuse: bool = True,
 ) -> CausalLM:
-    """Build a CausalLM for `spec` holding the checkpoint's weights in `dtype` on `device`.
+    """Build a CausalLM for `spec` holding the checkpoint's weights in `dtype` on `device`,
+    with q/k/v and gate/up fused unless `fuse` is False (the unfused layout is kept for
+    benchmarks that compare the two).
 
     Raises ModelLoadError naming missing, unexpected or misshapen weights."""
     state = _read_state(weight_files(model_dir), dtype)
@@ -92,6 +98,8 @@ def load_weights(
     model.load_state_dict(state, assign=True, strict=True)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if fuse:
+        model.fuse_projections()
     model = model.to(device).eval().requires_grad_(False)
     model.setup_rotary(device)
     logger.info("loaded %s: %d params, dtype=%s", spec.architecture, spec.num_params, dtype)

@@ -1,0 +1,262 @@
+"""Roofline benchmark: the engine's prefill and decode on the default model against what this
+machine can do with the same torch and thread count.
+
+Measures, best of `--repeat`:
+- the matmul rate: FLOP/s of a float32 `mm` shaped like the model's MLP at prefill
+  (`--mm-tokens` x hidden @ hidden x intermediate);
+- the memory bandwidth: bytes/s of `sum` over a `--bw-mib` MiB tensor (a read stream);
+- prefill tokens/s at each `--prefill-lens` length (time to the first token of a fresh
+  request), with the FLOP/s it implies (2 x parameters per token, attention ignored) as a share
+  of the matmul rate;
+- decode tokens/s at each `--decode-batches` batch size after a `--decode-context`-token
+  prompt; at batch 1 against the bandwidth ceiling: bandwidth / bytes of the weights (every
+  weight is read once per step; tied embeddings count once).
+
+`--unfused` loads the model with q/k/v and gate/up unfused (the layout before fusion), and
+`--compare` runs both layouts, alternating, in one invocation. Seeded; one summary line;
+`--json PATH` writes every number.
+
+    python -m kvflow.tools.bench.roofline                  # default model, 2 threads
+    python -m kvflow.tools.bench.roofline --quick --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
+from kvflow.stages.engine.default_model import ensure_default_model
+from kvflow.stages.engine.loader import fingerprint, load_weights
+from kvflow.stages.engine.model_card import ModelCard
+from kvflow.stages.engine.spec import load_spec
+from kvflow.stages.engine.tokenizer import Tokenizer
+
+
+def _best(fn: Any, repeat: int) -> float:
+    return min(fn() for _ in range(repeat))
+
+
+def matmul_flops(hidden: int, inter: int, tokens: int, repeat: int) -> float:
+    """FLOP/s of a float32 [tokens, hidden] @ [hidden, inter] mm (model-shaped)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(tokens, hidden, generator=gen)
+    b = torch.randn(hidden, inter, generator=gen)
+    torch.mm(a, b)
+
+    def once() -> float:
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        return (time.perf_counter() - start) / 4
+
+    return 2.0 * tokens * hidden * inter / _best(once, repeat)
+
+
+def read_bandwidth(mib: int, repeat: int) -> float:
+    """Bytes/s of summing a float32 tensor of `mib` MiB (larger than any cache)."""
+    x = torch.ones(mib * (1 << 20) // 4)
+    x.sum()
+
+    def once() -> float:
+        start = time.perf_counter()
+        x.sum()
+        return time.perf_counter() - start
+
+    return x.numel() * 4 / _best(once, repeat)
+
+
+def open_engine(model_dir: Path, config: EngineConfig, fuse: bool) -> Engine:
+    """Engine.open, with the projection fusion selectable (the bench's A/B switch)."""
+    if fuse:
+        return Engine.open(model_dir, config)
+    spec, config_bytes = load_spec(model_dir)
+    card = ModelCard.from_dir(model_dir)
+    model = load_weights(model_dir, spec, config.torch_dtype, torch.device(config.device), False)
+    fp = fingerprint(model_dir, config_bytes, config.dtype)
+    return Engine(model, Tokenizer.from_dir(model_dir), config, fp, card)
+
+
+def weight_bytes(engine: Engine) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in engine.model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def prefill_s(engine: Engine, n: int, seed: int) -> float:
+    prompt = _prompt(n, seed, engine.spec.vocab_size)
+    engine.add_request(f"p{seed}-{n}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def decode_tok_s(engine: Engine, batch: int, context: int, steps: int, seed: int) -> float:
+    sampling = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        prompt = _prompt(context, seed * 1000 + i, engine.spec.vocab_size)
+        engine.add_request(f"d{seed}-{batch}-{i}", prompt, sampling)
+    while any(engine.num_computed_tokens(f"d{seed}-{batch}-{i}") < context for i in range(batch)):
+        engine.step()  # prefills (and the first tokens), untimed
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def bench_engine(engine: Engine, args: argparse.Namespace, machine: dict[str, float]) -> dict:
+    flops_per_token = 2.0 * engine.spec.num_params
+    out: dict[str, Any] = {"weight_bytes": weight_bytes(engine), "prefill": [], "decode": []}
+    for n in args.prefill_lens:
+        s = _best(lambda n=n: prefill_s(engine, n, args.seed), args.repeat)
+        rate = n * flops_per_token / s
+        out["prefill"].append(
+            {"tokens": n, "seconds": s, "tok_s": n / s, "matmul_share": rate / machine["mm"]}
+        )
+    ceiling = machine["bw"] / out["weight_bytes"]
+    for b in args.decode_batches:
+        tps = max(
+            decode_tok_s(engine, b, args.decode_context, args.decode_steps, args.seed + r)
+            for r in range(args.repeat)
+        )
+        row = {"batch": b, "tok_s": tps}
+        if b == 1:
+            row["ceiling_tok_s"] = ceiling
+            row["ceiling_share"] = tps / ceiling
+        out["decode"].append(row)
+    return out
+
+
+def _summary(label: str, machine: dict[str, float], runs: dict[str, dict]) -> str:
+    parts = [
+        f"bench_roofline {label}: mm {machine['mm'] / 1e9:.0f} GFLOP/s, "
+        f"read {machine['bw'] / 1e9:.1f} GB/s"
+    ]
+    for name, r in runs.items():
+        pre = " ".join(
+            f"p{p['tokens']}={p['tok_s']:.0f}tok/s({p['matmul_share'] * 100:.0f}%mm)"
+            for p in r["prefill"]
+        )
+        dec = " ".join(
+            f"b{d['batch']}={d['tok_s']:.1f}"
+            + (
+                f"({d['ceiling_share'] * 100:.0f}% of {d['ceiling_tok_s']:.0f})"
+                if "ceiling_share" in d
+                else ""
+            )
+            for d in r["decode"]
+        )
+        parts.append(f"{name}: {pre} decode {dec} tok/s")
+    return " | ".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvflow.tools.bench.roofline", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--model", type=Path, help="model directory (default: the default model)")
+    p.add_argument("--data-dir", type=Path, help="where the default model is imported (a tmp dir)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument(
+        "--prefill-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048]
+    )
+    p.add_argument(
+        "--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8]
+    )
+    p.add_argument("--decode-context", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--mm-tokens", type=int, default=512)
+    p.add_argument("--bw-mib", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=3, help="best of this many timings")
+    p.add_argument("--seed", type=int, default=0)
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument("--unfused", action="store_true", help="q/k/v and gate/up unfused")
+    layout.add_argument("--compare", action="store_true", help="fused and unfused, alternating")
+    p.add_argument("--quick", action="store_true", help="short sequences, one repeat")
+    p.add_argument("--json", type=Path, help="write full results here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.prefill_lens, args.decode_batches = [64], [1, 2]
+        args.decode_context, args.decode_steps, args.repeat = 32, 4, 1
+        args.mm_tokens, args.bw_mib = 64, 64
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="kvflow-roofline-") as tmp:
+        model_dir = args.model or ensure_default_model(args.data_dir or Path(tmp))
+        longest = max(*args.prefill_lens, args.decode_context + args.decode_steps + 1)
+        batch = max(args.decode_batches)
+        config = EngineConfig(
+            num_pages=(batch + 1) * -(-longest // EngineConfig().block_size) + 4,
+            max_batch=batch,
+            seed=args.seed,
+        )
+        layouts = {"fused": True, "unfused": False}
+        if not args.compare:
+            layouts = {"unfused": False} if args.unfused else {"fused": True}
+        engines = {name: open_engine(model_dir, config, fuse) for name, fuse in layouts.items()}
+        spec = next(iter(engines.values())).spec
+        machine = {
+            "mm": matmul_flops(
+                spec.hidden_size, spec.intermediate_size, args.mm_tokens, args.repeat
+            ),
+            "bw": read_bandwidth(args.bw_mib, args.repeat),
+        }
+        for engine in engines.values():  # warm-up: first-touch of pages and weights
+            prefill_s(engine, min(64, longest), args.seed + 99)
+        runs = {name: bench_engine(engine, args, machine) for name, engine in engines.items()}
+        if args.compare:  # second pass in the other order: A B B A
+            again = {n: bench_engine(engines[n], args, machine) for n in reversed(list(engines))}
+            runs = {n: _better(runs[n], again[n]) for n in runs}
+        label = model_dir.name
+    summary = _summary(label, machine, runs)
+    print(summary)
+    if args.json:
+        meta = {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        }
+        payload = {"summary": summary, "meta": meta, "machine": machine, "runs": runs}
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+def _better(a: dict, b: dict) -> dict:
+    """Per row, the faster of two passes over the same layout."""
+    out = dict(a)
+    out["prefill"] = [
+        x if x["tok_s"] >= y["tok_s"] else y
+        for x, y in zip(a["prefill"], b["prefill"], strict=True)
+    ]
+    out["decode"] = [
+        x if x["tok_s"] >= y["tok_s"] else y for x, y in zip(a["decode"], b["decode"], strict=True)
+    ]
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
