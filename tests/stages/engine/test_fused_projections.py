@@ -43,7 +43,7 @@ def test_fused_layout_replaces_the_separate_weights(llama_dir: Path) -> None:
     mlp = "model.layers.0.mlp."
     assert {attn + "qkv_proj.weight", mlp + "gate_up_proj.weight"} <= names
     assert not any(
-        n.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")) for n in names
+        n.endswith((".q_proj.weight", ".gate_proj.weight", ".up_proj.weight")) for n in names
     )
     plain = load_weights(llama_dir, spec, torch.float32, torch.device("cpu"), fuse=False)
     layer = plain.model.layers[0]
