@@ -67,11 +67,11 @@ def load_weights(
     spec: ModelSpec,
     dtype: torch.dtype,
     device: torch.device,
-    fuse: bool = True,
+    fuse: bool = False,
 ) -> CausalLM:
-    """Build a CausalLM for `spec` holding the checkpoint's weights in `dtype` on `device`,
-    with q/k/v and gate/up fused unless `fuse` is False (the unfused layout is kept for
-    benchmarks that compare the two).
+    """Build a CausalLM for `spec` holding the checkpoint's weights in `dtype` on `device`.
+    `fuse` concatenates q/k/v and gate/up (`CausalLM.fuse_projections`); off by default: on
+    this 2-core CPU it measured no faster at decode (see docs/performance.md).
 
     Raises ModelLoadError naming missing, unexpected or misshapen weights."""
     state = _read_state(weight_files(model_dir), dtype)

@@ -12,7 +12,7 @@ Measures, best of `--repeat`:
   prompt; at batch 1 against the bandwidth ceiling: bandwidth / bytes of the weights (every
   weight is read once per step; tied embeddings count once).
 
-`--unfused` loads the model with q/k/v and gate/up unfused (the layout before fusion), and
+`--fused` loads the model with q/k/v and gate/up fused (not the engine's default), and
 `--compare` runs both layouts, alternating, in one invocation. Seeded; one summary line;
 `--json PATH` writes every number.
 
@@ -49,14 +49,15 @@ def matmul_flops(hidden: int, inter: int, tokens: int, repeat: int) -> float:
     """FLOP/s of a float32 [tokens, hidden] @ [hidden, inter] mm (model-shaped)."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(tokens, hidden, generator=gen)
-    b = torch.randn(hidden, inter, generator=gen)
-    torch.mm(a, b)
+    w = torch.randn(inter, hidden, generator=gen)  # as nn.Linear stores it
+    for _ in range(2):
+        torch.nn.functional.linear(a, w)
 
     def once() -> float:
         start = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        return (time.perf_counter() - start) / 4
+        for _ in range(8):
+            torch.nn.functional.linear(a, w)
+        return (time.perf_counter() - start) / 8
 
     return 2.0 * tokens * hidden * inter / _best(once, repeat)
 
@@ -76,11 +77,9 @@ def read_bandwidth(mib: int, repeat: int) -> float:
 
 def open_engine(model_dir: Path, config: EngineConfig, fuse: bool) -> Engine:
     """Engine.open, with the projection fusion selectable (the bench's A/B switch)."""
-    if fuse:
-        return Engine.open(model_dir, config)
     spec, config_bytes = load_spec(model_dir)
     card = ModelCard.from_dir(model_dir)
-    model = load_weights(model_dir, spec, config.torch_dtype, torch.device(config.device), False)
+    model = load_weights(model_dir, spec, config.torch_dtype, torch.device(config.device), fuse)
     fp = fingerprint(model_dir, config_bytes, config.dtype)
     return Engine(model, Tokenizer.from_dir(model_dir), config, fp, card)
 
@@ -123,7 +122,8 @@ def decode_tok_s(engine: Engine, batch: int, context: int, steps: int, seed: int
 
 
 def bench_engine(engine: Engine, args: argparse.Namespace, machine: dict[str, float]) -> dict:
-    flops_per_token = 2.0 * engine.spec.num_params
+    spec = engine.spec  # matmul FLOPs per prompt token: every weight but the embeddings
+    flops_per_token = 2.0 * (spec.num_params - spec.vocab_size * spec.hidden_size)
     out: dict[str, Any] = {"weight_bytes": weight_bytes(engine), "prefill": [], "decode": []}
     for n in args.prefill_lens:
         s = _best(lambda n=n: prefill_s(engine, n, args.seed), args.repeat)
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="best of this many timings")
     p.add_argument("--seed", type=int, default=0)
     layout = p.add_mutually_exclusive_group()
-    layout.add_argument("--unfused", action="store_true", help="q/k/v and gate/up unfused")
+    layout.add_argument("--fused", action="store_true", help="q/k/v and gate/up fused")
     layout.add_argument("--compare", action="store_true", help="fused and unfused, alternating")
     p.add_argument("--quick", action="store_true", help="short sequences, one repeat")
     p.add_argument("--json", type=Path, help="write full results here")
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         layouts = {"fused": True, "unfused": False}
         if not args.compare:
-            layouts = {"unfused": False} if args.unfused else {"fused": True}
+            layouts = {"fused": True} if args.fused else {"unfused": False}
         engines = {name: open_engine(model_dir, config, fuse) for name, fuse in layouts.items()}
         spec = next(iter(engines.values())).spec
         machine = {

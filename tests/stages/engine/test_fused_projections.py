@@ -37,7 +37,7 @@ def test_fused_equals_unfused(llama_dir: Path) -> None:
 
 def test_fused_layout_replaces_the_separate_weights(llama_dir: Path) -> None:
     spec, _ = load_spec(llama_dir)
-    model = load_weights(llama_dir, spec, torch.float32, torch.device("cpu"))
+    model = load_weights(llama_dir, spec, torch.float32, torch.device("cpu"), fuse=True)
     names = set(dict(model.named_parameters()))
     attn = "model.layers.0.self_attn."
     mlp = "model.layers.0.mlp."
