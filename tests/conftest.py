@@ -4,6 +4,7 @@ depends on the KV cache (the tiny model's barely does)."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +51,21 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def free_port() -> int:
     return pick_free_port()
+
+
+@pytest.fixture(autouse=True)
+def _cluster_secret_env_restored() -> Iterator[None]:
+    """A test that starts a role (or a bench) in this process installs its cluster secret in
+    ``KVFLOW_CLUSTER_SECRET_FILE`` for its children; put it back afterwards, so a later test's
+    processes never inherit a secret file that no longer exists."""
+    from kvflow.security import SECRET_FILE_ENV
+
+    before = os.environ.get(SECRET_FILE_ENV)
+    yield
+    if before is None:
+        os.environ.pop(SECRET_FILE_ENV, None)
+    else:
+        os.environ[SECRET_FILE_ENV] = before
 
 
 @pytest.fixture(autouse=True)

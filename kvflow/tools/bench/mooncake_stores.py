@@ -83,12 +83,14 @@ def control_plane(with_mooncake: bool) -> Iterator[Control]:
         tempfile.TemporaryDirectory(prefix="kvflow-bench-mooncake-") as tmp,
         LocalMetaProcesses(Path(tmp) / "meta", n=1) as meta,
     ):
-        # The members (this process's and its children) hold the replica's secret.
+        # The members (this process's and its children) hold the replica's secret, until the
+        # control plane stops (then the previous value is put back).
+        previous = os.environ.get(SECRET_FILE_ENV)
         os.environ.setdefault(SECRET_FILE_ENV, str(meta.secret_file))
-        meta.start_all()
         master: subprocess.Popen[bytes] | None = None
         address = None
         try:
+            meta.start_all()
             if with_mooncake:
                 master, address = _start_master(Path(tmp))
             yield Control(meta.grpc[0], address)
@@ -100,6 +102,10 @@ def control_plane(with_mooncake: bool) -> Iterator[Control]:
                 except subprocess.TimeoutExpired:
                     master.kill()
                     master.wait()
+            if previous is None:
+                os.environ.pop(SECRET_FILE_ENV, None)
+            else:
+                os.environ[SECRET_FILE_ENV] = previous
 
 
 def _start_master(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
