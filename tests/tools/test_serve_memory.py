@@ -60,10 +60,11 @@ def test_default_serve_reports_its_memory_and_fits(
         rss = _rss_bytes(proc.pid)
         assert rss < LIMIT_BYTES, f"RSS {rss / 2**20:.0f} MiB once ready\n{memory}"
     finally:
+        # This test measures memory; the graceful stop is test_serve_interrupt's. A stop that
+        # outlasts 60 s (seen once on a loaded box) is ended with SIGKILL here.
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
