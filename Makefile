@@ -27,11 +27,14 @@ MOONCAKE_EXTRA := (test "$$(id -u)" != 0 || ldconfig -p | grep -q libibverbs.so.
 	&& apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1))) \
 	&& KVFLOW_COMPILE=0 $(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[mooncake]' \
 	|| echo "note: the mooncake extra did not install; the mooncake_diff tests will skip"
-# The default run: everything but the GPU tests, including the `slow` ones (real-process
-# clusters, failover, hung peers, the attack and fuzz suites; about 11 minutes on 2 cores).
-PYTEST_ARGS ?= -m "not gpu"
+# The default run (`make test`, .ci/run): everything but the GPU tests and the `slow` ones,
+# except that the fault-injection suite (`faults`) always runs; about 6 minutes on 2 cores.
+# `make test-all` adds the `slow` ones (multi-process clusters, failover, fuzzing, benchmarks'
+# own tests; about 14 minutes more).
+PYTEST_ARGS ?= -m "not gpu and (not slow or faults)"
+ALL_ARGS := -m "not gpu"
 
-.PHONY: run test lint test-fast test-loaded compile clean docs container-test
+.PHONY: run test lint test-fast test-all test-loaded compile clean docs container-test
 
 # The editable install is pure Python; the compiled modules are built in place by the next rule
 # (setup.py; once, and again after a change to kvflow/router/).
@@ -70,12 +73,17 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest -m "not slow and not gpu"
 
+# Every test but the GPU ones: the default run plus the `slow` tests.
+test-all: lint
+	$(BIN)/python -m pytest $(ALL_ARGS)
+
 # The docs site, served with live reload on http://127.0.0.1:8001
 docs: $(STAMP)
 	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # The default run while two spinning processes keep both cores busy (tests/loaded.py): what a
 # loaded CI machine does to the timing of the cluster tests (longer than `make test`).
+# `make test-loaded PYTEST_ARGS='-m "not gpu"'` runs every test that way.
 LOAD_PROCS ?= 2
 test-loaded: lint
 	$(BIN)/python -m tests.loaded --busy $(LOAD_PROCS) -- $(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -292,8 +292,14 @@ class Endpoint:
                 )
                 try:
                     if item.op == Op.WRITE:
-                        send_parts(self._sock, (header, item.local))
+                        # counted before the payload goes out: the peer's answer (read by the
+                        # receive thread) may complete the transfer before send_parts returns
                         self.stats.bytes_sent += item.length
+                        try:
+                            send_parts(self._sock, (header, item.local))
+                        except OSError:
+                            self.stats.bytes_sent -= item.length
+                            raise
                     else:
                         self._sock.sendall(header)
                 except OSError as exc:
