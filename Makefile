@@ -34,7 +34,7 @@ MOONCAKE_EXTRA := (test "$$(id -u)" != 0 || ldconfig -p | grep -q libibverbs.so.
 PYTEST_ARGS ?= -m "not gpu and (not slow or faults)"
 ALL_ARGS := -m "not gpu"
 
-.PHONY: run test lint test-fast test-all test-loaded compile clean docs container-test
+.PHONY: run test lint test-fast test-all test-loaded compile clean docs container-test sglang-tools
 
 # The editable install is pure Python; the compiled modules are built in place by the next rule
 # (setup.py; once, and again after a change to kvflow/router/).
@@ -100,6 +100,23 @@ container-test: $(STAMP)
 	CONTAINERS_CONF=$(CONTAINERS_CONF) KVFLOW_IMAGE=$(KVFLOW_IMAGE) KVFLOW_CONTAINER_TEST=1 \
 		flock /tmp/kvflow-heavy.lock $(BIN)/python -m pytest tests/deploy/test_container.py -v -s
 
+# Opt-in, never part of `make test`: a separate venv, .venv-sglang, where SGLang's own tools run
+# on a CPU machine against kvflow (`python -m sglang.bench_serving`; docs/sglang.md). It holds
+# sglang 0.5.23 with torch 2.14.1 and torchvision 0.29.1, every package pinned in
+# requirements-sglang-tools.txt and installed --no-deps (about 6 GB: PyPI's torch 2.14.1 is a
+# CUDA build that needs the nvidia-* libraries to import, even on a CPU). .venv is untouched;
+# kvflow itself (the server it benchmarks) runs from .venv, built first.
+SGLANG_VENV := .venv-sglang
+SGLANG_LOCK := requirements-sglang-tools.txt
+$(SGLANG_VENV)/.installed: $(SGLANG_LOCK)
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -r $(SGLANG_LOCK)
+	$(SGLANG_VENV)/bin/python -m sglang.benchmark.serving --help >/dev/null
+	touch $@
+
+sglang-tools: $(COMPILED_STAMP) $(SGLANG_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build kvflow/_compiled.json
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .mypy_cache build kvflow/_compiled.json
 	find kvflow -name '*.so' -delete
