@@ -117,6 +117,20 @@ def _round(cluster: LocalCluster, probe: Probe, role: str, timeout_s: float) -> 
             "seen_down_s": round(seen_down, 3)}  # fmt: skip
 
 
+def medians_by_role(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Each role's median restart-to-serving time over its rounds."""
+    roles = dict.fromkeys(r["role"] for r in rounds)
+    return {
+        role: statistics.median(r["restart_to_serving_s"] for r in rounds if r["role"] == role)
+        for role in roles
+    }
+
+
+def missed(medians: dict[str, float], target_s: float) -> list[str]:
+    """The roles whose median is over ``target_s``."""
+    return [role for role, median in medians.items() if median > target_s]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, help="model directory (default: the tiny demo model)")
@@ -136,11 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             for role in ROLES:
                 for _ in range(args.rounds):
                     rounds.append(_round(c, probe, role, args.timeout_s))
-    medians = {
-        role: statistics.median(r["restart_to_serving_s"] for r in rounds if r["role"] == role)
-        for role in ROLES
-    }
-    over = [role for role, m in medians.items() if m > args.target_s]
+    medians = medians_by_role(rounds)
+    over = missed(medians, args.target_s)
     model_name = args.model.name if args.model else "tiny demo model"
     print(
         f"bench_restart ({model_name}, {args.rounds} rounds): restart to serving, median "
