@@ -174,7 +174,8 @@ class MetadataGroup:
                     "metadata replica %s: error while closing", self._config.self_address
                 )
         self._release_claim()
-        logger.info("metadata replica closed: self=%s", self._config.self_address)
+        if syncobj is not None:
+            logger.info("metadata replica closed: self=%s", self._config.self_address)
 
     def _release_claim(self) -> None:
         claim, self._claim = self._claim, None
