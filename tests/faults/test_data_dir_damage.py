@@ -23,6 +23,7 @@ from tests.faults.shard_child import BLOCKS
 pytestmark = [pytest.mark.faults]
 
 TIMEOUT_S = 120.0
+ROOT = Path(__file__).resolve().parents[2]  # `python -m tests.faults.shard_child` runs here
 QUARANTINED = "SSD tier damaged"
 
 
@@ -33,6 +34,7 @@ def child(engine: str, data_dir: Path, action: str) -> subprocess.CompletedProce
         text=True,
         timeout=TIMEOUT_S,
         check=False,
+        cwd=ROOT,
     )
 
 
@@ -111,6 +113,7 @@ def test_a_data_dir_in_use_is_refused(tmp_path: Path, engine: str) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        cwd=ROOT,
     )
     try:
         assert holder.stdout is not None and holder.stdin is not None

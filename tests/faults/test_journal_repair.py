@@ -101,6 +101,12 @@ def test_a_single_replica_with_a_damaged_journal_moves_it_aside_and_starts(
 CAUGHT_UP = "caught up after a journal repair"
 
 
+def _first_index(journal_dir: Path) -> int:
+    """The Raft index of the first entry left in a journal (after the 40-byte header)."""
+    data = (journal_dir / JOURNAL_FILE).read_bytes()
+    return int.from_bytes(data[44:52], "little") if (journal_dir / DUMP_FILE).exists() else 0
+
+
 def _output(cluster: MetaCluster, i: int) -> str:
     return cluster.replicas[i].log_path.read_text()
 
@@ -171,3 +177,65 @@ def test_a_replica_with_a_damaged_journal_rejoins_from_its_peers(
             assert set(written) <= set(own.view().keys_on(W))
     finally:
         cluster.stop_all()
+
+
+def test_a_repaired_replica_catches_up_from_a_snapshot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three in-process replicas that compact their logs every few entries: the leader no
+    longer has the entries the emptied replica lacks, so it catches up from the leader's
+    snapshot, then from the log."""
+    addresses = [f"127.0.0.1:{pick_free_port()}" for _ in range(3)]
+
+    def config(i: int) -> MetadataConfig:
+        return MetadataConfig(
+            self_address=addresses[i],
+            partner_addresses=tuple(a for a in addresses if a != addresses[i]),
+            journal_dir=tmp_path / f"meta-{i}",
+            password="kvflow-test-group",
+            raft_min_timeout_s=0.3,
+            raft_max_timeout_s=0.8,
+            connection_retry_s=0.2,
+            log_compaction_min_entries=4,
+            log_compaction_min_time_s=0.05,
+        )
+
+    groups = [MetadataGroup(config(i)) for i in range(3)]
+    rng = random.Random(7)
+    written: list[bytes] = []
+
+    def write(group: MetadataGroup, n: int) -> None:
+        for _ in range(n):
+            batch = [rng.randbytes(16) for _ in range(10)]
+            group.record_batch(W, [(k, Tier.DRAM) for k in batch], [], now=1.0)
+            written.extend(batch)
+
+    try:
+        for g in groups:
+            g.start()
+        for g in groups:
+            g.wait_ready(30.0)
+        write(groups[0], 20)
+        groups[2].close()
+        log = tmp_path / "meta-2" / JOURNAL_FILE
+        log.write_bytes(log.read_bytes()[:50])
+        write(groups[0], 20)
+        # both healthy logs compacted past their start: only a snapshot can bring the
+        # emptied replica back
+        wait_until(
+            lambda: all(_first_index(tmp_path / f"meta-{i}") > 2 for i in (0, 1)),
+            READY_S,
+            "compaction",
+        )
+        with caplog.at_level(logging.INFO, logger="kvflow.replication"):
+            groups[2] = MetadataGroup(config(2))
+            groups[2].start()
+            view = groups[2].view()
+            wait_until(lambda: set(written) <= set(view.keys_on(W)), READY_S, "catch-up")
+            wait_until(lambda: not groups[2]._vote_hold.held, READY_S, "the vote hold released")
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("metadata journal damaged" in m for m in messages) == 1, messages
+        assert view.num_blocks() == len(written)
+    finally:
+        for g in groups:
+            g.close()
