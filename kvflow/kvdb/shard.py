@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.kvdb import manifest
 from kvflow.kvdb.buffers import readable_bytes, writable_bytes
 from kvflow.kvdb.codec import copy_and_checksum, key_seed, verified_copy
 from kvflow.kvdb.config import StoreConfig
@@ -51,7 +50,7 @@ from kvflow.kvdb.remote.dram_lease import (
 from kvflow.kvdb.replicas import LocalReplicas, ReplicaCounter
 from kvflow.kvdb.ssd import SsdTier
 from kvflow.kvdb.stats import StoreStats, TenantUsage, TierCounters, snapshot, tenant_usage
-from kvflow.kvdb.tier_repair import open_engine, reopen_empty
+from kvflow.kvdb.tier_repair import check_manifest, open_engine, reopen_empty
 from kvflow.replication import NodeId, Tier
 from kvflow.replication.dir_guard import DirClaim, DirInUseError, claim_dir
 
@@ -119,7 +118,7 @@ class Shard:
     ) -> None:
         fingerprint = self.fingerprint
         if config.data_dir is not None:
-            manifest.check_or_create(config.data_dir, config.engine, fingerprint)
+            check_manifest(config, fingerprint)
         dram = DramTier(config.dram_capacity_bytes, config.dram_alignment, config.dram_prefault)
         ssd: SsdTier | None = None
         map_size = config.lmdb_map_size_bytes or (2 * config.ssd_capacity_bytes + (64 << 20))

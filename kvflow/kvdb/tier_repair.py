@@ -10,6 +10,8 @@
   the shard re-adopts the records (a scan that fails). The blocks it held are misses:
   refetched from a peer or recomputed.
 
+* ``check_manifest``: an unreadable ``kvdb-manifest.json`` is moved aside with the tier.
+
 Records damaged one by one are not this module's: ``SsdTier.adopt`` drops them by checksum.
 """
 
@@ -19,9 +21,10 @@ import logging
 import struct
 from pathlib import Path
 
+from kvflow.kvdb import manifest
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.engines import ENGINES, StorageEngine
-from kvflow.kvdb.errors import StorageEngineError
+from kvflow.kvdb.errors import DamagedManifestError, StorageEngineError
 from kvflow.replication.dir_guard import move_aside
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,28 @@ def check_lmdb(directory: Path) -> None:
     need = (last_page + 1) * psize
     if size < need:
         raise TierDamage(f"{path}: truncated: {size} bytes, its last page ends at {need}")
+
+
+def check_manifest(config: StoreConfig, fingerprint: str) -> None:
+    """``manifest.check_or_create``; a manifest that cannot be read at all (not one of
+    another version, engine or model: those are refused) is moved aside with the tier it
+    described, and a new one written."""
+    assert config.data_dir is not None
+    try:
+        manifest.check_or_create(config.data_dir, config.engine, fingerprint)
+    except DamagedManifestError as exc:
+        moved = [
+            move_aside(p)
+            for p in (config.data_dir / manifest.MANIFEST_NAME, config.ssd_dir())
+            if p is not None and p.exists()
+        ]
+        logger.warning(
+            "kvdb data dir damaged (%s); moved aside as %s; starting with an empty tier (its "
+            "blocks are misses)",
+            " ".join(str(exc).split()),
+            ", ".join(str(p) for p in moved),
+        )
+        manifest.check_or_create(config.data_dir, config.engine, fingerprint)
 
 
 def _open(config: StoreConfig, map_size: int) -> StorageEngine:

@@ -82,6 +82,23 @@ def test_a_damaged_ssd_tier_is_quarantined_and_the_shard_starts(
     assert QUARANTINED not in again.stderr
 
 
+@pytest.mark.parametrize("engine", ["rocksdb", "lmdb"])
+def test_an_unreadable_manifest_is_moved_aside_with_its_tier(tmp_path: Path, engine: str) -> None:
+    data_dir = tmp_path / "data"
+    assert child(engine, data_dir, "fill").returncode == 0
+    manifest = data_dir / "kvdb-manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:20])  # cut mid-JSON
+
+    read = child(engine, data_dir, "read")
+    assert read.returncode == 0, read.stderr
+    assert json.loads(read.stdout.strip().splitlines()[-1]) == {"present": 0, "wrong": 0}
+    lines = [line for line in read.stderr.splitlines() if "kvdb data dir damaged" in line]
+    assert len(lines) == 1, read.stderr
+    aside = sorted(p.name.split(".damaged-")[0] for p in data_dir.glob("*.damaged-*"))
+    assert aside == ["kvdb-manifest.json", "ssd"]
+    assert child(engine, data_dir, "read").returncode == 0
+
+
 def test_a_truncated_lmdb_file_maps_nothing_past_its_end(tmp_path: Path) -> None:
     """The check runs before LMDB maps the file: truncated to any length, no SIGBUS."""
     data_dir = tmp_path / "data"
