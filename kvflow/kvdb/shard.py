@@ -72,7 +72,10 @@ class Shard:
     loses no DRAM data either).
 
     Raises at open: IncompatibleDataDirError (other format version or engine),
-    NamespaceMismatchError (data dir of another model fingerprint), StorageEngineError.
+    NamespaceMismatchError (data dir of another model fingerprint), DataDirInUseError (another
+    live process holds ``data_dir``; the shard holds ``data_dir/LOCK`` until ``close``),
+    StorageEngineError. A damaged SSD tier or manifest is moved aside and the shard starts
+    with an empty tier (``tier_repair``).
     """
 
     def __init__(
