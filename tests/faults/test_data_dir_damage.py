@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pick_free_port
+from tests.faults.roles import Role, run_role
 from tests.faults.shard_child import BLOCKS
 
 pytestmark = [pytest.mark.faults]
@@ -153,3 +155,26 @@ def test_a_data_dir_in_use_is_refused(tmp_path: Path, engine: str) -> None:
         if holder.poll() is None:
             holder.kill()
             holder.wait(timeout=TIMEOUT_S)
+
+
+def test_a_second_replica_on_one_journal_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    """Two `kvflow serve --role meta` processes with one data dir and meta id: the second
+    exits 1 with one line naming the journal dir and the first one's pid."""
+    data = tmp_path / "data"
+
+    def argv() -> list[str]:
+        return ["--role", "meta", "--meta-id", "0", "--address", f"127.0.0.1:{pick_free_port()}",
+                "--data-dir", str(data), "--metrics-port", "0"]  # fmt: skip
+
+    first = Role("meta-0", argv(), tmp_path / "first.log").start()
+    try:
+        first.wait_for("kvflow meta 0: raft")
+        second = run_role(argv(), timeout_s=TIMEOUT_S)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert first.proc is not None
+        lines = [line for line in second.stderr.splitlines() if "in use" in line]
+        assert len(lines) == 1, second.stderr
+        assert f"{data / 'meta-0'} is in use by process {first.proc.pid}" in lines[0]
+        assert "Traceback" not in second.stderr + second.stdout
+    finally:
+        first.stop()
