@@ -14,7 +14,12 @@ import pytest
 
 from kvflow.replication import MetadataConfig, MetadataGroup, NodeId, Tier
 from kvflow.replication.config import DUMP_FILE, JOURNAL_FILE
-from kvflow.replication.journal_repair import JournalDamage, check_journal, repair_journal
+from kvflow.replication.journal_repair import (
+    JournalDamage,
+    VoteHold,
+    check_journal,
+    repair_journal,
+)
 from kvflow.security import SECRET_FILE_ENV, generate_secret_file
 from tests.conftest import pick_free_port
 from tests.replication.helpers import wait_until
@@ -243,3 +248,11 @@ def test_a_repaired_replica_catches_up_from_a_snapshot(
     finally:
         for g in groups:
             g.close()
+
+
+def test_the_vote_hold_drops_vote_requests_only_while_held() -> None:
+    hold = VoteHold(held=True)
+    assert hold.withholds({"type": "request_vote", "term": 3})
+    assert not hold.withholds({"type": "append_entries", "term": 3})
+    hold.release("127.0.0.1:1")
+    assert not hold.withholds({"type": "request_vote", "term": 3})
