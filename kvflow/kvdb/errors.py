@@ -35,6 +35,14 @@ class IncompatibleDataDirError(KVDBError):
     """A data directory was written by an incompatible format version, engine or model."""
 
 
+class DamagedManifestError(IncompatibleDataDirError):
+    """The data directory's manifest cannot be read (truncated, overwritten)."""
+
+
+class DataDirInUseError(KVDBError):
+    """Another live process holds the data directory (its lock names the process)."""
+
+
 class StoreFullError(KVDBError):
     """The storage device reported that it is full (e.g. ENOSPC, LMDB map full)."""
 

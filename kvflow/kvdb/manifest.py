@@ -11,7 +11,11 @@ import json
 import os
 from pathlib import Path
 
-from kvflow.kvdb.errors import IncompatibleDataDirError, NamespaceMismatchError
+from kvflow.kvdb.errors import (
+    DamagedManifestError,
+    IncompatibleDataDirError,
+    NamespaceMismatchError,
+)
 
 MANIFEST_NAME = "kvdb-manifest.json"
 FORMAT_NAME = "kvflow.kvdb"
@@ -52,8 +56,10 @@ def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
     try:
         body = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise IncompatibleDataDirError(f"{path}: unreadable manifest: {exc}") from exc
-    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise DamagedManifestError(f"{path}: unreadable manifest: {exc}") from exc
+    if not isinstance(body, dict):
+        raise DamagedManifestError(f"{path}: unreadable manifest: not a JSON object")
+    if body.get("format") != FORMAT_NAME:
         raise IncompatibleDataDirError(f"{path}: not a kvflow kvdb data directory")
     version = body.get("format_version")
     if version != FORMAT_VERSION:

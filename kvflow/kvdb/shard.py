@@ -20,18 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.kvdb import manifest
 from kvflow.kvdb.buffers import readable_bytes, writable_bytes
 from kvflow.kvdb.codec import copy_and_checksum, key_seed, verified_copy
 from kvflow.kvdb.config import StoreConfig
 from kvflow.kvdb.dram import DramTier
-from kvflow.kvdb.engines import ENGINES, StorageEngine
+from kvflow.kvdb.engines import StorageEngine
 from kvflow.kvdb.entry import BlockInfo, Entry
 from kvflow.kvdb.errors import (
     BlockPinnedError,
     ChecksumError,
+    DataDirInUseError,
     InvalidKeyError,
     NotPinnedError,
+    StorageEngineError,
     StoreClosedError,
     ValueSizeError,
 )
@@ -49,7 +50,9 @@ from kvflow.kvdb.remote.dram_lease import (
 from kvflow.kvdb.replicas import LocalReplicas, ReplicaCounter
 from kvflow.kvdb.ssd import SsdTier
 from kvflow.kvdb.stats import StoreStats, TenantUsage, TierCounters, snapshot, tenant_usage
+from kvflow.kvdb.tier_repair import check_manifest, open_engine, reopen_empty
 from kvflow.replication import NodeId, Tier
+from kvflow.replication.dir_guard import DirClaim, DirInUseError, claim_dir
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,10 @@ class Shard:
     loses no DRAM data either).
 
     Raises at open: IncompatibleDataDirError (other format version or engine),
-    NamespaceMismatchError (data dir of another model fingerprint), StorageEngineError.
+    NamespaceMismatchError (data dir of another model fingerprint), DataDirInUseError (another
+    live process holds ``data_dir``; the shard holds ``data_dir/LOCK`` until ``close``),
+    StorageEngineError. A damaged SSD tier or manifest is moved aside and the shard starts
+    with an empty tier (``tier_repair``).
     """
 
     def __init__(
@@ -94,16 +100,34 @@ class Shard:
         self._rejected = 0
         self.events = Outbox(config.event_outbox_capacity)
         self._outboxes: list[Outbox] = [self.events]
+        self._dir_claim: DirClaim | None = None
         if config.data_dir is not None:
-            manifest.check_or_create(config.data_dir, config.engine, fingerprint)
+            try:
+                self._dir_claim = claim_dir(config.data_dir, "kvdb data dir")
+            except DirInUseError as exc:
+                raise DataDirInUseError(str(exc)) from None
+        try:
+            self._open_tiers(config, shuffle_bytes, engine, replicas)
+        except BaseException:
+            self._release_dir()
+            raise
+
+    def _open_tiers(
+        self,
+        config: StoreConfig,
+        shuffle_bytes: int,
+        engine: StorageEngine | None,
+        replicas: ReplicaCounter | None,
+    ) -> None:
+        fingerprint = self.fingerprint
+        if config.data_dir is not None:
+            check_manifest(config, fingerprint)
         dram = DramTier(config.dram_capacity_bytes, config.dram_alignment, config.dram_prefault)
         ssd: SsdTier | None = None
+        map_size = config.lmdb_map_size_bytes or (2 * config.ssd_capacity_bytes + (64 << 20))
         if config.ssd_capacity_bytes > 0:
             if engine is None:
-                map_size = config.lmdb_map_size_bytes or (
-                    2 * config.ssd_capacity_bytes + (64 << 20)
-                )
-                engine = ENGINES[config.engine].open(config.ssd_dir(), map_size)
+                engine = open_engine(config, map_size)
             ssd = SsdTier(
                 engine,
                 config.ssd_capacity_bytes,
@@ -128,7 +152,14 @@ class Shard:
         )
         if ssd is not None:
             with self._lock:
-                adopted = self._mover.adopt_ssd()
+                try:
+                    adopted = self._mover.adopt_ssd()
+                except StorageEngineError as exc:  # records that cannot be read back
+                    self._state.index.clear()
+                    ssd.sizes.clear()
+                    ssd.used = 0
+                    ssd.engine = reopen_empty(config, map_size, ssd.engine, exc)
+                    adopted = 0
             if adopted:
                 logger.info(
                     "shard node=%s re-adopted %d SSD blocks (%d bytes)",
@@ -136,6 +167,11 @@ class Shard:
                     adopted,
                     ssd.used,
                 )
+
+    def _release_dir(self) -> None:
+        claim, self._dir_claim = self._dir_claim, None
+        if claim is not None:
+            claim.release()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -532,6 +568,7 @@ class Shard:
                     except Exception:
                         logger.exception("shard node=%s: flush on close failed", self.node_id)
                 ssd.engine.close()
+            self._release_dir()
 
     @property
     def closed(self) -> bool:

@@ -9,6 +9,7 @@ replica's :meth:`view` when it returns.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -28,8 +29,10 @@ from kvflow.replication.codec import (
     split_stored,
 )
 from kvflow.replication.config import MetadataConfig
+from kvflow.replication.dir_guard import DirClaim, claim_dir
 from kvflow.replication.errors import MetadataTimeoutError, MetadataUnavailableError
 from kvflow.replication.jobs import JobRecord, check_job_write
+from kvflow.replication.journal_repair import VoteHold, repair_journal
 from kvflow.replication.raft import (
     CLOSED,
     Pending,
@@ -76,6 +79,8 @@ class MetadataGroup:
         self._closed = False
         self._waiting: set[Pending] = set()
         self._view = MetadataView(lambda: self._shell.table, self._shell.lock, self)
+        self._claim: DirClaim | None = None
+        self._vote_hold = VoteHold(held=False)
 
     @property
     def config(self) -> MetadataConfig:
@@ -94,20 +99,28 @@ class MetadataGroup:
             if self._syncobj is not None:
                 return
             check_restart_safe(self._config)
-            if self._config.journal_dir is not None:
-                self._config.journal_dir.mkdir(parents=True, exist_ok=True)
+            journal_dir = self._config.journal_dir
+            has_peers = bool(self._config.partner_addresses)
+            if journal_dir is not None:
+                self._claim = claim_dir(journal_dir, "metadata journal")
             try:
+                if journal_dir is not None:
+                    self._vote_hold.held = repair_journal(journal_dir, has_peers) and has_peers
                 self._syncobj = SyncObj(
                     self._config.self_address,
                     list(self._config.partner_addresses),
                     conf=syncobj_conf(self._config),
                     consumers=[self._shell],
-                    transportClass=GatedTransport,
+                    transportClass=functools.partial(GatedTransport, vote_hold=self._vote_hold),
                 )
             except SyncObjException as exc:
+                self._release_claim()
                 raise MetadataUnavailableError(
                     f"cannot bind metadata replica at {self._config.self_address}: {exc}"
                 ) from exc
+            except BaseException:
+                self._release_claim()
+                raise
             self._thread = threading.Thread(
                 target=self._tick_loop,
                 name=f"kvflow-meta-{self._config.self_address}",
@@ -160,7 +173,14 @@ class MetadataGroup:
                 logger.exception(
                     "metadata replica %s: error while closing", self._config.self_address
                 )
-        logger.info("metadata replica closed: self=%s", self._config.self_address)
+        self._release_claim()
+        if syncobj is not None:
+            logger.info("metadata replica closed: self=%s", self._config.self_address)
+
+    def _release_claim(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.release()
 
     def __enter__(self) -> MetadataGroup:
         self.start()
@@ -413,3 +433,5 @@ class MetadataGroup:
                 logger.exception("metadata replica %s: tick failed", self._config.self_address)
                 self._stop.wait(period)
             fast_ticks = max(fast_ticks - 1, 0)
+            if self._vote_hold.held and syncobj.isReady():
+                self._vote_hold.release(self._config.self_address)

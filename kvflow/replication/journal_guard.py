@@ -13,31 +13,28 @@ them before the replica binds:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from pathlib import Path
-from typing import IO
 
+from kvflow.replication.dir_guard import LOCK_FILE, DirClaim, claim_dir
 from kvflow.replication.errors import ReplicationError
 
-LOCK_FILE = "LOCK"
+__all__ = ["IDENTITY_FILE", "LOCK_FILE", "JournalClaim", "claim_journal_dir"]
+
 IDENTITY_FILE = "group.json"
 
 
 class JournalClaim:
     """Holds the journal directory's lock until :meth:`release` (idempotent) or process
-    exit. Not thread-safe; one per replica process."""
+    exit. One per replica process."""
 
-    def __init__(self, handle: IO[str], journal_dir: Path) -> None:
-        self._handle: IO[str] | None = handle
+    def __init__(self, claim: DirClaim, journal_dir: Path) -> None:
+        self._claim = claim
         self.journal_dir = journal_dir
 
     def release(self) -> None:
-        if self._handle is not None:
-            fcntl.flock(self._handle, fcntl.LOCK_UN)
-            self._handle.close()
-            self._handle = None
+        self._claim.release()
 
 
 def claim_journal_dir(
@@ -45,23 +42,15 @@ def claim_journal_dir(
 ) -> JournalClaim:
     """Create ``journal_dir`` if needed, lock it, and check (or record, the first time) the
     replica's identity. Raises ReplicationError naming the directory when it is locked by a
-    live process or belongs to another address or member list; nothing is changed then."""
-    journal_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(journal_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the process life
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise ReplicationError(
-            f"journal {journal_dir} is in use by another metadata replica process"
-        ) from None
+    live process (and that process's pid) or belongs to another address or member list;
+    nothing is changed then."""
+    claim = claim_dir(journal_dir, "metadata journal")
     try:
         _check_identity(journal_dir, self_address, partner_addresses)
     except BaseException:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
+        claim.release()
         raise
-    return JournalClaim(handle, journal_dir)
+    return JournalClaim(claim, journal_dir)
 
 
 def _check_identity(journal_dir: Path, self_address: str, partners: tuple[str, ...]) -> None:

@@ -32,6 +32,8 @@ from typing import Any
 from pysyncobj.tcp_connection import TcpConnection
 from pysyncobj.transport import TCPTransport
 
+from kvflow.replication.journal_repair import VoteHold
+
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_FRAMES = 2
@@ -115,9 +117,17 @@ class GatedTransport(TCPTransport):  # type: ignore[misc]
     """``TCPTransport`` with the module's gate on every connection (pass it to ``SyncObj``
     as ``transportClass``)."""
 
-    def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any) -> None:
+    def __init__(
+        self, syncObj: Any, selfNode: Any, otherNodes: Any, vote_hold: VoteHold | None = None
+    ) -> None:
         self._pending: dict[TcpConnection, GatedSocket] = {}
+        self._vote_hold = vote_hold
         super().__init__(syncObj, selfNode, otherNodes)
+
+    def _onMessageReceived(self, node: Any, message: Any) -> None:
+        if self._vote_hold is not None and self._vote_hold.withholds(message):
+            return  # an emptied replica does not vote until it caught up (journal_repair)
+        super()._onMessageReceived(node, message)
 
     def _onNewIncomingConnection(self, conn: TcpConnection) -> None:
         if not self._syncObj.encryptor:

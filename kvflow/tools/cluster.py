@@ -127,8 +127,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}: {where}{also}   (kvflow kvdb --server {where} shards)")
         ports = " ".join(f"{name}={port}" for name, port in cluster.metrics_ports.items())
         print(f"  Prometheus metrics (http://{args.host}:PORT/metrics): {ports}", flush=True)
+        reported: set[str] = set()
         while not stop["now"]:
             cluster.supervise_once()
+            for name, why in cluster.failed().items():
+                if name not in reported:
+                    reported.add(name)
+                    print(f"kvflow cluster: {name} FAILED, not restarted: {why}", flush=True)
             time.sleep(0.5)
     except RuntimeError as exc:
         print(f"kvflow cluster: {exc}")

@@ -13,7 +13,8 @@ import argparse
 import asyncio
 import contextlib
 import signal
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -233,6 +234,21 @@ def _http_line(http: Any) -> str:
     return f"; HTTP (OpenAI, SGLang) on {http.url}" if http is not None else ""
 
 
+def _started(what: str, serve: Callable[[], None]) -> int:
+    """Run ``serve``; 0 when it returns. A start that cannot proceed (a data dir held by
+    another process or damaged beyond repair, a port in use, no metadata group) is one
+    line on stderr, naming the cause, and exit code 1; the supervisor reads that line."""
+    from kvflow.kvdb.errors import KVDBError
+    from kvflow.replication.errors import ReplicationError
+
+    try:
+        serve()
+    except (KVDBError, ReplicationError, OSError) as exc:
+        print(f"{what}: cannot start: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 @contextlib.contextmanager
 def _interruptible_startup() -> Iterator[None]:
     """While start-up runs, SIGINT (Ctrl-C) and SIGTERM raise KeyboardInterrupt at once,
@@ -364,8 +380,7 @@ def run_node(args: argparse.Namespace) -> int:
             )
             await _until_signal()
 
-    asyncio.run(main())
-    return 0
+    return _started("kvflow serve --role node", lambda: asyncio.run(main()))
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -417,8 +432,7 @@ def run_router(args: argparse.Namespace) -> int:
             )
             await _until_signal()
 
-    asyncio.run(main())
-    return 0
+    return _started("kvflow serve --role router", lambda: asyncio.run(main()))
 
 
 def _say(line: str) -> None:
@@ -478,5 +492,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvflow serve: {exc}")
         return 2
     print(f"kvflow: {plan.describe()}", flush=True)
-    asyncio.run(serve_embedded(config, args.host, args.port, args.metrics_port, http, auth))
-    return 0
+    return _started(
+        "kvflow serve",
+        lambda: asyncio.run(
+            serve_embedded(config, args.host, args.port, args.metrics_port, http, auth)
+        ),
+    )

@@ -14,11 +14,12 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -73,6 +74,11 @@ def cluster_secret_file(data_dir: Path) -> Path:
 STABLE_AFTER_S = 10.0
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+# A process that dies quickly this many times in a row with the same exit code and the same
+# last line of output will fail the same way again (a data dir held by another process, a
+# bad flag): it is not restarted, and the supervisor reports it (``Proc.failed``).
+GIVE_UP_AFTER = 3
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:.,]+ ")  # a log record's time: not the cause
 
 
 @dataclass
@@ -93,10 +99,14 @@ class Proc:
     restart_at: float | None = None  # when a dead process is due to start again
     secret_file: Path | None = None  # the cluster secret, passed by path in the environment
     tls: TlsSettings = PLAINTEXT  # the TLS files, passed by path in the environment
+    quick_deaths: list[tuple[int | None, str]] = field(default_factory=list)
+    failed: str | None = None  # why it is no longer restarted ("exit 1: <its last line>")
+    log_offset: int = 0  # where this run's output starts in log_path
 
     def start(self) -> None:
         self.started_at = time.monotonic()
         self.restart_at = None
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ)
         for name in (SECRET_FILE_ENV, *TLS_ENV_NAMES):  # the cluster's, not this process's
@@ -112,6 +122,28 @@ class Proc:
             env=env,
             preexec_fn=die_with_parent,
         )
+
+    def last_line(self) -> str:
+        """The last non-empty line this run wrote (at most 300 characters), or ''."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(max(self.log_offset, self.log_path.stat().st_size - 64 * 1024))
+                tail = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        lines = [_STAMP.sub("", line).strip() for line in tail.splitlines()]
+        lines = [line for line in lines if line]
+        return lines[-1][:300] if lines else ""
+
+    def status(self) -> str:
+        """'running', 'failed: <why>', 'restarting', 'down' or 'not started'."""
+        if self.failed is not None:
+            return f"failed: {self.failed}"
+        if self.alive():
+            return "running"
+        if self.popen is None:
+            return "not started"
+        return "down" if self.keep_down else "restarting"
 
     def kill(self) -> None:
         """SIGKILL (a failure test) and reap."""
@@ -408,6 +440,8 @@ class LocalCluster:
         proc = self.procs[name]
         proc.stop()
         proc.keep_down = False
+        proc.failed = None
+        proc.quick_deaths.clear()
         proc.restarts += 1
         proc.start()
 
@@ -422,33 +456,16 @@ class LocalCluster:
         return down
 
     def supervise_once(self, now: float | None = None) -> list[str]:
-        """Restart the processes that died without being killed on purpose: at once if they
-        had run ``STABLE_AFTER_S``, else after a backoff that doubles with each quick death.
-        Returns the names restarted now."""
-        now = time.monotonic() if now is None else now
-        restarted = []
-        for proc in self.procs.values():
-            if proc.alive() or proc.keep_down or proc.popen is None:
-                continue
-            if proc.restart_at is None:  # a death not seen before
-                quick = now - proc.started_at < STABLE_AFTER_S
-                proc.backoff_s = (
-                    min(MAX_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * proc.backoff_s)) if quick else 0.0
-                )
-                proc.restart_at = now + proc.backoff_s
-                logger.warning(
-                    "%s exited with %s; restarting it%s (log: %s)",
-                    proc.name,
-                    proc.popen.poll(),
-                    f" in {proc.backoff_s:.1f} s" if proc.backoff_s else "",
-                    proc.log_path,
-                )
-            if now >= proc.restart_at:
-                proc.stop()
-                proc.restarts += 1
-                proc.start()
-                restarted.append(proc.name)
-        return restarted
+        """Restart the processes that died (``supervise``). Returns the names restarted now."""
+        return supervise(self.procs.values(), now)
+
+    def failed(self) -> dict[str, str]:
+        """The processes the supervisor gave up on, and why."""
+        return {name: p.failed for name, p in self.procs.items() if p.failed is not None}
+
+    def status(self) -> dict[str, str]:
+        """Every process's ``Proc.status``."""
+        return {name: p.status() for name, p in self.procs.items()}
 
     def stop(self) -> None:
         """SIGTERM routers, then nodes (they flush their holdings to the metadata), then the
@@ -464,6 +481,55 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def supervise(procs: Iterable[Proc], now: float | None = None) -> list[str]:
+    """Restart the processes that died without being killed on purpose: at once if they had
+    run ``STABLE_AFTER_S``, else after a backoff that doubles with each quick death; after
+    ``GIVE_UP_AFTER`` quick deaths in a row with one exit code and one last output line, not
+    at all (``Proc.failed`` says why; logged once). Returns the names restarted now."""
+    now = time.monotonic() if now is None else now
+    restarted = []
+    for proc in procs:
+        if proc.alive() or proc.keep_down or proc.popen is None:
+            continue
+        if proc.restart_at is None:  # a death not seen before
+            code = proc.popen.poll()
+            quick = now - proc.started_at < STABLE_AFTER_S
+            if not quick:
+                proc.quick_deaths.clear()
+            else:
+                proc.quick_deaths.append((code, proc.last_line()))
+                recent = proc.quick_deaths[-GIVE_UP_AFTER:]
+                if len(recent) == GIVE_UP_AFTER and len(set(recent)) == 1:
+                    proc.failed = f"exit {code}: {recent[0][1] or '(no output)'}"
+                    proc.keep_down = True
+                    logger.error(
+                        "%s failed %d times in a row the same way (%s); not restarting it "
+                        "(log: %s)",
+                        proc.name,
+                        GIVE_UP_AFTER,
+                        proc.failed,
+                        proc.log_path,
+                    )
+                    continue
+            proc.backoff_s = (
+                min(MAX_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * proc.backoff_s)) if quick else 0.0
+            )
+            proc.restart_at = now + proc.backoff_s
+            logger.warning(
+                "%s exited with %s; restarting it%s (log: %s)",
+                proc.name,
+                code,
+                f" in {proc.backoff_s:.1f} s" if proc.backoff_s else "",
+                proc.log_path,
+            )
+        if now >= proc.restart_at:
+            proc.stop()
+            proc.restarts += 1
+            proc.start()
+            restarted.append(proc.name)
+    return restarted
 
 
 class LocalMetaProcesses:

@@ -166,9 +166,9 @@ def test_incompatible_data_dirs(tmp_path: Path) -> None:
     manifest.write_text(json.dumps({**body, "format_version": 99}))
     with pytest.raises(IncompatibleDataDirError, match="version 99"):
         Shard(cfg, NAMESPACE.fingerprint())
-    manifest.write_text("{not json")
-    with pytest.raises(IncompatibleDataDirError, match="unreadable"):
-        Shard(cfg, NAMESPACE.fingerprint())
+    manifest.write_text("{not json")  # damage, not a mistake: moved aside with its tier
+    Shard(cfg, NAMESPACE.fingerprint()).close()  # (tests/faults/test_data_dir_damage.py)
+    assert json.loads(manifest.read_text())["engine"] == "rocksdb"
     manifest.unlink()
     with pytest.raises(IncompatibleDataDirError, match="without"):
         Shard(cfg, NAMESPACE.fingerprint())

@@ -5,7 +5,10 @@ error mapping, failover over dead addresses, and the journal guard."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,8 +177,21 @@ def test_a_closed_replica_is_unavailable(open_group: GroupFactory) -> None:
 def test_journal_guard_refuses_a_second_process_and_a_new_identity(tmp_path: Path) -> None:
     journal = tmp_path / "meta-0"
     claim = claim_journal_dir(journal, "127.0.0.1:7000", ("127.0.0.1:7001",))
-    with pytest.raises(ReplicationError, match="in use"):
-        claim_journal_dir(journal, "127.0.0.1:7000", ("127.0.0.1:7001",))
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, pathlib; from kvflow.replication.journal_guard import claim_journal_dir;"
+            "claim_journal_dir(pathlib.Path(sys.argv[1]), '127.0.0.1:7000', ('127.0.0.1:7001',))",
+            str(journal),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert other.returncode != 0
+    assert f"in use by process {os.getpid()}" in other.stderr
     claim.release()
     claim.release()
     with pytest.raises(ReplicationError, match=re.escape("belongs to replica 127.0.0.1:7000")):

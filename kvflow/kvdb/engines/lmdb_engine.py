@@ -95,9 +95,12 @@ class LmdbEngine(StorageEngine):
             _raise(exc, "delete")
 
     def scan(self) -> Iterator[tuple[bytes, bytes]]:
-        with self._live().begin(buffers=False) as txn:
-            for key, value in txn.cursor():
-                yield bytes(key), bytes(value)
+        try:
+            with self._live().begin(buffers=False) as txn:
+                for key, value in txn.cursor():
+                    yield bytes(key), bytes(value)
+        except lmdb.Error as exc:
+            _raise(exc, "scan")
 
     def flush(self) -> None:
         try:

@@ -98,6 +98,14 @@ class RocksEngine(StorageEngine):
         while it.valid():
             yield bytes(it.key()), bytes(it.value())
             it.next()
+        error: Exception | None = None
+        try:
+            it.status()  # an iterator stops at a damaged file; its status says so
+        except Exception as exc:
+            error = exc
+        del it  # the traceback keeps this frame: the iterator must not keep the DB open
+        if error is not None:
+            _raise(error, "scan")
 
     def flush(self) -> None:
         try:
