@@ -6,15 +6,14 @@ no staging or KV pages) is backpressure: the request is routed again among the o
 that kind (the conductor's next-best), and when every one has refused it, ``NoCapacity`` sends
 it back to wait in the admission queue (api/generation.py). Tokens already sent to the client
 are never sent twice: a retry regenerates the same tokens (sampling is seeded per request id)
-and only the new ones go out. A request whose calls failed ATTEMPTS times before its first
-token goes back to the admission queue too (an overloaded cluster, not a broken request);
-after its first token, the failure is the request's error.
+and only the new ones go out. A request whose calls failed ATTEMPTS times goes back to the
+admission queue too (an overloaded cluster, not a broken request), with NoCapacity.
 
-A request that has streamed tokens cannot go back to the queue (its client has them). When
-every node of a kind refused it, it waits here instead, backing off from BACKOFF_S to
-BACKOFF_MAX_S, and is routed again among all nodes; only past its deadline (``deadline``:
-``NodeCallBudget.deadline``) does it end with NoCapacity, which the client sees as an error
-after the tokens it has (never as text sent twice).
+A request that has streamed tokens is not sent back to the queue at the first refusal: when
+every node of a kind refused it, it waits here, backing off from BACKOFF_S to BACKOFF_MAX_S,
+and is routed again among all nodes. Past its deadline (``deadline``:
+``NodeCallBudget.deadline``) it ends with NoCapacity, and ``api.generation`` runs it again
+from the queue, sending only the tokens after those the client has (never text twice).
 
 The wire is not this module's business: ``NodeCalls`` (api/node_client.py) turns each call
 into a proto request and each failure a retry can fix into ``NodeCallFailed``."""
@@ -132,12 +131,10 @@ class RemoteGenerateStage(Stage):
                 self._on_failed(err.node)
                 failures += 1
                 logger.warning("req=%s attempt %d failed: %s", ctx.request_id, attempt, err)
-                if failures == ATTEMPTS:
-                    if state.emitted_tokens == 0:  # nothing sent yet: wait and retry later
-                        raise NoCapacity(
-                            f"no node could take the request ({ATTEMPTS} failed calls; last: {err})"
-                        ) from err
-                    raise
+                if failures == ATTEMPTS:  # wait in the admission queue and retry later
+                    raise NoCapacity(
+                        f"no node could take the request ({ATTEMPTS} failed calls; last: {err})"
+                    ) from err
 
     async def _wait_started(
         self, request_id: str, state: GenerateState, seconds: float, err: NodeBusy

@@ -346,7 +346,12 @@ class Generation:
             except (NoCapacity, Overloaded) as exc:
                 if not self._may_retry(exc):
                     raise
-                logger.info("req=%s: no room (%s); waiting again", self.request_id, exc)
+                logger.info(
+                    "req=%s: no room (%s) after %d tokens; waiting again",
+                    self.request_id,
+                    exc,
+                    self.num_tokens,
+                )
                 self._no_room()
                 continue
             break
