@@ -55,7 +55,9 @@ class NodeCalls(Protocol):
         """Engine TokenLogprobs of an event's TokenLogprob messages."""
         ...
 
-    async def reserve(self, node: NodeRef, request_id: str, num_pages: int) -> Any: ...
+    async def reserve(
+        self, node: NodeRef, request_id: str, num_pages: int, state: GenerateState
+    ) -> Any: ...
 
     async def release(self, node: NodeRef, lease: Any) -> None: ...
 
@@ -167,7 +169,7 @@ class RemoteGenerateStage(Stage):
         assert prefill is not None and decode is not None
         pages = -(-state.prompt_len // self._block_size())
         with ctx.span("reserve", node=decode.instance_id):
-            lease = await self._calls.reserve(decode, ctx.request_id, pages)
+            lease = await self._calls.reserve(decode, ctx.request_id, pages, state)
         produced: list[int] = []
         lps: list[Any] = []  # their logprobs (with sampling.logprobs)
         try:

@@ -67,11 +67,17 @@ class NodeClient:
         return logprobs_from_msgs(msgs)
 
     async def reserve(
-        self, node: Any, request_id: str, num_pages: int, timeout: float = SHORT_TIMEOUT_S
+        self,
+        node: Any,
+        request_id: str,
+        num_pages: int,
+        timeout: float = SHORT_TIMEOUT_S,
+        hold_s: float = 0.0,
     ) -> Any:
+        """Staging slots for the prompt's pages, held ``hold_s`` (0: the node's default)."""
         try:
             return await node.stub.Reserve(
-                node_pb2.ReserveRequest(request_id=request_id, num_pages=num_pages),
+                node_pb2.ReserveRequest(request_id=request_id, num_pages=num_pages, hold_s=hold_s),
                 timeout=timeout,
                 metadata=_trace(request_id, "reserve"),
             )

@@ -161,10 +161,13 @@ class NodeGuard:
     def logprobs(self, msgs: Any) -> list[Any]:
         return self._client.logprobs(msgs)
 
-    async def reserve(self, node: Any, request_id: str, num_pages: int) -> Any:
-        return await self._unary(
-            node, self._client.reserve(node, request_id, num_pages, timeout=self.budget.short_s)
-        )
+    async def reserve(
+        self, node: Any, request_id: str, num_pages: int, state: GenerateState
+    ) -> Any:
+        # held while the Prefill queues: as long as the request may wait
+        hold = self.budget.call_s(state)
+        call = self._client.reserve(node, request_id, num_pages, self.budget.short_s, hold)
+        return await self._unary(node, call)
 
     async def release(self, node: Any, lease: Any) -> None:
         await self._unary(node, self._client.release(node, lease, timeout=self.budget.short_s))
