@@ -100,6 +100,7 @@ def test_burst_beyond_the_staging_pages_is_all_served(make: Any) -> None:
     assert server.cluster.admission.running() == 0
 
 
+@pytest.mark.slow  # about 5 s: 20 requests of 24 tokens on one engine
 def test_requests_outgrowing_the_kv_pages_after_their_first_token_wait(
     make: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
