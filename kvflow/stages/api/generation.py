@@ -265,11 +265,14 @@ class Generation:
 
     def _may_retry(self, error: BaseException | None) -> bool:
         """Whether ``error`` is a lack of room that waiting can fix, and the caller still
-        waits. Also after tokens were sent: the retry regenerates them (sampling is seeded
-        per request id) and sends only the ones after them (``_no_room``)."""
+        waits. Also after tokens were sent, while other requests run (their end makes room;
+        a request that outgrew the pages running alone never fits): the retry regenerates
+        the tokens (sampling is seeded per request id) and sends only the ones after them
+        (``_no_room``)."""
         return (
             isinstance(error, NoCapacity | Overloaded)
             and self._admission is not None
+            and (self.num_tokens == 0 or self._admission.running() > 1)
             and not self._closed
             and self._cancelled is None
         )
