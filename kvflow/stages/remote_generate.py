@@ -6,15 +6,21 @@ no staging or KV pages) is backpressure: the request is routed again among the o
 that kind (the conductor's next-best), and when every one has refused it, ``NoCapacity`` sends
 it back to wait in the admission queue (api/generation.py). Tokens already sent to the client
 are never sent twice: a retry regenerates the same tokens (sampling is seeded per request id)
-and only the new ones go out. A request whose calls failed ATTEMPTS times before its first
-token goes back to the admission queue too (an overloaded cluster, not a broken request);
-after its first token, the failure is the request's error.
+and only the new ones go out. A request whose calls failed ATTEMPTS times goes back to the
+admission queue too (an overloaded cluster, not a broken request), with NoCapacity.
+
+A request that has streamed tokens is not sent back to the queue at the first refusal: when
+every node of a kind refused it, it waits here, backing off from BACKOFF_S to BACKOFF_MAX_S,
+and is routed again among all nodes. Past its deadline (``deadline``:
+``NodeCallBudget.deadline``) it ends with NoCapacity, and ``api.generation`` runs it again
+from the queue, sending only the tokens after those the client has (never text twice).
 
 The wire is not this module's business: ``NodeCalls`` (api/node_client.py) turns each call
 into a proto request and each failure a retry can fix into ``NodeCallFailed``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -30,6 +36,8 @@ from kvflow.stages.state import GenerateState
 logger = logging.getLogger(__name__)
 
 ATTEMPTS = 5  # a request may meet several dead nodes before they are all marked
+BACKOFF_S = 0.25  # the first wait of a started request that every node refused
+BACKOFF_MAX_S = 4.0
 
 
 class NodeRef(Protocol):
@@ -47,7 +55,9 @@ class NodeCalls(Protocol):
         """Engine TokenLogprobs of an event's TokenLogprob messages."""
         ...
 
-    async def reserve(self, node: NodeRef, request_id: str, num_pages: int) -> Any: ...
+    async def reserve(
+        self, node: NodeRef, request_id: str, num_pages: int, state: GenerateState
+    ) -> Any: ...
 
     async def release(self, node: NodeRef, lease: Any) -> None: ...
 
@@ -74,6 +84,7 @@ class RemoteGenerateStage(Stage):
         block_size: Callable[[], int],
         instance_wait_s: float,
         on_failed: Callable[[Any], None],
+        deadline: Callable[[GenerateState], float],
         on_wait: Callable[[], None] | None = None,
         on_busy: Callable[[Any], None] | None = None,
     ) -> None:
@@ -85,11 +96,13 @@ class RemoteGenerateStage(Stage):
         self._on_failed = on_failed
         self._on_wait = on_wait
         self._on_busy = on_busy
+        self._deadline = deadline
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
         busy: set[str] = set()  # nodes that refused this request for lack of room
         attempt = failures = 0
+        backoff = BACKOFF_S
         while True:
             if attempt:
                 await route_and_commit(
@@ -111,17 +124,37 @@ class RemoteGenerateStage(Stage):
                 logger.info("req=%s: %s; trying another node", ctx.request_id, err)
                 prefill, decode = self._without(busy)
                 if not prefill or not decode:
-                    raise NoCapacity(f"every node of a kind is busy ({err})") from err
+                    if state.emitted_tokens == 0:  # back to the admission queue
+                        raise NoCapacity(f"every node of a kind is busy ({err})") from err
+                    await self._wait_started(ctx.request_id, state, backoff, err)
+                    backoff = min(2 * backoff, BACKOFF_MAX_S)
+                    busy.clear()
             except NodeCallFailed as err:
                 self._on_failed(err.node)
                 failures += 1
                 logger.warning("req=%s attempt %d failed: %s", ctx.request_id, attempt, err)
-                if failures == ATTEMPTS:
-                    if state.emitted_tokens == 0:  # nothing sent yet: wait and retry later
-                        raise NoCapacity(
-                            f"no node could take the request ({ATTEMPTS} failed calls; last: {err})"
-                        ) from err
-                    raise
+                if failures == ATTEMPTS:  # wait in the admission queue and retry later
+                    raise NoCapacity(
+                        f"no node could take the request ({ATTEMPTS} failed calls; last: {err})"
+                    ) from err
+
+    async def _wait_started(
+        self, request_id: str, state: GenerateState, seconds: float, err: NodeBusy
+    ) -> None:
+        """A started request that every node refused waits ``seconds`` (not past its
+        deadline) to be routed again; NoCapacity once the deadline has passed."""
+        left = self._deadline(state) - time.monotonic()
+        if left <= 0:
+            raise NoCapacity(
+                f"every node of a kind stayed busy until the request's deadline ({err})"
+            ) from err
+        logger.info(
+            "req=%s: every node of a kind is busy after %d tokens; retrying in %.2fs",
+            request_id,
+            state.emitted_tokens,
+            min(seconds, left),
+        )
+        await asyncio.sleep(min(seconds, left))
 
     def _without(self, busy: set[str]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         """The instances (prefill, decode) but those in ``busy``."""
@@ -136,7 +169,7 @@ class RemoteGenerateStage(Stage):
         assert prefill is not None and decode is not None
         pages = -(-state.prompt_len // self._block_size())
         with ctx.span("reserve", node=decode.instance_id):
-            lease = await self._calls.reserve(decode, ctx.request_id, pages)
+            lease = await self._calls.reserve(decode, ctx.request_id, pages, state)
         produced: list[int] = []
         lps: list[Any] = []  # their logprobs (with sampling.logprobs)
         try:

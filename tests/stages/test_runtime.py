@@ -49,6 +49,21 @@ def test_lease_book_hands_out_takes_and_expires() -> None:
     assert area.num_free == 8 and book.release(b) is False
 
 
+def test_a_lease_is_held_as_long_as_its_caller_asks_within_bounds() -> None:
+    """A router asks for its request's time left: a Prefill queued past the default timeout
+    still finds its slots; a lease asked for too little, or for ever, gets the bounds."""
+    area = StagingArea("d", 8, (2, 4), torch.float32)
+    book = LeaseBook(area, timeout_s=10.0)
+    assert book.hold_s(0.0) == 10.0 and book.hold_s(3.0) == 10.0
+    assert book.hold_s(float("nan")) == 10.0 and book.hold_s(float("inf")) == 10.0
+    assert book.hold_s(300.0) == 300.0
+    assert book.hold_s(1e9) == LeaseBook.MAX_HOLD_S
+    held, _ = book.lease("r1", 2, hold_s=300.0)
+    book.lease("r2", 2)
+    assert book.reap(now=time.monotonic() + 11) == 1  # r2's default 10 s
+    assert book.reap(now=time.monotonic() + 299) == 0 and book.release(held)
+
+
 def _group(tmp_path: Path) -> MetadataGroup:
     g = MetadataGroup(MetadataConfig(self_address=f"127.0.0.1:{pick_free_port()}"))
     g.start()

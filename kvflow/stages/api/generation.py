@@ -182,11 +182,12 @@ class Generation:
     limit of ``frontend.tenant_limits``: checked after validation; the permit is given back
     when the request ends). Iterate ``chunks()`` once (or ``cancel`` it): it first waits in
     the frontend's admission queue (``frontend.admission``; QueueFull when it is full), then
-    submits; a request that finds no room (no staging or KV pages) before its first token
-    waits again at its place. It raises the request's error (a FinalError, a StageError...)
-    and ends the request if the caller stops iterating early (a client that went away: its
-    place in the queue, and every page, pin and booking, are freed). After it:
-    ``finish_reason`` ("stop" | "length"), ``usage()``, ``prompt_logprobs``.
+    submits; a request that finds no room (no staging or KV pages) waits again at its place,
+    also after its first tokens (the retry's repeats of them are not sent again). It raises
+    the request's error (a FinalError, a StageError...) and ends the request if the caller
+    stops iterating early (a client that went away: its place in the queue, and every page,
+    pin and booking, are freed). After it: ``finish_reason`` ("stop" | "length"),
+    ``usage()``, ``prompt_logprobs``.
     Not thread-safe: use on the event loop that runs the pipeline."""
 
     def __init__(
@@ -232,8 +233,8 @@ class Generation:
 
     async def _start(self) -> None:
         """Wait in the admission queue (when the frontend has one), then submit. A request
-        that found no room (Overloaded at submission, NoCapacity before its first token)
-        waits again at its place: see ``_no_room``."""
+        that found no room (Overloaded at submission, NoCapacity, also after its first
+        tokens) waits again at its place: see ``_no_room``."""
         while True:
             if self._cancelled is not None:
                 raise RequestCancelled(self._cancelled, request_id=self.request_id)
@@ -263,23 +264,29 @@ class Generation:
             return
 
     def _may_retry(self, error: BaseException | None) -> bool:
-        """Whether ``error`` is a lack of room that waiting can fix: nothing was generated
-        for the caller yet, and the caller still waits."""
+        """Whether ``error`` is a lack of room that waiting can fix, and the caller still
+        waits. Also after tokens were sent, while other requests run (their end makes room;
+        a request that outgrew the pages running alone never fits): the retry regenerates
+        the tokens (sampling is seeded per request id) and sends only the ones after them
+        (``_no_room``)."""
         return (
             isinstance(error, NoCapacity | Overloaded)
             and self._admission is not None
-            and self.num_tokens == 0
+            and (self.num_tokens == 0 or self._admission.running() > 1)
             and not self._closed
             and self._cancelled is None
         )
 
     def _no_room(self) -> None:
-        """Back to the queue with a fresh state (the last attempt's ended and freed its)."""
+        """Back to the queue with a fresh state (the last attempt's ended and freed its). The
+        tokens the caller has are skipped when the retry produces them again."""
         assert self._admission is not None and self._ticket is not None
         self._admission.no_room(self._ticket)
         self.state = build_state(self._inp, self._frontend.config)
         self.state.booking.request_id = self.request_id
         self._detok = self._detokenizer()
+        self._skip += self.num_tokens  # what it still had to skip, plus what was sent
+        self.num_tokens = 0
 
     def _ended(self, attempt: int, handle: RequestHandle) -> None:
         """The pipeline ended an attempt: its place and the tenant's permit are given back,
@@ -342,7 +349,12 @@ class Generation:
             except (NoCapacity, Overloaded) as exc:
                 if not self._may_retry(exc):
                     raise
-                logger.info("req=%s: no room (%s); waiting again", self.request_id, exc)
+                logger.info(
+                    "req=%s: no room (%s) after %d tokens; waiting again",
+                    self.request_id,
+                    exc,
+                    self.num_tokens,
+                )
                 self._no_room()
                 continue
             break

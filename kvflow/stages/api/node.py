@@ -234,7 +234,9 @@ class NodeServicer(node_pb2_grpc.NodeServicer):  # type: ignore[misc,name-define
             return None
         try:
             check_request_id(request.request_id)
-            lease_id, lease = leases.lease(request.request_id, int(request.num_pages))
+            lease_id, lease = leases.lease(
+                request.request_id, int(request.num_pages), float(request.hold_s)
+            )
         except Exception as exc:
             code, details = status_for(exc)
             await context.abort(code, details)

@@ -2,11 +2,11 @@
 
 Each call carries the trace context in its metadata (``convert.TRACE_PARENT``), so the node's
 spans join the request's trace. A failure that a retry on another node can fix (UNAVAILABLE,
-DEADLINE_EXCEEDED, CANCELLED, INTERNAL) becomes ``NodeCallFailed(node)``; a refusal for lack
-of room (RESOURCE_EXHAUSTED) or a call over its deadline (DEADLINE_EXCEEDED: the node queued
-more than predicted) becomes ``NodeBusy(node)``; ABORTED from a
-Prefill (its KV stream's decode side failed: ``errors.StreamTargetFailed``) becomes
-``NodeCallFailed(the request's decode node)``; any other status propagates as it is. Every
+CANCELLED, INTERNAL) becomes ``NodeCallFailed(node)``; a refusal for lack of room
+(RESOURCE_EXHAUSTED) or a call over its deadline (DEADLINE_EXCEEDED: the request's time ran
+out on a node that answers, a slow one) becomes ``NodeBusy(node)``; ABORTED from a Prefill (its
+KV stream's decode side failed: ``errors.StreamTargetFailed``) becomes ``NodeCallFailed(the
+request's decode node)``; any other status propagates as it is. Every
 call takes its deadline (``timeout``; the defaults are the ceilings); ``node_guard.NodeGuard``
 sizes them to the work. A streaming call abandoned
 before its end is cancelled on the wire."""
@@ -51,8 +51,8 @@ def _failed(node: Any, err: grpc.aio.AioRpcError, target: Any = None) -> BaseExc
     if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return NodeBusy(node, f"node {node.instance_id}: busy: {err.details()}")
     if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        # Slower than its budget: a node queueing more work than predicted, not a dead one
-        # (NodeGuard's probe finds a hung node): backpressure, the node stays routable.
+        # The request's time ran out on a node that answers (NodeGuard's probe finds a hung
+        # one): a slow node, not a dead one; it stays routable.
         return NodeBusy(node, f"node {node.instance_id}: slow: {err.details()}")
     if err.code() in RETRYABLE:
         return NodeCallFailed(node, f"node {node.instance_id}: {err.code().name} {err.details()}")
@@ -67,11 +67,17 @@ class NodeClient:
         return logprobs_from_msgs(msgs)
 
     async def reserve(
-        self, node: Any, request_id: str, num_pages: int, timeout: float = SHORT_TIMEOUT_S
+        self,
+        node: Any,
+        request_id: str,
+        num_pages: int,
+        timeout: float = SHORT_TIMEOUT_S,
+        hold_s: float = 0.0,
     ) -> Any:
+        """Staging slots for the prompt's pages, held ``hold_s`` (0: the node's default)."""
         try:
             return await node.stub.Reserve(
-                node_pb2.ReserveRequest(request_id=request_id, num_pages=num_pages),
+                node_pb2.ReserveRequest(request_id=request_id, num_pages=num_pages, hold_s=hold_s),
                 timeout=timeout,
                 metadata=_trace(request_id, "reserve"),
             )

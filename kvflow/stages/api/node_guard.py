@@ -9,7 +9,9 @@ Here, while a node has calls in flight, a watchdog probes it (``Info``, every
 call that times out, or ``cancel_node`` (the router's refresh marked it unhealthy) ends every
 call in flight to it with ``NodeCallFailed``, which the stage turns into a retry elsewhere.
 A paused node then costs a request about ``probe_interval_s + probe_timeout_s`` more than a
-dead one. A Prefill call is watched on two nodes: the prefill node it goes to and the decode
+dead one; a loaded node, whose probes are answered slowly, gets a longer probe timeout, and a
+node whose calls still deliver events is not hung (``NodeCallBudget``).
+A Prefill call is watched on two nodes: the prefill node it goes to and the decode
 node its KV streams into (``state.decode``); if the decode node hangs, the call ends with
 ``NodeCallFailed`` for the decode node, so the request is routed again around it (the
 prefill node itself bounds that stream with its own deadline and breaker, and reports such a
@@ -28,7 +30,9 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -47,23 +51,33 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class NodeCallBudget:
-    """Deadlines of the router's node calls, sized to the work, and the hang watchdog.
+    """Deadlines of the router's node calls and the hang watchdog.
 
-    base_s: added to every streaming call (connection, scheduling slack). prefill_factor:
-    times the conductor's predicted queue + prefill seconds; prefill_s_per_token: the floor of
-    that prediction per prompt token (a cold or wrong estimator). decode_s_per_token: per
-    token of ``max_tokens`` plus the prompt's import. short_s: Reserve/Release.
-    probe_interval_s / probe_timeout_s: the watchdog's Info probes while calls are in flight
-    (one unanswered probe opens the breaker). breaker: the per-node circuit breaker
-    (``failure_threshold`` consecutive failed calls open it)."""
+    request_s: a request's whole budget, from its submission (``state.submitted_at``; a
+    request sent back to the admission queue starts a fresh one). A Prefill or Decode call's
+    deadline is what is left of it, at least ``base_s``: a node that has queued more work
+    than the conductor predicted is slow, not broken, and is waited on (sizing deadlines from
+    the prediction failed most requests of a loaded cluster: the prediction knows neither the
+    other routers' requests nor a loaded CPU). A *hung* node is found by the watchdog, not by
+    the deadline. short_s: Reserve/Release.
+
+    The watchdog probes each node with calls in flight (``Info``, every ``probe_interval_s``);
+    a probe unanswered within its timeout, while none of the node's calls delivered an event
+    meanwhile, ends every call to it (and opens its breaker). The timeout follows the node's
+    recent answers: ``probe_slack`` times the slowest of its last ``probe_window`` probes, at
+    least ``probe_timeout_s`` (a paused idle node costs about a second) and at most
+    ``probe_timeout_max_s`` (a loaded node answers in seconds, and is not hung).
+    breaker: the per-node circuit breaker (``failure_threshold`` consecutive failed calls
+    open it)."""
 
     base_s: float = 5.0
-    prefill_factor: float = 4.0
-    prefill_s_per_token: float = 0.002
-    decode_s_per_token: float = 0.25
+    request_s: float = 600.0
     short_s: float = 5.0
     probe_interval_s: float = 0.25
     probe_timeout_s: float = 0.75
+    probe_slack: float = 4.0
+    probe_timeout_max_s: float = 10.0
+    probe_window: int = 8
     breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig(failure_threshold=3))
 
     def __post_init__(self) -> None:
@@ -73,16 +87,25 @@ class NodeCallBudget:
                 isinstance(value, int | float) and math.isfinite(value) and value > 0
             ):
                 raise ValueError(f"{f.name}: must be a positive number, got {value!r}")
+        if self.probe_timeout_max_s < self.probe_timeout_s:
+            raise ValueError(
+                f"probe_timeout_max_s ({self.probe_timeout_max_s}) is less than "
+                f"probe_timeout_s ({self.probe_timeout_s})"
+            )
 
-    def prefill_s(self, state: GenerateState) -> float:
-        decision = state.decision
-        predicted = (decision.t_queue + decision.t_prefill) if decision is not None else 0.0
-        floor = self.prefill_s_per_token * state.prompt_len
-        return self.base_s + self.prefill_factor * max(predicted, floor)
+    def deadline(self, state: GenerateState) -> float:
+        """When ``state``'s request runs out of time (time.monotonic())."""
+        return state.submitted_at + self.request_s
 
-    def decode_s(self, state: GenerateState) -> float:
-        work = state.max_tokens + state.prompt_len * self.prefill_s_per_token
-        return self.base_s + self.decode_s_per_token * work
+    def call_s(self, state: GenerateState, now: float | None = None) -> float:
+        """A Prefill or Decode call's deadline: the request's time left, at least base_s."""
+        left = self.deadline(state) - (time.monotonic() if now is None else now)
+        return max(self.base_s, left)
+
+    def probe_s(self, answered: Iterable[float]) -> float:
+        """A probe's timeout after answers that took ``answered`` seconds (the recent ones)."""
+        slowest = max(answered, default=0.0)
+        return min(self.probe_timeout_max_s, max(self.probe_timeout_s, self.probe_slack * slowest))
 
 
 # Resolved when a node a call depends on is declared down: (that node, why).
@@ -94,6 +117,8 @@ class _Peer:
     breaker: CircuitBreaker
     calls: set[_Down] = field(default_factory=set)
     watchdog: asyncio.Task[None] | None = None
+    answered: deque[float] = field(default_factory=deque)  # recent probes' answer times (s)
+    last_event: float = -math.inf  # when a call to it last delivered an event (monotonic)
 
 
 class NodeGuard:
@@ -136,10 +161,13 @@ class NodeGuard:
     def logprobs(self, msgs: Any) -> list[Any]:
         return self._client.logprobs(msgs)
 
-    async def reserve(self, node: Any, request_id: str, num_pages: int) -> Any:
-        return await self._unary(
-            node, self._client.reserve(node, request_id, num_pages, timeout=self.budget.short_s)
-        )
+    async def reserve(
+        self, node: Any, request_id: str, num_pages: int, state: GenerateState
+    ) -> Any:
+        # held while the Prefill queues: as long as the request may wait
+        hold = self.budget.call_s(state)
+        call = self._client.reserve(node, request_id, num_pages, self.budget.short_s, hold)
+        return await self._unary(node, call)
 
     async def release(self, node: Any, lease: Any) -> None:
         await self._unary(node, self._client.release(node, lease, timeout=self.budget.short_s))
@@ -147,7 +175,7 @@ class NodeGuard:
     def prefill(
         self, node: Any, request_id: str, state: GenerateState, lease: Any
     ) -> AsyncIterator[Any]:
-        timeout = self.budget.prefill_s(state)
+        timeout = self.budget.call_s(state)
         # its KV streams into the decode node: a hang there ends this call too
         target = state.decode
         also = (target,) if target is not None and target is not node else ()
@@ -158,7 +186,7 @@ class NodeGuard:
     def decode(
         self, node: Any, request_id: str, state: GenerateState, lease: Any, first: int
     ) -> AsyncIterator[Any]:
-        timeout = self.budget.decode_s(state)
+        timeout = self.budget.call_s(state)
         return self._stream(
             node, self._client.decode(node, request_id, state, lease, first, timeout)
         )
@@ -243,6 +271,7 @@ class NodeGuard:
                 except NodeBusy:
                     self._outcome(node, True)  # it answered: busy is not broken
                     raise
+                self._peers[node.instance_id].last_event = time.monotonic()  # it works
                 yield ev
             self._outcome(node, True)
         finally:
@@ -253,18 +282,30 @@ class NodeGuard:
                     await aclose()
 
     async def _watch(self, node: Any, peer: _Peer) -> None:
-        """Probe ``node`` while it has calls in flight; end them if a probe goes unanswered."""
+        """Probe ``node`` while it has calls in flight; end them if a probe goes unanswered
+        and none of its calls delivered an event meanwhile (``NodeCallBudget``)."""
         b = self.budget
         while peer.calls:
             await asyncio.sleep(b.probe_interval_s)
             if not peer.calls:
                 return
+            timeout = b.probe_s(peer.answered)
+            sent = time.monotonic()
             try:
-                await node.stub.Info(node_pb2.InfoRequest(), timeout=b.probe_timeout_s)
+                await node.stub.Info(node_pb2.InfoRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     continue
+                if peer.last_event >= sent:  # slow to answer, but its calls make progress
+                    self._answered(peer, timeout)
+                    continue
                 self.probe_failures += 1
                 if peer.calls:
-                    self.cancel_node(node, f"did not answer a probe within {b.probe_timeout_s}s")
+                    self.cancel_node(node, f"did not answer a probe within {timeout:.2f}s")
                 return
+            self._answered(peer, time.monotonic() - sent)
+
+    def _answered(self, peer: _Peer, seconds: float) -> None:
+        peer.answered.append(seconds)
+        while len(peer.answered) > self.budget.probe_window:
+            peer.answered.popleft()

@@ -4,6 +4,7 @@ hands a decode node's leases out across RPCs and frees the ones nobody took in t
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -90,7 +91,11 @@ class StagingArea:
 
 class LeaseBook:
     """Leases of one StagingArea held between RPCs (a decode node: Reserve, then Decode or
-    Release), each with a deadline. Thread-safe."""
+    Release), each with a deadline: ``timeout_s``, or longer when the caller asks
+    (``hold_s``: its request's time left, while its Prefill queues on a loaded node), up to
+    MAX_HOLD_S. Thread-safe."""
+
+    MAX_HOLD_S = 600.0  # a lease whose router died is freed after this at the latest
 
     def __init__(self, staging: StagingArea, timeout_s: float) -> None:
         self.staging = staging
@@ -98,12 +103,18 @@ class LeaseBook:
         self._leases: dict[str, tuple[StagingLease, float]] = {}
         self._lock = threading.Lock()
 
-    def lease(self, request_id: str, n: int) -> tuple[str, StagingLease]:
+    def hold_s(self, asked: float) -> float:
+        """How long a lease asked for ``asked`` seconds (0: the default) is held."""
+        if not math.isfinite(asked) or asked <= self._timeout_s:
+            return self._timeout_s
+        return min(asked, max(self.MAX_HOLD_S, self._timeout_s))
+
+    def lease(self, request_id: str, n: int, hold_s: float = 0.0) -> tuple[str, StagingLease]:
         """Take ``n`` slots under a new lease id; NoCapacity when fewer are free."""
         lease = self.staging.lease(n)
         lease_id = f"{request_id}:{uuid.uuid4().hex[:8]}"
         with self._lock:
-            self._leases[lease_id] = (lease, time.monotonic() + self._timeout_s)
+            self._leases[lease_id] = (lease, time.monotonic() + self.hold_s(hold_s))
         return lease_id, lease
 
     def take(self, lease_id: str) -> StagingLease | None:

@@ -232,7 +232,9 @@ class NodeConfig(EngineStoreConfig):
         meta: the metadata replicas' gRPC addresses.
         host: the address every listener of the node binds; port / transfer_port: 0 picks
             free ports.
-        lease_timeout_s: a decode staging lease not taken by a Decode call is freed after it.
+        lease_timeout_s: a decode staging lease not taken by a Decode call is freed after it,
+            or after the longer time its router asked for (its request's time left, up to
+            ``LeaseBook.MAX_HOLD_S``).
         trace_capacity: requests whose spans the node keeps for the router's trace export.
         peer_budget: deadlines of the node's calls to other nodes (block reads, the KV
             stream into a decode node), sized to their bytes, and each peer's breaker.

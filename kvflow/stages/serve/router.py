@@ -179,6 +179,7 @@ class RouterServer:
                     lambda: self.block_size,
                     s.instance_wait_s,
                     on_failed=self.mark_failed,
+                    deadline=self.node_guard.budget.deadline,
                     on_wait=self.count_wait,
                     on_busy=self.count_busy,
                 ),

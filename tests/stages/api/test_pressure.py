@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -95,6 +96,50 @@ def test_burst_beyond_the_staging_pages_is_all_served(make: Any) -> None:
     assert len(done) == 24 and all(1 <= n <= 6 for n in done)  # served, none refused
     assert metric(server, "kvflow_admission_no_room_total") > 0  # they did wait for pages
     assert metric(server, "kvflow_admission_queue_seconds_count") >= 24
+    assert_no_leaks(server)
+    assert server.cluster.admission.running() == 0
+
+
+@pytest.mark.slow  # about 5 s: 20 requests of 24 tokens on one engine
+def test_requests_outgrowing_the_kv_pages_after_their_first_token_wait(
+    make: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """7 KV pages: two requests of 3 prompt pages each start decoding, then outgrow them (40 +
+    24 tokens are 4 pages each). The one that finds no page after its first tokens waits at
+    its place and is run again; the client gets exactly the tokens and text of the request
+    alone, once (no 503, no text twice)."""
+    server = make(num_pages=7, max_tokens_limit=64)
+    prompts = [[(k * i + 5) % 250 + 3 for i in range(40)] for k in (3, 7, 11, 13)]
+    eos = pb2.SamplingParams(ignore_eos=True)
+    alone = [server.generate(ids, max_tokens=24, sampling=eos) for ids in prompts]
+    c = client(server)
+
+    def over_http(i: int) -> str:
+        stream = c.completions.create(
+            model="tiny-chat",
+            prompt=prompts[i % 4],
+            max_tokens=24,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )  # an error event after the first token raises here
+        return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+    def over_grpc(i: int) -> list[int]:
+        ids, _, _ = server.generate(prompts[i % 4], max_tokens=24, sampling=eos)
+        return ids
+
+    caplog.set_level(logging.INFO, logger="kvflow.stages.api.generation")
+    with ThreadPoolExecutor(16) as pool:
+        texts = [pool.submit(over_http, i) for i in range(8)]
+        tokens = [pool.submit(over_grpc, i) for i in range(8)]
+        got_text = [f.result(timeout=180) for f in texts]
+        got_tokens = [f.result(timeout=180) for f in tokens]
+    assert got_text == [alone[i % 4][2] for i in range(8)]
+    assert got_tokens == [alone[i % 4][0] for i in range(8)]
+    started = [r for r in caplog.records if "no room" in r.getMessage()]
+    assert any(" after 0 tokens" not in r.getMessage() for r in started), [
+        r.getMessage() for r in started
+    ]  # some did run out after their first tokens
     assert_no_leaks(server)
     assert server.cluster.admission.running() == 0
 
