@@ -33,7 +33,10 @@ class MemberConfig:
         peers (a Mooncake client with no segment). engine: "rocksdb", "lmdb" or "memory".
         tenant: the key namespace's tenant (tenants never see each other's blocks).
         heartbeat_s: the member's heartbeat period; peer_dead_after_s: a peer whose last
-        heartbeat is older is not read from.
+        heartbeat is older is not read from. dram_prefault: touch every page of the DRAM
+        pool when the member opens (the pool is committed memory from the start; no page
+        fault on the put path). verify_dram_hits: checksum every read of this member's own
+        DRAM blocks (SSD and peer reads are verified always; see kvdb's StoreConfig).
     """
 
     node_id: str
@@ -48,6 +51,8 @@ class MemberConfig:
     tenant: str = "default"
     heartbeat_s: float = 1.0
     peer_dead_after_s: float = 5.0
+    dram_prefault: bool = False
+    verify_dram_hits: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not _NODE_RE.fullmatch(self.node_id):
@@ -79,6 +84,9 @@ class MemberConfig:
             raise ValueError(
                 f"tenant must be 1-64 characters of [A-Za-z0-9_.-], got {self.tenant!r}"
             )
+        for name in ("dram_prefault", "verify_dram_hits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s!r}")
         if not self.peer_dead_after_s > self.heartbeat_s:
@@ -101,8 +109,9 @@ class MemberConfig:
         (``kvflow_meta`` "a:1,b:2" or a list, ``kvflow_node_id``, ``kvflow_host``,
         ``kvflow_port``, ``kvflow_transfer_port``, ``kvflow_data_dir``, ``kvflow_dram_bytes``,
         ``kvflow_ssd_bytes``, ``kvflow_engine``, ``kvflow_tenant``, ``kvflow_heartbeat_s``,
-        ``kvflow_peer_dead_after_s``); other keys are ignored. ``defaults`` fill fields the
-        mapping leaves out. Raises ValueError naming the key."""
+        ``kvflow_peer_dead_after_s``, ``kvflow_dram_prefault``, ``kvflow_verify_dram_hits``);
+        other keys are ignored. ``defaults`` fill fields the mapping leaves out. Raises
+        ValueError naming the key."""
         known = {f.name for f in fields(cls)}
         args: dict[str, Any] = dict(defaults)
         for key, value in values.items():

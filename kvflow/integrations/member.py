@@ -110,6 +110,8 @@ class ClusterMember:
             ssd_capacity_bytes=c.ssd_bytes,
             engine=c.engine,
             value_size=value_size,
+            dram_prefault=c.dram_prefault,
+            verify_dram_hits=c.verify_dram_hits,
         )
 
     def _open(self, value_size: int | None) -> None:

@@ -134,6 +134,13 @@ class MooncakeDistributedStore:
             "dram_bytes": max(args.global_segment_size, 1 << 20),
             "engine": "memory",
             "meta": meta,
+            # The segment is memory given to the store at setup (as Mooncake registers its
+            # segment then): its pages are faulted in now, not on the put path.
+            "dram_prefault": True,
+            # Integrity is checked where bytes can go bad: SSD records and reads from peers.
+            # A hit in this process's own DRAM pool (peers can only read it) is one copy, as
+            # Mooncake's local read is.
+            "verify_dram_hits": False,
         }
         if args.tenant_id != "default":
             defaults["tenant"] = args.tenant_id
@@ -218,29 +225,57 @@ class MooncakeDistributedStore:
     def _write(
         self, key: str, value: Any, config: ReplicateConfig | None, upsert: bool, staged: bool
     ) -> int:
-        """One put/upsert. ``staged``: the value passes through the local buffer (Mooncake
-        refuses a value larger than ``local_buffer_size`` there)."""
+        """One put/upsert (see ``_write_all``)."""
+        return self._write_all([(key, value)], config, upsert, staged)[0]
+
+    def _write_all(
+        self, items: Sequence[tuple[str, Any]], config: ReplicateConfig | None, upsert: bool,
+        staged: bool,
+    ) -> list[int]:  # fmt: skip
+        """Puts/upserts in order, a code per item. ``staged``: the values pass through the
+        local buffer (Mooncake refuses a value larger than ``local_buffer_size`` there).
+        Which keys exist already is asked once for the batch (one metadata lookup for the
+        keys this shard lacks, not one per key)."""
         member, _ = self._ready()
         config = config if config is not None else _DEFAULT
-        data = memoryview(value).cast("B")  # TypeError for a non-buffer, as Mooncake
         soft = soft_pin_ms(config)
-        bkey = self._key(key)
         assert self._args is not None
-        if bkey is None or data.nbytes == 0 or isinstance(soft, ErrorCode):
-            return INVALID_PARAMS
-        if staged and data.nbytes > self._args.local_buffer_size:
-            return INVALID_PARAMS
-        if member.present([bkey])[0]:
-            if not upsert:
-                return 0  # Mooncake: a put of a key that exists succeeds and changes nothing
-            if member.store.shard.exists(bkey):
-                old = self._sizes.get(bkey) or member.size_of(bkey)
-                if member.remove([bkey]) != 1:
-                    return OBJECT_HAS_LEASE  # a peer is reading it this instant
-                if old != data.nbytes:
-                    # Mooncake updates a same-size object in place (its lease stays) and
-                    # replaces one of another size with a new, unleased object.
-                    self._leases.release(key)
+        limit = self._args.local_buffer_size if staged else None
+        out = [INVALID_PARAMS] * len(items)
+        todo: list[tuple[int, str, bytes, memoryview]] = []
+        for i, (key, value) in enumerate(items):
+            data = memoryview(value).cast("B")  # TypeError for a non-buffer, as Mooncake
+            bkey = self._key(key)
+            if bkey is None or data.nbytes == 0 or isinstance(soft, ErrorCode):
+                continue
+            if limit is not None and data.nbytes > limit:
+                continue
+            todo.append((i, key, bkey, data))
+        held = member.present([t[2] for t in todo]) if todo else []
+        written: set[bytes] = set()
+        for (i, key, bkey, data), present in zip(todo, held, strict=True):
+            if present or bkey in written:
+                if not upsert:
+                    out[i] = 0  # Mooncake: a put of a key that exists changes nothing
+                    continue
+                if member.store.shard.exists(bkey):
+                    old = self._sizes.get(bkey) or member.size_of(bkey)
+                    if member.remove([bkey]) != 1:
+                        out[i] = OBJECT_HAS_LEASE  # a peer is reading it this instant
+                        continue
+                    if old != data.nbytes:
+                        # Mooncake updates a same-size object in place (its lease stays) and
+                        # replaces one of another size with a new, unleased object.
+                        self._leases.release(key)
+            out[i] = self._put_one(member, key, bkey, data, config, soft)
+            if out[i] == 0:
+                written.add(bkey)
+        return out
+
+    def _put_one(
+        self, member: ClusterMember, key: str, bkey: bytes, data: memoryview,
+        config: ReplicateConfig, soft: int | None,
+    ) -> int:  # fmt: skip
         try:  # acknowledged only once replica_num members hold it (docs/durability.md)
             ok = member.put(bkey, data, replicas=config.replica_num)
         except NotEnoughReplicasError as exc:
@@ -268,25 +303,25 @@ class MooncakeDistributedStore:
         return self._write(key, value, config, upsert=True, staged=True)
 
     def _batch(
-        self, keys: Sequence[str], values: Sequence[Any], one: Callable[[str, Any], int]
+        self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig, upsert: bool
     ) -> int:
         if len(keys) != len(values):
             return INVALID_PARAMS
         if any(memoryview(v).nbytes == 0 for v in values):
             return INVALID_PARAMS  # Mooncake refuses the whole batch
-        codes = [one(k, v) for k, v in zip(keys, values, strict=True)]
+        codes = self._write_all(list(zip(keys, values, strict=True)), config, upsert, True)
         return next((c for c in codes if c != 0), 0)
 
     def put_batch(
         self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig = _DEFAULT
     ) -> int:
         """0 if every put succeeded, else the first error (the others are still put)."""
-        return self._batch(keys, values, lambda k, v: self.put(k, v, config))
+        return self._batch(keys, values, config, False)
 
     def upsert_batch(
         self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig = _DEFAULT
     ) -> int:
-        return self._batch(keys, values, lambda k, v: self.upsert(k, v, config))
+        return self._batch(keys, values, config, True)
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig = _DEFAULT) -> int:
         """The parts, concatenated, as one object (no parts: 0, nothing stored)."""
@@ -324,12 +359,12 @@ class MooncakeDistributedStore:
     ) -> list[int]:  # fmt: skip
         if not len(keys) == len(ptrs) == len(sizes):
             return [INVALID_PARAMS] * len(keys)
-        out = []
-        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
-            view = self._from(ptr, size)
-            out.append(
-                INVALID_PARAMS if view is None else self._write(key, view, config, upsert, False)
-            )
+        views = [self._from(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+        good = [i for i, v in enumerate(views) if v is not None]
+        codes = self._write_all([(keys[i], views[i]) for i in good], config, upsert, False)
+        out = [INVALID_PARAMS] * len(keys)
+        for i, code in zip(good, codes, strict=True):
+            out[i] = code
         return out
 
     def batch_put_from(

@@ -36,6 +36,11 @@ class StoreConfig:
         dram_alignment: DRAM extents start on multiples of this (power of two, >= 8).
         dram_prefault: touch every page of the pool at open (slower open, no page faults on
             the first puts).
+        verify_dram_hits: verify a DRAM block's checksum on every local read (default). False:
+            a DRAM hit is one copy. The pool is written by this shard's puts alone (peers
+            read it through a segment registered read-only for them), so the check guards
+            only against this process's own memory bugs; SSD records and remote reads are
+            verified either way.
         flush_on_close: on close, write DRAM-only blocks to SSD so a clean restart loses nothing.
         event_outbox_capacity: events kept for ``take_events()`` before the oldest are dropped.
         metadata_flush_interval_s: period of the background metadata flusher (> 0).
@@ -57,6 +62,7 @@ class StoreConfig:
     max_value_size: int = 64 * 1024 * 1024
     dram_alignment: int = 256
     dram_prefault: bool = False
+    verify_dram_hits: bool = True
     flush_on_close: bool = True
     event_outbox_capacity: int = 65536
     metadata_flush_interval_s: float = 0.05

@@ -331,6 +331,9 @@ class Shard:
         if tier is Tier.DRAM:
             assert self._state.dram is not None and offset is not None
             view = self._state.dram.view(offset, e.nbytes)
+            if not self.config.verify_dram_hits:
+                dst[:] = view
+                return True
             return verified_copy(dst, view, e.checksum, key_seed(e.key, e.parent, e.tenant))
         assert self._state.ssd is not None
         try:

@@ -86,7 +86,13 @@ class TransferEngine:
     # ----- memory -----------------------------------------------------------------------------
 
     def register_memory(
-        self, name: str, buffer: Any = None, *, shm: bool = False, size: int | None = None
+        self,
+        name: str,
+        buffer: Any = None,
+        *,
+        shm: bool = False,
+        size: int | None = None,
+        peer_writable: bool = True,
     ) -> MemoryHandle:
         """Register memory that peers may read and write as segment ``name`` (mutates).
 
@@ -94,7 +100,9 @@ class TransferEngine:
         or CPU ``__dlpack__``; a torch CPU tensor as ``t.view(torch.uint8).numpy()``), which the
         caller keeps alive and does not resize until unregister_memory; or ``shm=True`` with
         ``size``: the engine creates shared memory that same-host peers can map, and the
-        returned handle's ``buffer`` is the way to fill it.
+        returned handle's ``buffer`` is the way to fill it. ``peer_writable`` False (a
+        ``buffer`` only): remote peers may READ the segment; their WRITEs are refused with
+        ReadOnlySegmentError (their status says so) and change nothing.
 
         Raises SegmentExistsError for a taken name, TypeError/ValueError for a bad buffer or size.
         """
@@ -112,7 +120,7 @@ class TransferEngine:
                 raise ValueError("register_memory: buffer is required unless shm=True")
             if size is not None:
                 raise ValueError("register_memory: size is only for shm=True")
-            segment = self._segments.register(name, buffer)
+            segment = self._segments.register(name, buffer, peer_writable)
         return _memory_handle(segment)
 
     def unregister_memory(self, name: str) -> None:

@@ -52,6 +52,10 @@ class BackendUnavailableError(TransferError, RuntimeError):
     """A backend was asked for that is not registered or cannot run on this host."""
 
 
+class ReadOnlySegmentError(TransferError, PermissionError):
+    """A peer's WRITE to a segment its owner registered read-only for peers."""
+
+
 class ProtocolError(TransferError):
     """The peer sent bytes that do not follow the wire protocol."""
 

@@ -67,12 +67,14 @@ def _raw_view(buffer: Any) -> memoryview:
 
 @dataclass(frozen=True)
 class LocalSegment:
-    """One registered region: ``view`` is its byte view, ``shm`` its shared memory, if any."""
+    """One registered region: ``view`` is its byte view, ``shm`` its shared memory, if any;
+    ``peer_writable`` False: peers may READ it, their WRITEs are refused."""
 
     name: str
     segment_id: int
     view: memoryview
     shm: shared_memory.SharedMemory | None = None
+    peer_writable: bool = True
 
     @property
     def size(self) -> int:
@@ -105,11 +107,11 @@ class SegmentTable:
         self._by_id: dict[int, LocalSegment] = {}
         self._next_id = 1
 
-    def register(self, name: str, buffer: Any) -> LocalSegment:
+    def register(self, name: str, buffer: Any, peer_writable: bool = True) -> LocalSegment:
         """Register caller memory under ``name``; SegmentExistsError if the name is taken."""
         _check_name(name)
         view = as_byte_view(buffer)
-        return self._add(name, view, None)
+        return self._add(name, view, None, peer_writable=peer_writable)
 
     def register_shared(self, name: str, size: int, shm_name: str) -> LocalSegment:
         """Create ``size`` bytes of shared memory named ``shm_name`` and register it as ``name``.
@@ -137,6 +139,7 @@ class SegmentTable:
         view: memoryview,
         shm: shared_memory.SharedMemory | None,
         segment_id: int | None = None,
+        peer_writable: bool = True,
     ) -> LocalSegment:
         with self._lock:
             if name in self._by_name:
@@ -144,7 +147,7 @@ class SegmentTable:
             if segment_id is None:
                 segment_id = self._next_id
                 self._next_id += 1
-            segment = LocalSegment(name, segment_id, view, shm)
+            segment = LocalSegment(name, segment_id, view, shm, peer_writable)
             self._by_name[name] = segment
             self._by_id[segment.segment_id] = segment
         logger.debug("registered segment=%s id=%d size=%d", name, segment.segment_id, segment.size)

@@ -43,12 +43,14 @@ class Status(enum.IntEnum):
     UNKNOWN_SEGMENT = 1
     OUT_OF_BOUNDS = 2
     BAD_REQUEST = 3
+    READ_ONLY = 4
 
 
 STATUS_ERROR_NAMES = {
     Status.UNKNOWN_SEGMENT: "UnknownSegmentError",
     Status.OUT_OF_BOUNDS: "OutOfBoundsError",
     Status.BAD_REQUEST: "ProtocolError",
+    Status.READ_ONLY: "ReadOnlySegmentError",
 }
 
 

@@ -195,10 +195,16 @@ class TcpServer:
         scratch: memoryview,
     ) -> None:
         try:
-            window = self._segments.by_id(segment_id).window(offset, length)
+            segment = self._segments.by_id(segment_id)
+            window = segment.window(offset, length)
         except (UnknownSegmentError, OutOfBoundsError) as exc:
             discard(conn, length, scratch)
             self._reply_error(conn, request_id, _status_of(exc), str(exc))
+            return
+        if not segment.peer_writable:
+            discard(conn, length, scratch)
+            message = f"segment {segment.name!r} is read-only for peers"
+            self._reply_error(conn, request_id, Status.READ_ONLY, message)
             return
         with window:
             recv_exact_into(conn, window)

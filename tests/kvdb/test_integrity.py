@@ -25,7 +25,9 @@ from kvflow.kvdb import (
     Tier,
     ValueSizeError,
 )
+from kvflow.kvdb.codec import block_checksum
 from kvflow.kvdb.engines import MemoryEngine
+from kvflow.kvdb.keys import DEFAULT_TENANT
 from kvflow.kvdb.manifest import MANIFEST_NAME
 from tests.kvdb.conftest import LAYOUT, NAMESPACE, NBYTES, ShardFactory, config, keys, value
 
@@ -73,6 +75,24 @@ def test_corrupt_dram_block_is_a_counted_miss(make_shard: ShardFactory) -> None:
     assert not shard.exists(ks[0])
     assert shard.stats().dram.corruptions == 1
     assert shard.get(ks[1]) == value(1).tobytes()
+
+
+def test_unverified_dram_hits_are_one_copy_and_puts_still_checksum(
+    make_shard: ShardFactory,
+) -> None:
+    """verify_dram_hits=False: a DRAM hit is not checksummed (the pool changes only by this
+    shard's puts); the checksum is still made at put and checked where bytes can go bad."""
+    shard = make_shard(verify_dram_hits=False)
+    ks = keys(2)
+    shard.put(ks[0], value(0))
+    entry = shard._state.index[ks[0]]
+    assert shard._state.dram is not None and entry.dram is not None
+    buf = np.empty(NBYTES, np.uint8)
+    assert shard.get_into(ks[0], buf) is Tier.DRAM and buf.tobytes() == value(0).tobytes()
+    shard._state.dram.pool[entry.dram + 7] ^= 0xFF  # only a bug in this process does this
+    assert shard.get_into(ks[0], buf) is Tier.DRAM and buf[7] != value(0)[7]
+    assert shard.stats().dram.corruptions == 0
+    assert entry.checksum == block_checksum(ks[0], None, DEFAULT_TENANT, value(0))
 
 
 def test_corrupt_records_found_at_open_are_dropped(tmp_path: Path) -> None:

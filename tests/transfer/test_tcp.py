@@ -206,3 +206,25 @@ def test_endpoint_pool_evicts_by_sieve_over_real_connections(
     assert [peer_of(k) for k in tcp.pool.evictions] == ["B", "A", "B"]
     assert [peer_of(k) for k in tcp.pool.order()] == ["C", "A"]
     assert len(tcp.pool.endpoints()) == 2
+
+
+def test_a_segment_read_only_for_peers_refuses_their_writes(
+    make_engine: EngineFactory, rng: np.random.Generator
+) -> None:
+    server = make_engine(prefer_shm=False)
+    remote = random_bytes(rng, 256 * KIB)
+    before = remote.copy()
+    server.register_memory("pool", remote, peer_writable=False)
+    server.start_server()
+    client = make_engine(prefer_shm=False, slice_size=64 * KIB)
+    local = random_bytes(rng, 256 * KIB)
+    client.register_memory("local", local)
+    target = client.open_segment(server.peer_address, "pool")
+
+    status = client.transfer([write("local", 0, target, 4096, 128 * KIB)], timeout=10)[0]
+    assert not status.ok and status.error is not None
+    assert status.error.startswith("ReadOnlySegmentError") and "read-only" in status.error
+    assert np.array_equal(remote, before)  # nothing landed
+    # the connection is still in step: a READ of the same segment works after the refusal
+    status = client.transfer([read("local", 0, target, 8, 100 * KIB)], timeout=10)[0]
+    assert status.ok and np.array_equal(local[: 100 * KIB], before[8 : 8 + 100 * KIB])

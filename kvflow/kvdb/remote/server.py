@@ -119,7 +119,9 @@ class BlockServer:
                 return None
             name = segment_name(shard_id)
             try:
-                self._transfer.register_memory(name, pool)
+                # Peers only READ blocks out of it: its bytes change by this shard's puts
+                # alone (what lets a shard skip checksums on its own DRAM hits).
+                self._transfer.register_memory(name, pool, peer_writable=False)
             except SegmentExistsError:
                 raise InvalidRequestError(
                     f"transfer segment {name!r} is already registered by someone else"
