@@ -42,7 +42,7 @@ from kvflow.integrations.mooncake_types import (
 )
 from kvflow.integrations.peers import parse_member_address
 from kvflow.kvdb import KVDBError, KVLayout, Namespace, NotEnoughReplicasError
-from kvflow.kvdb.keys import named_key
+from kvflow.kvdb.keys import NamedKeys, named_key_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         self._member: ClusterMember | None = None
         self._ns: Namespace | None = None
+        self._named: NamedKeys | None = None
         self._args: SetupArgs | None = None
         self._names: dict[str, bytes] = {}  # objects written through this store (regex/all)
         self._sizes: dict[bytes, int] = {}  # their sizes: hints for reads
@@ -147,6 +148,7 @@ class MooncakeDistributedStore:
         try:
             config = MemberConfig.from_mapping(args.kvflow, **defaults)
             self._ns = Namespace(config.tenant, "mooncake-store", _LAYOUT)
+            self._named = named_key_prefix(self._ns)
             self._member = ClusterMember(config, self._ns)
         except (ValueError, TypeError) as exc:
             logger.error("setup: %s", exc)
@@ -193,7 +195,11 @@ class MooncakeDistributedStore:
         if not isinstance(name, str) or not name:
             return None
         known = self._names.get(name)
-        return known if known is not None else named_key(self._ready()[1], name.encode("utf-8"))
+        if known is not None:
+            return known
+        self._ready()
+        assert self._named is not None
+        return self._named.key(name.encode("utf-8"))
 
     # ----------------------------------------------------------------- buffers
 

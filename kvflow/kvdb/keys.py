@@ -197,6 +197,24 @@ def named_key(namespace: Namespace, name: bytes, part: int = 0) -> BlockKey:
     object key), inside ``namespace``: blake2b-16(root key ‖ tag ‖ part ‖ name). ``part``
     numbers the pieces one name is stored as (0-65535). Two namespaces (tenants, models,
     layouts) never produce the same key for the same name. Raises ValueError for a bad part."""
+    return named_key_prefix(namespace, part).key(name)
+
+
+class NamedKeys:
+    """``named_key`` of one namespace and part, its constant prefix encoded once (for
+    callers that derive a key per object on a hot path)."""
+
+    __slots__ = ("_prefix",)
+
+    def __init__(self, prefix: bytes) -> None:
+        self._prefix = prefix
+
+    def key(self, name: bytes) -> BlockKey:
+        return _digest(self._prefix + bytes(name))
+
+
+def named_key_prefix(namespace: Namespace, part: int = 0) -> NamedKeys:
+    """The ``named_key`` deriver of ``namespace`` and ``part``. ValueError for a bad part."""
     if not isinstance(part, int) or not 0 <= part <= 0xFFFF:
         raise ValueError(f"part must be an int in [0, 65535], got {part!r}")
-    return _digest(namespace.root_key() + _NAMED_TAG + struct.pack("<H", part) + bytes(name))
+    return NamedKeys(namespace.root_key() + _NAMED_TAG + struct.pack("<H", part))

@@ -80,15 +80,12 @@ class RequestProgress:
                 else:  # pragma: no cover - a backend bug, reported rather than hidden
                     self._error = f"ProtocolError: moved {self.transferred} of {self.length} bytes"
                     self._state = TransferState.FAILED
-                self._batch.cond.notify_all()
+                self._batch.settled_one()
 
     def status(self) -> TransferStatus:
         with self._batch.cond:
             error = self._error if self._state.terminal else None
             return TransferStatus(self._state, self.transferred, error)
-
-    def _terminal(self) -> bool:
-        return self._state.terminal
 
 
 class Batch:
@@ -100,6 +97,7 @@ class Batch:
         self.cond = threading.Condition()
         self._clock = clock
         self._entries: list[RequestProgress] = []
+        self._open = 0  # entries not terminal yet: a waiter wakes once, when it reaches 0
 
     def reserve(self, lengths: list[int], timeout_s: float) -> list[RequestProgress]:
         """Append one progress record per length; BatchCapacityError if they do not fit."""
@@ -112,7 +110,14 @@ class Batch:
             deadline = self._clock() + timeout_s
             added = [RequestProgress(self, length, deadline) for length in lengths]
             self._entries.extend(added)
+            self._open += len(added)
             return added
+
+    def settled_one(self) -> None:
+        """An entry became terminal (``cond`` held)."""
+        self._open -= 1
+        if self._open == 0:
+            self.cond.notify_all()
 
     def statuses(self) -> list[TransferStatus]:
         with self.cond:
@@ -120,13 +125,13 @@ class Batch:
 
     def pending(self) -> bool:
         with self.cond:
-            return not all(entry._terminal() for entry in self._entries)
+            return self._open > 0
 
     def wait(self, timeout: float | None) -> bool:
         """Block until every request is terminal; False if ``timeout`` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
-            while not all(entry._terminal() for entry in self._entries):
+            while self._open > 0:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
