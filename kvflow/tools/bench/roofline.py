@@ -99,12 +99,21 @@ def open_engine(model_dir: Path, config: EngineConfig, fuse: bool) -> Engine:
 
 
 def weight_bytes(engine: Engine) -> int:
+    """Bytes of the weights one decode step reads: every parameter and oneDNN-prepared
+    linear weight (`packed` buffers, opaque tensors without a storage), each once; the
+    embedding table only where it is the lm_head's weight (tied), as a step reads one row."""
+    model = engine.model
+    embed = model.model.embed_tokens.weight
+    lm_head = getattr(model.lm_head, "weight", None)
+    tensors = [p for p in model.parameters() if p is not embed or p is lm_head]
+    tensors += [b for n, b in model.named_buffers() if n.endswith("packed")]
     seen: set[int] = set()
     total = 0
-    for p in engine.model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for t in tensors:
+        key = t.data_ptr() if t.layout == torch.strided else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
     return total
 
 
