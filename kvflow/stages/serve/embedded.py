@@ -31,6 +31,7 @@ from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, poo
 from kvflow.stages.runtime.prefix_index import ShardPrefixIndex
 from kvflow.stages.runtime.replicator import Replicator
 from kvflow.stages.runtime.staging import StagingArea
+from kvflow.stages.runtime.threads import apply_intra_op_threads
 from kvflow.stages.serve.build import (
     build_admission,
     build_conductor,
@@ -77,6 +78,8 @@ class EmbeddedCluster:
     # -- building ---------------------------------------------------------------------------
     def _build(self, metadata_port: int | None) -> None:
         c = self.config
+        before = apply_intra_op_threads(c.num_prefill + c.num_decode)  # restored at close
+        self._closers.add(lambda: torch.set_num_threads(before))
         self.transfer = TransferEngine(TransferConfig())
         self._closers.add(self.transfer.close)
         self.metadata = MetadataGroup(
