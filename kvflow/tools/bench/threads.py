@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     counts = _counts(args.threads)
     if args.quick:
-        args.prompt, args.steps, args.seconds, args.repeat = 32, 4, 1.0, 1
+        args.prompt, args.steps, args.seconds, args.repeat = 32, 4, 0.25, 1
     with tempfile.TemporaryDirectory(prefix="kvflow-threads-") as tmp:
         model_dir = args.model or ensure_default_model(args.data_dir or Path(tmp))
         config = EngineConfig(num_pages=4 * (args.batch + 2) + 16, max_batch=args.batch, seed=0)
