@@ -29,10 +29,11 @@ def test_precision_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_threads_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
     out = tmp_path / "threads.json"
-    assert threads.main(["--quick", "--model", str(model), "--json", str(out)]) == 0
+    argv = ["--quick", "--threads", "2/2,1", "--model", str(model), "--json", str(out)]
+    assert threads.main(argv) == 0
     assert capsys.readouterr().out.startswith("bench_threads tiny prompt 32 decode b1: ")
     rows = json.loads(out.read_text())["rows"]
-    assert [r["threads"] for r in rows] == [2, 1]
+    assert [r["threads"] for r in rows] == ["2/2", "1/1"]
     for r in rows:
         assert min(r["prefill_alone"], r["decode_alone"], r["prefill_busy"]) > 0
         assert r["decode_busy"] > 0

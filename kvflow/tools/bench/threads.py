@@ -1,15 +1,15 @@
 """Thread-placement benchmark: a prefill and a decode engine in one process (as the embedded
 server runs them), each stepping on its own thread, under each intra-op thread policy.
 
-torch's intra-op thread count is one setting of the process (``torch.set_num_threads``; set
-from one thread it reaches the others' next parallel region), so a policy is that one number.
-For each `--threads` count measures, best of `--repeat`:
+A policy ``P/D`` is the intra-op thread count (``torch.set_num_threads``, called on the
+engine's own thread) of the prefill / the decode engine's thread; ``N`` means ``N/N``.
+For each policy in `--threads` measures, best of `--repeat`:
 - `decode_alone`: decode tokens/s at batch `--batch` with the prefill engine idle;
 - `prefill_alone`: prefill tokens/s of `--prompt`-token prompts with the decode engine idle;
 - `decode_busy` / `prefill_busy`: both at once: decode tokens/s while the prefill engine
   computes prompts back to back, and the prefill tokens/s meanwhile.
 
-    python -m kvflow.tools.bench.threads                     # default model, 2 and 1 threads
+    python -m kvflow.tools.bench.threads                     # default model, 2/2 1/1 2/1
     python -m kvflow.tools.bench.threads --quick --json out.json
 """
 
@@ -40,13 +40,14 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
 class Runner:
     """One engine on its own thread, running `job` until told to stop; counts tokens."""
 
-    def __init__(self, engine: Engine, job: Any) -> None:
-        self.engine, self.job = engine, job
+    def __init__(self, engine: Engine, threads: int, job: Any) -> None:
+        self.engine, self.threads, self.job = engine, threads, job
         self.tokens = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # this thread's count (threads.py)
         i = 0
         while not self.stop.is_set():
             for n in self.job(self.engine, i):  # tokens per step
@@ -93,19 +94,20 @@ def measure(runners: list[Runner], seconds: float) -> list[float]:
     return [c / seconds for c in counts]
 
 
-def bench_policy(engines: tuple[Engine, Engine], threads: int, args: argparse.Namespace) -> dict:
+def bench_policy(
+    engines: tuple[Engine, Engine], policy: tuple[int, int], args: argparse.Namespace
+) -> dict:
     pre, dec = engines
-    torch.set_num_threads(threads)
 
     def run(which: str) -> list[float]:
         rs = []
         if which in ("prefill", "both"):
-            rs.append(Runner(pre, prefill_job(args.prompt)))
+            rs.append(Runner(pre, policy[0], prefill_job(args.prompt)))
         if which in ("decode", "both"):
-            rs.append(Runner(dec, decode_job(args.batch, 64, args.steps)))
+            rs.append(Runner(dec, policy[1], decode_job(args.batch, 64, args.steps)))
         return measure(rs, args.seconds)
 
-    out: dict[str, Any] = {"threads": threads}
+    out: dict[str, Any] = {"threads": "/".join(map(str, policy))}
     out["prefill_alone"] = max(run("prefill")[0] for _ in range(args.repeat))
     out["decode_alone"] = max(run("decode")[0] for _ in range(args.repeat))
     both = [run("both") for _ in range(args.repeat)]
@@ -122,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, help="where the default model is imported (a tmp dir)")
     p.add_argument(
         "--threads",
-        default="2,1",
-        help="comma-separated intra-op thread counts to compare (torch.set_num_threads)",
+        default="2/2,1/1,2/1",
+        help="comma-separated policies P/D (prefill / decode thread's intra-op threads) or N",
     )
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
     p.add_argument("--batch", type=int, default=1, help="decode batch")
@@ -135,11 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _counts(value: str) -> list[int]:
-    items = [v.strip() for v in value.split(",")]
-    if not all(v.isdigit() and int(v) > 0 for v in items):
-        raise SystemExit(f"--threads: {value!r} is not a list of positive thread counts")
-    return [int(v) for v in items]
+def _counts(value: str) -> list[tuple[int, int]]:
+    out = []
+    for item in value.split(","):
+        p, _, d = item.strip().partition("/")
+        d = d or p
+        if not (p.isdigit() and d.isdigit() and int(p) > 0 and int(d) > 0):
+            raise SystemExit(f"--threads: {item!r} is not N or P/D with positive counts")
+        out.append((int(p), int(d)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [{k: max(v, again[r["threads"]][k]) for k, v in r.items()} for r in rows]
         label = model_dir.name
     summary = f"bench_threads {label} prompt {args.prompt} decode b{args.batch}: " + " | ".join(
-        f"{r['threads']} threads: prefill {r['prefill_alone']:.0f} alone "
+        f"{r['threads']}: prefill {r['prefill_alone']:.0f} alone "
         f"{r['prefill_busy']:.0f} busy tok/s, "
         f"decode {r['decode_alone']:.1f} alone {r['decode_busy']:.1f} busy tok/s"
         for r in rows
