@@ -1,5 +1,5 @@
-"""The intra-op thread policy: each busy engine an equal share of the cores, the environment
-overrides it, and the embedded server applies it while it runs and restores it at close."""
+"""The intra-op thread policy: a prefill engine every core, a decode engine its share, the
+environment overrides it, and the embedded server's engine threads run with it."""
 
 from __future__ import annotations
 
@@ -13,32 +13,29 @@ from kvflow.stages.runtime import threads
 from tests.e2e.conftest import ServerThread, base_config
 
 
-def test_each_engine_gets_an_equal_share_of_the_cores() -> None:
-    assert threads.intra_op_threads(2, 2) == 1
-    assert threads.intra_op_threads(1, 2) == 2
-    assert threads.intra_op_threads(2, 16) == 8
-    assert threads.intra_op_threads(3, 2) == 1  # never zero
+def test_prefill_gets_every_core_decode_its_share() -> None:
+    assert threads.intra_op_threads("prefill", 2, 2) == 2
+    assert threads.intra_op_threads("decode", 2, 2) == 1
+    assert threads.intra_op_threads("decode", 2, 16) == 8
+    assert threads.intra_op_threads("decode", 3, 2) == 1  # never zero
     with pytest.raises(ValueError, match="engines and cores must be >= 1"):
-        threads.intra_op_threads(0, 2)
+        threads.intra_op_threads("decode", 0, 2)
+    with pytest.raises(ValueError, match="role must be one of"):
+        threads.intra_op_threads("router", 2, 2)
 
 
 def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    before = torch.get_num_threads()
-    try:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        monkeypatch.setenv(threads.ENV_OVERRIDE, "3")
-        assert threads.apply_intra_op_threads(2) == before
-        assert torch.get_num_threads() == 3
-        monkeypatch.setenv(threads.ENV_OVERRIDE, "zero")
-        with pytest.raises(ValueError, match="KVFLOW_INTRA_OP_THREADS must be a positive"):
-            threads.apply_intra_op_threads(2)
-        monkeypatch.delenv(threads.ENV_OVERRIDE)
-        monkeypatch.setenv("OMP_NUM_THREADS", "5")
-        torch.set_num_threads(4)
-        assert threads.apply_intra_op_threads(2) == 4
-        assert torch.get_num_threads() == 4  # the operator's OMP_NUM_THREADS: left alone
-    finally:
-        torch.set_num_threads(before)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "cores", lambda: 2)
+    assert threads.engine_threads("decode", 2) == 1
+    monkeypatch.setenv(threads.ENV_OVERRIDE, "3")
+    assert threads.engine_threads("decode", 2) == 3
+    monkeypatch.setenv(threads.ENV_OVERRIDE, "zero")
+    with pytest.raises(ValueError, match="KVFLOW_INTRA_OP_THREADS must be a positive"):
+        threads.engine_threads("decode", 2)
+    monkeypatch.delenv(threads.ENV_OVERRIDE)
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert threads.engine_threads("prefill", 2) is None  # the operator's: left alone
 
 
 def _fresh_thread_count() -> int:
@@ -50,9 +47,7 @@ def _fresh_thread_count() -> int:
 
 
 @pytest.mark.slow
-def test_embedded_server_applies_and_restores(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_embedded_server_engine_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvflow.stages.engine import write_demo_model
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -66,10 +61,14 @@ def test_embedded_server_applies_and_restores(
         try:
             ids, _, _ = server.generate([5, 6, 7], max_tokens=2)
             assert len(ids) == 2
-            workers = [i.worker for i in server.cluster.prefill.values()]
-            workers += [i.worker for i in server.cluster.decode.values()]
-            counts = [w.call(lambda _e: torch.get_num_threads()).result(60) for w in workers]
-            assert counts == [2, 2]  # 4 cores, a prefill and a decode engine: 2 each
+            cluster = server.cluster
+
+            def count(worker: object) -> int:
+                return worker.call(lambda _e: torch.get_num_threads()).result(60)  # type: ignore[attr-defined]
+
+            # 4 cores: the prefill engine all 4, the decode engine its share of 2 engines.
+            assert [count(i.worker) for i in cluster.prefill.values()] == [4]
+            assert [count(i.worker) for i in cluster.decode.values()] == [2]
         finally:
             server.close()
         assert _fresh_thread_count() == 3  # restored: new threads start from it again

@@ -1,15 +1,21 @@
-"""How many intra-op threads torch uses in a process that runs engines: one place decides.
+"""How many intra-op threads each engine's forward passes use: one place decides.
 
-``torch.set_num_threads`` sets the count that threads start from (and the calling thread's
-own); each engine's forward pass runs on its own worker thread, started after this is
-applied, with that many OpenMP threads. A process with E engines that are busy at once
-therefore runs E x threads compute threads on its cores.
+Each engine runs its forward passes on its own worker thread (``EngineWorker``), and torch's
+intra-op count is per thread once set there (``torch.set_num_threads`` called on that
+thread; it also becomes the count that threads started later begin with). The embedded
+server runs a prefill and a decode engine in one process; with torch's default (every
+core for every thread) the two, when busy at once, run 2 x cores compute threads.
 
-The policy (measured on a 2-core machine with the embedded server's prefill + decode pair;
-docs/performance.md, "Threads"): give each engine an equal share of the cores,
-``max(1, cores // engines)``, so that busy engines never oversubscribe the cores. A process
-with one engine (a node) keeps every core. ``OMP_NUM_THREADS`` or ``KVFLOW_INTRA_OP_THREADS``
-in the environment overrides the policy (the operator decided).
+The policy, measured on a 2-core machine (docs/performance.md, "Threads"):
+- a **prefill** engine gets every core: prefill is compute-bound, and a lone prefill (the
+  time to the first token on an idle server) runs 1.8x faster on 2 threads than on 1;
+- a **decode** engine gets an equal share, ``max(1, cores // engines)``: decode at small
+  batch is bound by memory bandwidth, which one core of two already draws (batch 1 was no
+  slower on 1 thread than on 2), and its own share leaves the prefill's cores alone.
+
+``KVFLOW_INTRA_OP_THREADS`` sets every engine's count outright; with ``OMP_NUM_THREADS``
+set, engines keep torch's count (the operator decided). A process with one engine (a node)
+leaves torch's default: every core.
 """
 
 from __future__ import annotations
@@ -17,11 +23,10 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 ENV_OVERRIDE = "KVFLOW_INTRA_OP_THREADS"
+ROLES = ("prefill", "decode")
 
 
 def cores() -> int:
@@ -32,11 +37,13 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def intra_op_threads(engines: int, ncores: int) -> int:
-    """The policy: each of `engines` busy engines gets an equal share of `ncores`."""
+def intra_op_threads(role: str, engines: int, ncores: int) -> int:
+    """The policy: a prefill engine every core, a decode engine its share of them."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if engines < 1 or ncores < 1:
         raise ValueError(f"engines and cores must be >= 1, got {engines} and {ncores}")
-    return max(1, ncores // engines)
+    return ncores if role == "prefill" else max(1, ncores // engines)
 
 
 def _override() -> int | None:
@@ -48,17 +55,14 @@ def _override() -> int | None:
     return int(raw)
 
 
-def apply_intra_op_threads(engines: int) -> int:
-    """Set torch's intra-op thread count for a process about to run `engines` engines; returns
-    the count before, for the caller to restore when its engines stop. Leaves torch's count
-    alone when OMP_NUM_THREADS is set (torch already follows it); KVFLOW_INTRA_OP_THREADS sets
-    the count outright."""
-    before = torch.get_num_threads()
+def engine_threads(role: str, engines: int) -> int | None:
+    """The intra-op threads for an engine of `role` in a process that runs `engines`
+    engines on this machine's cores; None: leave torch's count (OMP_NUM_THREADS is set)."""
     override = _override()
-    if override is None and "OMP_NUM_THREADS" in os.environ:
-        logger.info("intra-op threads: %d (OMP_NUM_THREADS)", before)
-        return before
-    n = override or intra_op_threads(engines, cores())
-    torch.set_num_threads(n)
-    logger.info("intra-op threads: %d for %d engine(s) on %d core(s)", n, engines, cores())
-    return before
+    if override is not None:
+        return override
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    n = intra_op_threads(role, engines, cores())
+    logger.info("%s engine: %d intra-op threads (%d engines, %d cores)", role, n, engines, cores())
+    return n
