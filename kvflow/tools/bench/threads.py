@@ -16,6 +16,7 @@ For each policy in `--threads` measures, best of `--repeat`:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import random
@@ -30,6 +31,10 @@ import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.stages.engine.default_model import ensure_default_model
+
+# Request ids unique across runners: a stopped job leaves its requests in the engine, and
+# the next job's steps finish them.
+_IDS = itertools.count()
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -63,7 +68,7 @@ class Runner:
 def prefill_job(prompt: int) -> Any:
     def job(engine: Engine, i: int) -> Iterator[int]:
         ids = _prompt(prompt, 1000 + i, engine.spec.vocab_size)
-        engine.add_request(f"p{i}", ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.add_request(f"p{next(_IDS)}", ids, SamplingParams(max_tokens=1, ignore_eos=True))
         while engine.has_unfinished():
             yield prompt if any(o.finished for o in engine.step()) else 0
 
@@ -73,9 +78,10 @@ def prefill_job(prompt: int) -> Any:
 def decode_job(batch: int, context: int, steps: int) -> Any:
     def job(engine: Engine, i: int) -> Iterator[int]:
         sampling = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-        for b in range(batch):
-            engine.add_request(f"d{i}-{b}", _prompt(context, b, engine.spec.vocab_size), sampling)
-        while any(engine.num_computed_tokens(f"d{i}-{b}") < context for b in range(batch)):
+        rids = [f"d{next(_IDS)}" for _ in range(batch)]
+        for b, rid in enumerate(rids):
+            engine.add_request(rid, _prompt(context, b, engine.spec.vocab_size), sampling)
+        while any(engine.num_computed_tokens(rid) < context for rid in rids):
             engine.step()  # the prompts: not counted
         while engine.has_unfinished():
             yield sum(len(o.new_token_ids) for o in engine.step())
