@@ -20,12 +20,12 @@ from torch import nn
 
 def onednn_applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `use_onednn_linears` is used for a model in `dtype` on `device`."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    if dtype != torch.bfloat16 or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without these oneDNN ops
+        return False
 
 
 class OneDNNLinear(nn.Module):
