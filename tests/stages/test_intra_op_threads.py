@@ -14,28 +14,30 @@ from tests.e2e.conftest import ServerThread, base_config
 
 
 def test_prefill_gets_every_core_decode_its_share() -> None:
-    assert threads.intra_op_threads("prefill", 2, 2) == 2
-    assert threads.intra_op_threads("decode", 2, 2) == 1
-    assert threads.intra_op_threads("decode", 2, 16) == 8
-    assert threads.intra_op_threads("decode", 3, 2) == 1  # never zero
-    with pytest.raises(ValueError, match="engines and cores must be >= 1"):
-        threads.intra_op_threads("decode", 0, 2)
+    assert threads.intra_op_threads("prefill", 1, 1, 2) == 2
+    assert threads.intra_op_threads("decode", 1, 1, 2) == 1
+    assert threads.intra_op_threads("decode", 1, 1, 16) == 8
+    assert threads.intra_op_threads("prefill", 2, 2, 16) == 8  # prefill engines share
+    assert threads.intra_op_threads("decode", 2, 2, 16) == 4
+    assert threads.intra_op_threads("decode", 2, 1, 2) == 1  # never zero
+    with pytest.raises(ValueError, match="need engines and cores >= 1"):
+        threads.intra_op_threads("decode", 0, 0, 2)
     with pytest.raises(ValueError, match="role must be one of"):
-        threads.intra_op_threads("router", 2, 2)
+        threads.intra_op_threads("router", 1, 1, 2)
 
 
 def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "cores", lambda: 2)
-    assert threads.engine_threads("decode", 2) == 1
+    assert threads.engine_threads("decode", 1, 1) == 1
     monkeypatch.setenv(threads.ENV_OVERRIDE, "3")
-    assert threads.engine_threads("decode", 2) == 3
+    assert threads.engine_threads("decode", 1, 1) == 3
     monkeypatch.setenv(threads.ENV_OVERRIDE, "zero")
     with pytest.raises(ValueError, match="KVFLOW_INTRA_OP_THREADS must be a positive"):
-        threads.engine_threads("decode", 2)
+        threads.engine_threads("decode", 1, 1)
     monkeypatch.delenv(threads.ENV_OVERRIDE)
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert threads.engine_threads("prefill", 2) is None  # the operator's: left alone
+    assert threads.engine_threads("prefill", 1, 1) is None  # the operator's: left alone
 
 
 def _fresh_thread_count() -> int:

@@ -7,11 +7,12 @@ server runs a prefill and a decode engine in one process; with torch's default (
 core for every thread) the two, when busy at once, run 2 x cores compute threads.
 
 The policy, measured on a 2-core machine (docs/performance.md, "Threads"):
-- a **prefill** engine gets every core: prefill is compute-bound, and a lone prefill (the
+- a **prefill** engine gets every core (shared equally among prefill engines,
+  ``max(1, cores // prefill_engines)``): prefill is compute-bound, and a lone prefill (the
   time to the first token on an idle server) runs 1.8x faster on 2 threads than on 1;
-- a **decode** engine gets an equal share, ``max(1, cores // engines)``: decode at small
-  batch is bound by memory bandwidth, which one core of two already draws (batch 1 was no
-  slower on 1 thread than on 2), and its own share leaves the prefill's cores alone.
+- a **decode** engine gets an equal share of all engines, ``max(1, cores // engines)``:
+  decode at small batch is bound by memory bandwidth, which one core of two already draws
+  (batch 1 was no slower on 1 thread than on 2), and its share leaves the prefill's cores.
 
 ``KVFLOW_INTRA_OP_THREADS`` sets every engine's count outright; with ``OMP_NUM_THREADS``
 set, engines keep torch's count (the operator decided). A process with one engine (a node)
@@ -37,13 +38,16 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def intra_op_threads(role: str, engines: int, ncores: int) -> int:
-    """The policy: a prefill engine every core, a decode engine its share of them."""
+def intra_op_threads(role: str, prefill: int, decode: int, ncores: int) -> int:
+    """The policy for an engine of `role` among `prefill` + `decode` engines on `ncores`:
+    prefill engines share every core, a decode engine gets its share of all engines'."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if engines < 1 or ncores < 1:
-        raise ValueError(f"engines and cores must be >= 1, got {engines} and {ncores}")
-    return ncores if role == "prefill" else max(1, ncores // engines)
+    if prefill < 0 or decode < 0 or prefill + decode < 1 or ncores < 1:
+        raise ValueError(f"need engines and cores >= 1, got {prefill}+{decode} and {ncores}")
+    if role == "prefill":
+        return max(1, ncores // max(1, prefill))
+    return max(1, ncores // (prefill + decode))
 
 
 def _override() -> int | None:
@@ -55,14 +59,21 @@ def _override() -> int | None:
     return int(raw)
 
 
-def engine_threads(role: str, engines: int) -> int | None:
-    """The intra-op threads for an engine of `role` in a process that runs `engines`
-    engines on this machine's cores; None: leave torch's count (OMP_NUM_THREADS is set)."""
+def engine_threads(role: str, prefill: int, decode: int) -> int | None:
+    """The intra-op threads for an engine of `role` in a process that runs `prefill` +
+    `decode` engines on this machine's cores; None: leave torch's (OMP_NUM_THREADS is set)."""
     override = _override()
     if override is not None:
         return override
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    n = intra_op_threads(role, engines, cores())
-    logger.info("%s engine: %d intra-op threads (%d engines, %d cores)", role, n, engines, cores())
+    n = intra_op_threads(role, prefill, decode, cores())
+    logger.info(
+        "%s engine: %d intra-op threads (%d+%d engines, %d cores)",
+        role,
+        n,
+        prefill,
+        decode,
+        cores(),
+    )
     return n

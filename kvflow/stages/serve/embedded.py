@@ -78,8 +78,9 @@ class EmbeddedCluster:
     # -- building ---------------------------------------------------------------------------
     def _build(self, metadata_port: int | None) -> None:
         c = self.config
-        engines = c.num_prefill + c.num_decode
-        self._threads = {k: engine_threads(k, engines) for k in ("prefill", "decode")}
+        self._threads = {
+            k: engine_threads(k, c.num_prefill, c.num_decode) for k in ("prefill", "decode")
+        }
         before = torch.get_num_threads()  # the engine threads' settings reach new threads'
         self._closers.add(lambda: torch.set_num_threads(before))  # default: restored at close
         self.transfer = TransferEngine(TransferConfig())
