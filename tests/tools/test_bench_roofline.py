@@ -14,20 +14,33 @@ from tests.docs.blocks import block
 from tests.docs.shell import run_bash
 
 
-def test_roofline_quick_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_roofline_quick_two_dtypes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
     out = tmp_path / "roofline.json"
-    assert roofline.main(["--quick", "--compare", "--model", str(model), "--json", str(out)]) == 0
+    argv = ["--quick", "--fused", "--dtype", "float32,bfloat16", "--model", str(model)]
+    assert roofline.main([*argv, "--json", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bench_roofline tiny: mm ")
+    assert len(lines) == 1 and lines[0].startswith("bench_roofline tiny: read ")
     doc = json.loads(out.read_text())
-    assert doc["machine"]["mm"] > 0 and doc["machine"]["bw"] > 0
-    assert set(doc["runs"]) == {"fused", "unfused"}
-    for run in doc["runs"].values():
-        assert run["prefill"][0]["tokens"] == 64 and run["prefill"][0]["matmul_share"] > 0
+    assert doc["bandwidth"] > 0
+    assert set(doc["runs"]) == {"fused-float32", "fused-bfloat16"}
+    for name, run in doc["runs"].items():
+        assert run["dtype"] == name.split("-")[1]
+        pre = run["prefill"][0]
+        assert pre["tokens"] == pre["mm_rows"] == 64 and pre["mm_flops"] > 0
+        assert pre["matmul_share"] == pytest.approx(pre["flops"] / pre["mm_flops"])
         b1 = run["decode"][0]
         assert b1["batch"] == 1 and b1["tok_s"] > 0 and b1["ceiling_share"] > 0
+    # bf16 weights are half the bytes, so the bandwidth ceiling doubles.
+    f32, b16 = doc["runs"]["fused-float32"], doc["runs"]["fused-bfloat16"]
+    assert f32["weight_bytes"] == 2 * b16["weight_bytes"]
     assert doc["meta"]["threads"] == 2
+
+
+def test_roofline_rejects_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        roofline.main(["--dtype", "float32,int3"])
+    assert "unknown dtype(s) ['int3']" in capsys.readouterr().err
 
 
 @pytest.mark.slow

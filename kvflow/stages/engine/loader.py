@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from kvflow.stages.engine.errors import ModelLoadError
 from kvflow.stages.engine.model import CausalLM
+from kvflow.stages.engine.onednn_linear import onednn_applies, use_onednn_linears
 from kvflow.stages.engine.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ def load_weights(
 ) -> CausalLM:
     """Build a CausalLM for `spec` holding the checkpoint's weights in `dtype` on `device`.
     `fuse` concatenates q/k/v and gate/up (`CausalLM.fuse_projections`); off by default: on
-    this 2-core CPU it measured no faster at decode (see docs/performance.md).
+    this 2-core CPU it measured no faster at decode (see docs/performance.md). bf16 on a CPU
+    with native bf16 runs its linears through oneDNN (`onednn_linear.py`).
 
     Raises ModelLoadError naming missing, unexpected or misshapen weights."""
     state = _read_state(weight_files(model_dir), dtype)
@@ -101,6 +103,8 @@ def load_weights(
     if fuse:
         model.fuse_projections()
     model = model.to(device).eval().requires_grad_(False)
+    if onednn_applies(dtype, device):
+        use_onednn_linears(model)
     model.setup_rotary(device)
     logger.info("loaded %s: %d params, dtype=%s", spec.architecture, spec.num_params, dtype)
     return model

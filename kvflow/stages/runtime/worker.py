@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from kvflow.stages.engine import Engine, RequestOutput, SamplingParams, UnknownRequestError
 
 logger = logging.getLogger(__name__)
@@ -52,9 +54,18 @@ class WorkerStopped(RuntimeError):
 class EngineWorker:
     """Runs ``engine.step()`` in a dedicated thread. All public methods are thread-safe."""
 
-    def __init__(self, name: str, engine: Engine, idle_wait_s: float = 0.01) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        idle_wait_s: float = 0.01,
+        intra_op_threads: int | None = None,
+    ) -> None:
+        """``intra_op_threads``: torch's intra-op threads for this engine's forward passes
+        (set on the worker thread; ``runtime/threads.py`` decides); None leaves torch's."""
         self.name = name
         self.engine = engine
+        self.intra_op_threads = intra_op_threads
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, WorkItem] = {}
@@ -175,7 +186,13 @@ class EngineWorker:
                 return
 
     def _loop(self) -> None:
-        logger.info("worker=%s engine loop started", self.name)
+        if self.intra_op_threads is not None:
+            torch.set_num_threads(self.intra_op_threads)  # this thread's parallel regions
+        logger.info(
+            "worker=%s engine loop started (%d intra-op threads)",
+            self.name,
+            torch.get_num_threads(),
+        )
         while not self._stop.is_set():
             self._drain_commands(block=not self.engine.has_unfinished())
             if self._stop.is_set() or not self.engine.has_unfinished():

@@ -54,9 +54,14 @@ def ensure_model(config: EngineStoreConfig) -> Path:
 
 
 def open_engine(
-    model_dir: Path, config: EngineStoreConfig, instance_id: str, closers: Closers
+    model_dir: Path,
+    config: EngineStoreConfig,
+    instance_id: str,
+    closers: Closers,
+    intra_op_threads: int | None = None,
 ) -> EngineWorker:
-    """An engine on ``model_dir`` behind its started worker thread (stopped by ``closers``)."""
+    """An engine on ``model_dir`` behind its started worker thread (stopped by ``closers``),
+    whose forward passes use ``intra_op_threads`` (None: torch's count)."""
     engine = Engine.open(
         model_dir,
         EngineConfig(
@@ -68,7 +73,7 @@ def open_engine(
             seed=config.seed,
         ),
     )
-    worker = EngineWorker(instance_id, engine)
+    worker = EngineWorker(instance_id, engine, intra_op_threads=intra_op_threads)
     worker.start()
     closers.add(worker.stop)
     return worker

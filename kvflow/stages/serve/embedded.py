@@ -31,6 +31,7 @@ from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, poo
 from kvflow.stages.runtime.prefix_index import ShardPrefixIndex
 from kvflow.stages.runtime.replicator import Replicator
 from kvflow.stages.runtime.staging import StagingArea
+from kvflow.stages.runtime.threads import engine_threads
 from kvflow.stages.serve.build import (
     build_admission,
     build_conductor,
@@ -77,6 +78,11 @@ class EmbeddedCluster:
     # -- building ---------------------------------------------------------------------------
     def _build(self, metadata_port: int | None) -> None:
         c = self.config
+        self._threads = {
+            k: engine_threads(k, c.num_prefill, c.num_decode) for k in ("prefill", "decode")
+        }
+        before = torch.get_num_threads()  # the engine threads' settings reach new threads'
+        self._closers.add(lambda: torch.set_num_threads(before))  # default: restored at close
         self.transfer = TransferEngine(TransferConfig())
         self._closers.add(self.transfer.close)
         self.metadata = MetadataGroup(
@@ -151,7 +157,8 @@ class EmbeddedCluster:
 
     def _add_prefill(self, instance_id: str) -> None:
         c = self.config
-        worker = open_engine(self.model_dir, c, instance_id, self._closers)
+        threads = self._threads["prefill"]
+        worker = open_engine(self.model_dir, c, instance_id, self._closers, threads)
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers)
         pool = engine.pool_tensor
@@ -172,7 +179,8 @@ class EmbeddedCluster:
 
     def _add_decode(self, instance_id: str) -> None:
         c = self.config
-        worker = open_engine(self.model_dir, c, instance_id, self._closers)
+        threads = self._threads["decode"]
+        worker = open_engine(self.model_dir, c, instance_id, self._closers, threads)
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers)
         staging = StagingArea(

@@ -2,21 +2,24 @@
 machine can do with the same torch and thread count.
 
 Measures, best of `--repeat`:
-- the matmul rate: FLOP/s of a float32 `mm` shaped like the model's MLP at prefill
-  (`--mm-tokens` x hidden @ hidden x intermediate);
+- the matmul rate: FLOP/s of `torch.mm` over one layer's seven projection shapes (q, k, v, o,
+  gate, up, down) at the prefill's rows (min(prompt, prefill chunk)), in the engine's dtype,
+  on the same thread with the same thread count, measured next to each prefill timing;
 - the memory bandwidth: bytes/s of `sum` over a `--bw-mib` MiB tensor (a read stream);
 - prefill tokens/s at each `--prefill-lens` length (time to the first token of a fresh
   request), with the FLOP/s it implies (2 x parameters per token, attention ignored) as a share
   of the matmul rate;
 - decode tokens/s at each `--decode-batches` batch size after a `--decode-context`-token
-  prompt; at batch 1 against the bandwidth ceiling: bandwidth / bytes of the weights (every
-  weight is read once per step; tied embeddings count once).
+  prompt; at batch 1 against the bandwidth ceiling: bandwidth / bytes of the weights in the
+  engine's dtype (every weight is read once per step; tied embeddings count once).
 
-`--fused` loads the model with q/k/v and gate/up fused (not the engine's default), and
-`--compare` runs both layouts, alternating, in one invocation. Seeded; one summary line;
-`--json PATH` writes every number.
+`--dtype float32,bfloat16` runs an engine per dtype; `--fused` loads the model with q/k/v and
+gate/up fused (not the engine's default), and `--compare` runs both layouts. With more than
+one engine they run alternating, A B ... B A, in one invocation, each row the better of its two
+passes. Seeded; one summary line; `--json PATH` writes every number.
 
     python -m kvflow.tools.bench.roofline                  # default model, 2 threads
+    python -m kvflow.tools.bench.roofline --dtype float32,bfloat16 --json out.json
     python -m kvflow.tools.bench.roofline --quick --json out.json
 """
 
@@ -28,12 +31,14 @@ import platform
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
+from kvflow.stages.engine.config import DTYPES
 from kvflow.stages.engine.default_model import ensure_default_model
 from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model_card import ModelCard
@@ -45,21 +50,30 @@ def _best(fn: Any, repeat: int) -> float:
     return min(fn() for _ in range(repeat))
 
 
-def matmul_flops(hidden: int, inter: int, tokens: int, repeat: int) -> float:
-    """FLOP/s of a float32 [tokens, hidden] @ [hidden, inter] mm (model-shaped)."""
+def projection_shapes(spec: Any) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's seven projections, as nn.Linear stores them."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    h, i = spec.hidden_size, spec.intermediate_size
+    return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+
+
+def matmul_flops(
+    shapes: list[tuple[int, int]], tokens: int, dtype: torch.dtype, repeat: int
+) -> float:
+    """FLOP/s of `torch.mm` over `shapes` (a layer's projections) at `tokens` rows in `dtype`:
+    what the prefill's matmuls could reach on this thread with this thread count."""
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(tokens, hidden, generator=gen)
-    w = torch.randn(inter, hidden, generator=gen)  # as nn.Linear stores it
-    for _ in range(2):
-        torch.nn.functional.linear(a, w)
+    weights = [torch.randn(o, i, generator=gen).to(dtype) for o, i in shapes]
+    inputs = {i: torch.randn(tokens, i, generator=gen).to(dtype) for _, i in shapes}
 
     def once() -> float:
         start = time.perf_counter()
-        for _ in range(8):
-            torch.nn.functional.linear(a, w)
-        return (time.perf_counter() - start) / 8
+        for w in weights:
+            torch.mm(inputs[w.shape[1]], w.t())
+        return time.perf_counter() - start
 
-    return 2.0 * tokens * hidden * inter / _best(once, repeat)
+    once()
+    return 2.0 * tokens * sum(o * i for o, i in shapes) / _best(once, repeat)
 
 
 def read_bandwidth(mib: int, repeat: int) -> float:
@@ -85,12 +99,21 @@ def open_engine(model_dir: Path, config: EngineConfig, fuse: bool) -> Engine:
 
 
 def weight_bytes(engine: Engine) -> int:
+    """Bytes of the weights one decode step reads: every parameter and oneDNN-prepared
+    linear weight (`packed` buffers, opaque tensors without a storage), each once; the
+    embedding table only where it is the lm_head's weight (tied), as a step reads one row."""
+    model = engine.model
+    embed = model.model.embed_tokens.weight
+    lm_head = getattr(model.lm_head, "weight", None)
+    tensors = [p for p in model.parameters() if p is not embed or p is lm_head]
+    tensors += [b for n, b in model.named_buffers() if n.endswith("packed")]
     seen: set[int] = set()
     total = 0
-    for p in engine.model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for t in tensors:
+        key = t.data_ptr() if t.layout == torch.strided else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
     return total
 
 
@@ -121,17 +144,35 @@ def decode_tok_s(engine: Engine, batch: int, context: int, steps: int, seed: int
     return batch * steps / (time.perf_counter() - start)
 
 
-def bench_engine(engine: Engine, args: argparse.Namespace, machine: dict[str, float]) -> dict:
+def bench_engine(engine: Engine, args: argparse.Namespace, bandwidth: float) -> dict:
     spec = engine.spec  # matmul FLOPs per prompt token: every weight but the embeddings
     flops_per_token = 2.0 * (spec.num_params - spec.vocab_size * spec.hidden_size)
-    out: dict[str, Any] = {"weight_bytes": weight_bytes(engine), "prefill": [], "decode": []}
+    shapes = projection_shapes(spec)
+    out: dict[str, Any] = {
+        "dtype": engine.config.dtype,
+        "weight_bytes": weight_bytes(engine),
+        "prefill": [],
+        "decode": [],
+    }
     for n in args.prefill_lens:
-        s = _best(lambda n=n: prefill_s(engine, n, args.seed), args.repeat)
+        rows = min(n, engine.config.prefill_chunk)
+        s, mm = float("inf"), 0.0
+        for _ in range(args.repeat):  # the reference next to each timing: the same load
+            mm = max(mm, matmul_flops(shapes, rows, engine.config.torch_dtype, 1))
+            s = min(s, prefill_s(engine, n, args.seed))
         rate = n * flops_per_token / s
         out["prefill"].append(
-            {"tokens": n, "seconds": s, "tok_s": n / s, "matmul_share": rate / machine["mm"]}
+            {
+                "tokens": n,
+                "seconds": s,
+                "tok_s": n / s,
+                "flops": rate,
+                "mm_rows": rows,
+                "mm_flops": mm,
+                "matmul_share": rate / mm,
+            }
         )
-    ceiling = machine["bw"] / out["weight_bytes"]
+    ceiling = bandwidth / out["weight_bytes"]
     for b in args.decode_batches:
         tps = max(
             decode_tok_s(engine, b, args.decode_context, args.decode_steps, args.seed + r)
@@ -145,14 +186,12 @@ def bench_engine(engine: Engine, args: argparse.Namespace, machine: dict[str, fl
     return out
 
 
-def _summary(label: str, machine: dict[str, float], runs: dict[str, dict]) -> str:
-    parts = [
-        f"bench_roofline {label}: mm {machine['mm'] / 1e9:.0f} GFLOP/s, "
-        f"read {machine['bw'] / 1e9:.1f} GB/s"
-    ]
+def _summary(label: str, bandwidth: float, runs: dict[str, dict]) -> str:
+    parts = [f"bench_roofline {label}: read {bandwidth / 1e9:.1f} GB/s"]
     for name, r in runs.items():
         pre = " ".join(
-            f"p{p['tokens']}={p['tok_s']:.0f}tok/s({p['matmul_share'] * 100:.0f}%mm)"
+            f"p{p['tokens']}={p['tok_s']:.0f}tok/s({p['matmul_share'] * 100:.0f}% of "
+            f"mm {p['mm_flops'] / 1e9:.0f} GFLOP/s)"
             for p in r["prefill"]
         )
         dec = " ".join(
@@ -183,7 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--decode-context", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=32)
-    p.add_argument("--mm-tokens", type=int, default=512)
+    p.add_argument(
+        "--dtype",
+        type=_dtypes,
+        default=["float32"],
+        help="engine dtype(s), comma-separated: float32, bfloat16, float16",
+    )
     p.add_argument("--bw-mib", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3, help="best of this many timings")
     p.add_argument("--seed", type=int, default=0)
@@ -200,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prefill_lens, args.decode_batches = [64], [1, 2]
         args.decode_context, args.decode_steps, args.repeat = 32, 4, 1
-        args.mm_tokens, args.bw_mib = 64, 64
+        args.bw_mib = 64
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="kvflow-roofline-") as tmp:
@@ -215,22 +259,20 @@ def main(argv: list[str] | None = None) -> int:
         layouts = {"fused": True, "unfused": False}
         if not args.compare:
             layouts = {"fused": True} if args.fused else {"unfused": False}
-        engines = {name: open_engine(model_dir, config, fuse) for name, fuse in layouts.items()}
-        spec = next(iter(engines.values())).spec
-        machine = {
-            "mm": matmul_flops(
-                spec.hidden_size, spec.intermediate_size, args.mm_tokens, args.repeat
-            ),
-            "bw": read_bandwidth(args.bw_mib, args.repeat),
+        engines = {
+            f"{name}-{dtype}": open_engine(model_dir, replace(config, dtype=dtype), fuse)
+            for name, fuse in layouts.items()
+            for dtype in args.dtype
         }
+        bandwidth = read_bandwidth(args.bw_mib, args.repeat)
         for engine in engines.values():  # warm-up: first-touch of pages and weights
             prefill_s(engine, min(64, longest), args.seed + 99)
-        runs = {name: bench_engine(engine, args, machine) for name, engine in engines.items()}
-        if args.compare:  # second pass in the other order: A B B A
-            again = {n: bench_engine(engines[n], args, machine) for n in reversed(list(engines))}
+        runs = {name: bench_engine(engine, args, bandwidth) for name, engine in engines.items()}
+        if len(engines) > 1:  # second pass in the other order: A B B A
+            again = {n: bench_engine(engines[n], args, bandwidth) for n in reversed(list(engines))}
             runs = {n: _better(runs[n], again[n]) for n in runs}
         label = model_dir.name
-    summary = _summary(label, machine, runs)
+    summary = _summary(label, bandwidth, runs)
     print(summary)
     if args.json:
         meta = {
@@ -240,9 +282,19 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         }
-        payload = {"summary": summary, "meta": meta, "machine": machine, "runs": runs}
+        payload = {"summary": summary, "meta": meta, "bandwidth": bandwidth, "runs": runs}
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
+
+
+def _dtypes(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in DTYPES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype(s) {bad or value!r}; one of {sorted(DTYPES)}"
+        )
+    return names
 
 
 def _better(a: dict, b: dict) -> dict:
