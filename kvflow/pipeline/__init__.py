@@ -24,6 +24,7 @@ from kvflow.pipeline.errors import (
     RequestCancelled,
     StageError,
 )
+from kvflow.pipeline.health import Health, LoopPulse
 from kvflow.pipeline.metrics import (
     LATENCY_BUCKETS_S,
     Metrics,
@@ -56,6 +57,8 @@ __all__ = [
     "DeadlineExceeded",
     "FinalError",
     "FunctionStage",
+    "Health",
+    "LoopPulse",
     "Metrics",
     "MetricsServer",
     "OutputChannel",

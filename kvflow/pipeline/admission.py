@@ -15,6 +15,10 @@ well raises the limit by 1/limit (by one for every limit's worth of them, as TCP
 congestion window), up to ``max_running``. When nothing runs and there is still no
 room, the head is retried after a short backoff.
 
+``close()`` starts a graceful stop (a drain): from then on ``wait`` refuses every new request
+with ``PipelineClosed`` (HTTP 503, gRPC UNAVAILABLE: clients go to another replica) while the
+requests already queued or running go on; ``idle()`` tells when none is left.
+
 ::
 
     wait() ──► [running < limit?] ── yes ──► Ticket (the request runs) ──► release(ok)
@@ -37,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvflow.pipeline.errors import PipelineError
+from kvflow.pipeline.errors import PipelineClosed, PipelineError
 from kvflow.pipeline.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -150,6 +154,7 @@ class AdmissionQueue:
         self._streak = 0  # consecutive no-room answers while nothing ran
         self._service_s = 1.0  # a moving average of how long an admitted request runs
         self._queue_seconds = self._refused = self._no_room = None
+        self._closed: str | None = None
         if metrics is not None:
             self._metrics(metrics)
 
@@ -194,6 +199,26 @@ class AdmissionQueue:
         return int(self._limit_f)
 
     # -- the queue ----------------------------------------------------------------------------
+    def close(self, reason: str = "draining") -> None:
+        """Refuse new requests from now on (``PipelineClosed`` naming ``reason``); the queued
+        and running ones go on. Idempotent."""
+        if self._closed is None:
+            self._closed = reason
+            logger.info(
+                "admission: closed (%s); %d running, %d waiting",
+                reason,
+                self._running,
+                self._waiting,
+            )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def idle(self) -> bool:
+        """No request runs and none waits."""
+        return self._running == 0 and self._waiting == 0
+
     def ticket(self, tokens: int, priority: Priority = Priority.INTERACTIVE) -> Ticket:
         """A new request's ticket (not yet waiting: pass it to ``wait``)."""
         return Ticket(next(self._seq), max(0, int(tokens)), priority, self._clock())
@@ -205,6 +230,8 @@ class AdmissionQueue:
         the queue at once."""
         if ticket.held:
             raise ValueError("the ticket is already held")
+        if self._closed is not None and ticket.retries == 0:
+            raise PipelineClosed(f"not admitting new requests: {self._closed}")
         if not self._heap and self._running < self._limit and self._clock() >= self._paused_until:
             self._take(ticket)
             return ticket

@@ -1,13 +1,16 @@
-"""Prometheus metrics on a registry of their own, and the HTTP endpoint that serves them."""
+"""Prometheus metrics on a registry of their own, and the HTTP endpoint that serves them (with
+the ``/healthz`` and ``/readyz`` probes of pipeline/health.py)."""
 
 from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,8 +19,11 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from kvflow.pipeline.health import Health
 
 logger = logging.getLogger(__name__)
 
@@ -186,14 +192,55 @@ class MetricsServer:
         self._server.server_close()
 
 
-def serve_metrics(metrics: Metrics, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
-    """Serve ``metrics`` over HTTP (any path) from a daemon thread; port 0 picks a free one.
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds
+        pass
+
+
+def _app(metrics: Metrics, health: Health) -> Callable[..., Any]:
+    """``/healthz`` and ``/readyz``: 200 ``ok`` or 503 with the reason (one line of text);
+    every other path: the metrics, as prometheus_client serves them."""
+    exposition = make_wsgi_app(metrics.registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        check = {"/healthz": health.liveness, "/readyz": health.readiness}.get(
+            environ.get("PATH_INFO", "")
+        )
+        if check is None:
+            return exposition(environ, start_response)
+        try:
+            reason = check()
+        except Exception as exc:  # a check that fails is a failed probe, never a 500 trace
+            reason = f"check failed: {type(exc).__name__}"
+        status = "200 OK" if reason is None else "503 Service Unavailable"
+        body = ("ok" if reason is None else " ".join(reason.split())).encode() + b"\n"
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+        return [body]
+
+    return app
+
+
+def serve_metrics(
+    metrics: Metrics, host: str = "127.0.0.1", port: int = 0, health: Health | None = None
+) -> MetricsServer:
+    """Serve ``metrics`` over HTTP (any path but the probes) and ``health`` on ``/healthz``
+    and ``/readyz`` (both 200 when None) from a daemon thread; port 0 picks a free one.
 
     Returns the handle; call ``close()`` to stop serving and release the port.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
-    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = infos[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(
+        sockaddr[0], port, _app(metrics, health or Health()), Server, handler_class=_QuietHandler
+    )
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
     bound = int(server.server_address[1])
     logger.info("metrics served on http://%s:%s/metrics", host, bound)
     return MetricsServer(host, bound, server, thread)

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from kvflow.pipeline import Metrics, MetricsServer, serve_metrics
+from kvflow.pipeline import Health, Metrics, MetricsServer, serve_metrics
+from kvflow.pipeline.health import meta_ready
 from kvflow.replication import MetadataConfig, MetadataGroup, ReplicationError
 from kvflow.replication.journal_guard import JournalClaim, claim_journal_dir
 from kvflow.replication.service import create_meta_server
@@ -105,7 +106,7 @@ def run_meta(args: argparse.Namespace) -> int:
         group.start()
         server, port = create_meta_server(group, args.host, args.grpc_port)
         server.start()
-        metrics = _serve_metrics(group, args.host, args.metrics_port)
+        metrics = _serve_metrics(group, args.host, args.metrics_port, stop)
         print(
             f"kvflow meta {args.meta_id}: raft {config.self_address} grpc {args.host}:{port} "
             f"peers {','.join(config.partner_addresses) or '-'} "
@@ -129,8 +130,11 @@ def run_meta(args: argparse.Namespace) -> int:
         _restore_handlers(previous)
 
 
-def _serve_metrics(group: MetadataGroup, host: str, port: int) -> MetricsServer | None:
-    """The replica's Prometheus endpoint: leadership and what the table holds."""
+def _serve_metrics(
+    group: MetadataGroup, host: str, port: int, stop: threading.Event
+) -> MetricsServer | None:
+    """The replica's Prometheus endpoint (leadership and what the table holds) and its
+    probes: live until it is told to stop, ready once it knows a leader and caught up."""
     if not port:
         return None
     metrics = Metrics()
@@ -143,7 +147,8 @@ def _serve_metrics(group: MetadataGroup, host: str, port: int) -> MetricsServer 
     metrics.gauge("meta_nodes", "Nodes registered in the metadata").set_function(
         lambda: float(len(group.view().nodes()))
     )
-    return serve_metrics(metrics, host, port)
+    health = Health(live=lambda: "stopping" if stop.is_set() else None, ready=meta_ready(group))
+    return serve_metrics(metrics, host, port, health)
 
 
 _Handler = signal.Handlers | int | None | object

@@ -130,6 +130,13 @@ def register(subparsers: Any) -> None:
         default=300.0,
         help="the longest a request waits in the queue before it is refused (429)",
     )
+    p.add_argument(
+        "--drain-s",
+        type=float,
+        default=10.0,
+        help="(embedded, router) on SIGTERM: refuse new requests (HTTP 503, gRPC UNAVAILABLE; "
+        "/readyz turns 503) and let those in flight finish for up to this long, then exit",
+    )
     timeouts = p.add_argument_group("HTTP connections (embedded, router)")
     timeouts.add_argument(
         "--http-header-timeout-s",
@@ -290,15 +297,47 @@ async def _until_signal() -> None:
         print("kvflow: shutting down", flush=True)
 
 
-def _metrics(registry: Any, host: str, port: int, stack: contextlib.AsyncExitStack) -> Any:
-    """The metrics endpoint (closed by ``stack``), or None when ``port`` is 0."""
+def _metrics(
+    registry: Any, host: str, port: int, stack: contextlib.AsyncExitStack, health: Any = None
+) -> Any:
+    """The metrics endpoint with the ``/healthz`` and ``/readyz`` probes of ``health`` (closed
+    by ``stack``), or None when ``port`` is 0."""
     from kvflow.pipeline import serve_metrics
 
     if not port:
         return None
-    metrics = serve_metrics(registry, host, port)
+    metrics = serve_metrics(registry, host, port, health)
     stack.callback(metrics.close)
     return metrics
+
+
+def _health(ready: Any, stack: contextlib.AsyncExitStack) -> Any:
+    """The probes' answers: live while this event loop ticks (a task ``stack`` cancels),
+    ready when ``ready`` (pipeline/health.py) says so."""
+    from kvflow.pipeline import Health, LoopPulse
+
+    pulse = LoopPulse()
+    task = asyncio.get_running_loop().create_task(pulse.run())
+    stack.callback(task.cancel)
+    return Health(live=pulse.check, ready=ready)
+
+
+async def _drain(frontend: Any, health: Any, drain_s: float) -> None:
+    """A graceful stop: readiness fails at once, new requests are refused (503/UNAVAILABLE,
+    so clients go to another replica), and those in flight get up to ``drain_s`` to end."""
+    health.draining = True
+    frontend.admission.close("draining: this server is shutting down")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + drain_s
+    while not frontend.admission.idle() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    left = frontend.admission.running() + frontend.admission.waiting()
+    print(
+        "kvflow: drained"
+        if not left
+        else f"kvflow: drain ended after {drain_s:g} s, {left} requests still in flight",
+        flush=True,
+    )
 
 
 async def serve_embedded(
@@ -308,7 +347,9 @@ async def serve_embedded(
     metrics_port: int,
     http: Any = None,
     auth: Any = None,
+    drain_s: float = 10.0,
 ) -> None:
+    from kvflow.pipeline.health import frontend_ready
     from kvflow.stages.api.inference import create_server
     from kvflow.stages.serve.embedded import EmbeddedCluster
     from kvflow.stages.serve.warmup import attach_warmup
@@ -327,7 +368,8 @@ async def serve_embedded(
             await warmup.start()
             stack.push_async_callback(warmup.stop)
             http_server = await _start_http(cluster, host, http, auth, stack)
-            metrics = _metrics(cluster.metrics, host, metrics_port, stack)
+            health = _health(frontend_ready(cluster), stack)
+            metrics = _metrics(cluster.metrics, host, metrics_port, stack, health)
         print(
             f"kvflow serving {cluster.model_name} ({cluster.model_dir}) on {host}:{bound} "
             f"({config.num_prefill} prefill, {config.num_decode} decode, policy "
@@ -337,9 +379,11 @@ async def serve_embedded(
             flush=True,
         )
         await _until_signal()
+        await _drain(cluster, health, drain_s)
 
 
 def run_node(args: argparse.Namespace) -> int:
+    from kvflow.pipeline.health import node_ready
     from kvflow.stages.engine import EngineError
     from kvflow.stages.serve.build import ensure_model
     from kvflow.stages.serve.config import EngineStoreConfig, NodeConfig
@@ -371,7 +415,8 @@ def run_node(args: argparse.Namespace) -> int:
                 node = NodeServer(config)
                 stack.push_async_callback(node.stop)
                 await node.start()
-                metrics = _metrics(node.metrics, args.host, args.metrics_port, stack)
+                health = _health(node_ready(node), stack)
+                metrics = _metrics(node.metrics, args.host, args.metrics_port, stack, health)
             print(
                 f"kvflow node {config.node_id} ({config.kind}) on {node.address}, "
                 f"transfer {node.transfer_address}"
@@ -379,11 +424,13 @@ def run_node(args: argparse.Namespace) -> int:
                 flush=True,
             )
             await _until_signal()
+            health.draining = True  # routers stop sending on their next refresh
 
     return _started("kvflow serve --role node", lambda: asyncio.run(main()))
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from kvflow.pipeline.health import frontend_ready
     from kvflow.stages.api.inference import create_server
     from kvflow.stages.serve.build import ensure_model
     from kvflow.stages.serve.config import EngineStoreConfig, RouterSettings
@@ -422,7 +469,8 @@ def run_router(args: argparse.Namespace) -> int:
                 await warmup.start()
                 stack.push_async_callback(warmup.stop)
                 http_server = await _start_http(router, args.host, http, auth, stack)
-                metrics = _metrics(router.metrics, args.host, args.metrics_port, stack)
+                health = _health(frontend_ready(router), stack)
+                metrics = _metrics(router.metrics, args.host, args.metrics_port, stack, health)
             print(
                 f"kvflow router on {args.host}:{port} ({len(router.prefill)} prefill, "
                 f"{len(router.decode)} decode nodes)"
@@ -431,6 +479,7 @@ def run_router(args: argparse.Namespace) -> int:
                 flush=True,
             )
             await _until_signal()
+            await _drain(router, health, args.drain_s)
 
     return _started("kvflow serve --role router", lambda: asyncio.run(main()))
 
@@ -462,6 +511,8 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is None:
         args.metrics_port = METRICS_PORTS[args.role]
     try:
+        if args.drain_s < 0:
+            raise ValueError(f"--drain-s: expected seconds >= 0, got {args.drain_s:g}")
         binds, peers = _binds_and_peers(args)
         apply_cluster_secret(args, args.role, binds, peers)  # light: meta starts without torch
         if args.role in ("embedded", "router"):
@@ -495,6 +546,8 @@ def run(args: argparse.Namespace) -> int:
     return _started(
         "kvflow serve",
         lambda: asyncio.run(
-            serve_embedded(config, args.host, args.port, args.metrics_port, http, auth)
+            serve_embedded(
+                config, args.host, args.port, args.metrics_port, http, auth, args.drain_s
+            )
         ),
     )

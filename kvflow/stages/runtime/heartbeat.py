@@ -59,14 +59,23 @@ class Heartbeat:
         self._members = members
         self._interval_s = interval_s
         self._clock = clock
+        #: time.monotonic() of the last beat the group took for every member (or of the
+        #: registration, ``mark_ok``); None before either. Readiness reads it.
+        self.last_ok: float | None = None
+
+    def mark_ok(self) -> None:
+        """Every member is registered now (the caller registered them)."""
+        self.last_ok = time.monotonic()
 
     def register_all(self) -> None:
         """Register every member (before its store re-adopts, and at start). Blocking."""
         for m in self._members:
             self._metadata.register_node(NodeId(m.node_id), m.address, m.kind, self._clock())
+        self.mark_ok()
 
     def beat_once(self) -> None:
         """One heartbeat for every member; re-register and re-adopt the forgotten. Blocking."""
+        ok = True
         for m in self._members:
             node = NodeId(m.node_id)
             try:
@@ -75,7 +84,10 @@ class Heartbeat:
                     self._metadata.replace_holdings(node, m.shard.holdings(), self._clock())
                     logger.info("node=%s re-registered and re-adopted its blocks", node)
             except Exception:
+                ok = False
                 logger.warning("node=%s heartbeat failed", node, exc_info=True)
+        if ok:
+            self.mark_ok()
 
     async def run(self) -> None:
         """Beat every ``interval_s`` until cancelled."""

@@ -120,6 +120,7 @@ class NodeServer:
             HEARTBEAT_S,
             clock=server_clock,
         )
+        self.heartbeat.mark_ok()  # registered above
         # one breaker per peer for every call of this node (block reads, the KV stream)
         self.peer_breakers = PeerBreakers(c.peer_budget)
         self.peers = RemotePeers(c.node_id, self.metadata, self.transfer, self.peer_breakers)
