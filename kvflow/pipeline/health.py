@@ -24,6 +24,10 @@ from typing import Any
 
 Check = Callable[[], str | None]
 
+#: The probes' paths on the metrics port.
+LIVENESS_PATH = "/healthz"
+READINESS_PATH = "/readyz"
+
 #: A loop that has not ticked for this long is stuck; liveness then fails.
 LOOP_STALE_S = 30.0
 LOOP_TICK_S = 1.0

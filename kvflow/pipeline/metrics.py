@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from kvflow.pipeline.health import Health
+from kvflow.pipeline.health import LIVENESS_PATH, READINESS_PATH, Health
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def _app(metrics: Metrics, health: Health) -> Callable[..., Any]:
     exposition = make_wsgi_app(metrics.registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        check = {"/healthz": health.liveness, "/readyz": health.readiness}.get(
+        check = {LIVENESS_PATH: health.liveness, READINESS_PATH: health.readiness}.get(
             environ.get("PATH_INFO", "")
         )
         if check is None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
+from kvflow.pipeline.health import LIVENESS_PATH, READINESS_PATH
 from kvflow.tools.cli import build_parser
 from tests.deploy.manifests import (
     OVERLAYS,
@@ -199,13 +201,34 @@ def test_probes_services_and_scrapes_name_ports_the_role_listens_on(
                     assert target in listens, f"{where}: Service {service['metadata']['name']}"
 
 
-def test_router_health_probe_is_the_http_health_endpoint(
+PROBE_PATHS = {
+    "startupProbe": LIVENESS_PATH,
+    "livenessProbe": LIVENESS_PATH,
+    "readinessProbe": READINESS_PATH,
+}
+
+
+def test_probes_are_the_health_endpoints_on_the_metrics_port(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
+    """Every role's probes GET the paths kvflow's metrics server answers (pipeline/health.py)
+    on the port the role serves its metrics on; so does the image's HEALTHCHECK URL."""
+    for overlay, pod, case in _cases(rendered):
+        c = case["c"]
+        args = _parse(pod_argv(c, case["env"]))
+        where = f"{overlay} {pod.name}"
+        for probe, path in PROBE_PATHS.items():
+            if probe not in c:
+                continue
+            action = c[probe].get("httpGet")
+            assert action is not None, f"{where}: {probe} is not an httpGet"
+            assert action["path"] == path, f"{where}: {probe}"
+            assert _port_number(c, action["port"]) == args.metrics_port, f"{where}: {probe}"
+        url = urlsplit(case["env"]["KVFLOW_HEALTH_URL"])
+        assert (url.port, url.path) == (args.metrics_port, READINESS_PATH), where
+        if args.role == "router":
+            assert args.drain_s + 3 <= pod.spec["terminationGracePeriodSeconds"], where
     for overlay in ALL:
-        router = by_kind(rendered[overlay], "Deployment")["kvflow-router"]
-        c = router["spec"]["template"]["spec"]["containers"][0]
-        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}, overlay
         service = by_kind(rendered[overlay], "Service")["kvflow-router"]
         assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc"}, overlay
 
