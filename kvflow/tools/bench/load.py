@@ -15,11 +15,18 @@ status (or ``conn`` for a connection error). Without ``--url`` it starts ``kvflo
 (the embedded server) in a process of its own on free ports, with ``--model`` (default: the
 tiny demo model) and stops it at the end.
 
+``--compare-url`` then runs the same levels, same seed and prompts, against any other
+OpenAI-compatible server (e.g. vLLM serving the same weights), after kvflow's server has
+stopped; with ``--compare-cmd`` the benchmark starts that server itself, waits for its
+``/health``, and stops it after, so only one server runs at a time.
+
 Seeded (prompts, arrivals); prints one summary line; ``--json PATH`` writes every number.
 
     python -m kvflow.tools.bench.load --concurrency 1,8,64 --rates 0.5,1,2,4
     python -m kvflow.tools.bench.load --url http://127.0.0.1:8000 --metrics-url \\
         http://127.0.0.1:9464/metrics --model-name SmolLM2-135M-Instruct
+    python -m kvflow.tools.bench.load --model DIR --compare-url http://127.0.0.1:8011 \\
+        --compare-cmd "vllm serve DIR --port 8011" --compare-model-name DIR
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import logging
 import os
 import platform
 import random
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -245,21 +254,62 @@ def start_embedded(
     # not a kvflow package that happens to sit in the caller's working directory
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=data_dir)
     url = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(
-                    f"the server did not start; see {data_dir / 'server.log'}"
-                ) from None
-            time.sleep(0.5)
+    wait_healthy(url, proc, 600, data_dir / "server.log")
     models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
     name = models["data"][0]["id"]
     return proc, Target(url, name, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+def wait_healthy(url: str, proc: Any, deadline_s: float, log: Path | None) -> None:
+    """Returns once ``url``/health answers; raises if ``proc`` (may be None) exits first or
+    the deadline passes."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            return
+        except OSError:
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                where = f"; see {log}" if log else ""
+                raise RuntimeError(f"the server at {url} did not start{where}") from None
+            time.sleep(0.5)
+
+
+def _against_other(
+    args: argparse.Namespace, log_dir: Path, capacity: float | None
+) -> dict[str, Level]:
+    """Every level against ``--compare-url``; with ``--compare-cmd``, that server is started
+    here first (its own process group, log in ``log_dir``) and stopped after."""
+    url = args.compare_url.rstrip("/")
+    proc = None
+    if args.compare_cmd:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(log_dir / "compare.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            shlex.split(args.compare_cmd), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_healthy(url, proc, args.compare_start_s, log_dir / "compare.log" if proc else None)
+        target = Target(url, args.compare_model_name, None)
+        return asyncio.run(run(args, target, capacity))
+    finally:
+        if proc is not None:
+            _stop_group(proc)
+
+
+def _stop_group(proc: Any) -> None:
+    """SIGTERM the process group ``proc`` leads, then SIGKILL it if still there after 60 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        proc.wait(10)
 
 
 def _checkout(python: str, cwd: Path) -> str:
@@ -359,6 +409,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="also run the same levels, same seed, against `kvflow serve` run by this "
         "interpreter (e.g. another checkout's .venv/bin/python), for a comparison",
     )
+    p.add_argument(
+        "--compare-url",
+        help="after kvflow's levels, run the same levels (same seed, prompts and open-loop "
+        "rates) against this other OpenAI-compatible server, e.g. vLLM on the same weights",
+    )
+    p.add_argument("--compare-model-name", help="with --compare-url: its served model's name")
+    p.add_argument(
+        "--compare-cmd",
+        help="with --compare-url: the command that starts that server (one string); it is "
+        "started after kvflow's server stopped and stopped at the end",
+    )
+    p.add_argument("--compare-start-s", type=float, default=900, help="its start-up deadline")
     p.add_argument("--server-args", default="", help="more `kvflow serve` flags, one string")
     p.add_argument("--concurrency", default="1,8,32,64,128", help="closed-loop clients")
     p.add_argument("--requests-per-client", type=int, default=4)
@@ -386,9 +448,16 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.url and not args.model_name:
         print("bench-load: --url needs --model-name", file=sys.stderr)
         return 2
+    if args.compare_url and not args.compare_model_name:
+        print("bench-load: --compare-url needs --compare-model-name", file=sys.stderr)
+        return 2
+    if args.compare_cmd and not args.compare_url:
+        print("bench-load: --compare-cmd needs --compare-url", file=sys.stderr)
+        return 2
     if args.baseline_python:  # absolute, not resolved: a venv's python is a symlink
         args.baseline_python = os.path.abspath(args.baseline_python)
     baseline: dict[str, Level] = {}
+    compare: dict[str, Level] = {}
     checkouts: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.url:
@@ -405,6 +474,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 baseline = _against(
                     args, model, Path(tmp) / "baseline", args.baseline_python, _capacity(levels)
                 )
+        if args.compare_url:  # the same prompts and rates against the other server
+            capacity = _capacity(levels) if levels else None
+            compare = _against_other(args, Path(tmp) / "compare", capacity)
     summaries = {name: level.summary() for name, level in levels.items()}
     load = os.getloadavg()
     doc = {
@@ -419,6 +491,9 @@ def run_bench(args: argparse.Namespace) -> int:
         "baseline_python": args.baseline_python,
         "checkouts": checkouts,
         "baseline": {name: level.summary() for name, level in baseline.items()},
+        "compare_url": args.compare_url,
+        "compare_cmd": args.compare_cmd,
+        "compare": {name: level.summary() for name, level in compare.items()},
         "load_avg": load,
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
@@ -430,6 +505,7 @@ def run_bench(args: argparse.Namespace) -> int:
     five = sum(s["http_5xx"] for s in summaries.values())
     parts = [f"{name}: {_short(s)}" for name, s in summaries.items()]
     parts += [f"baseline {name}: {_short(s)}" for name, s in doc["baseline"].items()]
+    parts += [f"compare {name}: {_short(s)}" for name, s in doc["compare"].items()]
     print(
         f"bench load ({served}; {args.prompt_words} words + {args.max_tokens} tokens): "
         f"{served_all}/{total} served, {five} 5xx; "
