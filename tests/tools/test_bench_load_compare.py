@@ -35,7 +35,7 @@ def test_a_compare_server_that_exits_is_reported(tmp_path: Path) -> None:
             "--compare-start-s", "120",
         ]
     )  # fmt: skip
-    with pytest.raises(RuntimeError, match="compare.log"):
+    with pytest.raises(RuntimeError, match=r"compare\.log"):
         load._against_other(args, tmp_path, None)
 
 
