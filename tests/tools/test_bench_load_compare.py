@@ -74,3 +74,10 @@ def test_compare_runs_the_same_levels_against_a_second_server(
         assert level["goodput_tokens_per_s"] > 0
     with pytest.raises(OSError):  # the compare server was stopped
         load.urllib.request.urlopen(f"http://127.0.0.1:{ports[1]}/health", timeout=5)
+
+
+def test_log_tail_names_the_last_lines(tmp_path: Path) -> None:
+    log = tmp_path / "compare.log"
+    log.write_text("one\ntwo\nthree\nRuntimeError: operator x does not exist\n")
+    assert load._log_tail(log, 2) == "three | RuntimeError: operator x does not exist"
+    assert load._log_tail(tmp_path / "missing.log") == ""

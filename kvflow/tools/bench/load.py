@@ -300,6 +300,14 @@ def _against_other(
             _stop_group(proc)
 
 
+def _log_tail(path: Path, lines: int = 3) -> str:
+    """The last lines of a log, or '' when there is none."""
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def _stop_group(proc: Any) -> None:
     """SIGTERM the process group ``proc`` leads, then SIGKILL it if still there after 60 s."""
     try:
@@ -458,6 +466,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.baseline_python = os.path.abspath(args.baseline_python)
     baseline: dict[str, Level] = {}
     compare: dict[str, Level] = {}
+    compare_error = None
     checkouts: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.url:
@@ -476,7 +485,11 @@ def run_bench(args: argparse.Namespace) -> int:
                 )
         if args.compare_url:  # the same prompts and rates against the other server
             capacity = _capacity(levels) if levels else None
-            compare = _against_other(args, Path(tmp) / "compare", capacity)
+            try:
+                compare = _against_other(args, Path(tmp) / "compare", capacity)
+            except RuntimeError as e:  # kvflow's numbers are still reported
+                compare_error = f"{e}: {_log_tail(Path(tmp) / 'compare' / 'compare.log')}"
+                print(f"bench-load: compare: {compare_error}", file=sys.stderr)
     summaries = {name: level.summary() for name, level in levels.items()}
     load = os.getloadavg()
     doc = {
@@ -494,6 +507,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "compare_url": args.compare_url,
         "compare_cmd": args.compare_cmd,
         "compare": {name: level.summary() for name, level in compare.items()},
+        "compare_error": compare_error,
         "load_avg": load,
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
@@ -510,10 +524,11 @@ def run_bench(args: argparse.Namespace) -> int:
         f"bench load ({served}; {args.prompt_words} words + {args.max_tokens} tokens): "
         f"{served_all}/{total} served, {five} 5xx; "
         + "; ".join(parts)
+        + (f"; compare failed: {compare_error}" if compare_error else "")
         + f"; load avg {load[0]:.2f}",
         flush=True,
     )
-    return 0
+    return 1 if compare_error else 0
 
 
 if __name__ == "__main__":
