@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams, write_demo_model
 from kvflow.stages.engine.attention import ContiguousKV
+from kvflow.tools.bench._meta import run_meta
 
 ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -251,13 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(args.model.name if args.model else args.preset, results)
     print(summary)
     if args.json:
-        meta = {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        }
+        meta = run_meta(args)
         args.json.write_text(
             json.dumps({"summary": summary, "meta": meta, "results": results}, indent=2)
         )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import tempfile
 import time
@@ -28,6 +27,7 @@ import torch
 from kvflow.stages.detokenize import IncrementalDetokenizer
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.stages.engine.default_model import ensure_default_model
+from kvflow.tools.bench._meta import run_meta
 
 
 def _ids(seed: int, n: int, lo: int, hi: int) -> list[int]:
@@ -161,13 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(engine.card.name, args.threads, detok, speed)
     print(summary)
     if args.json:
-        meta = {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        }
+        meta = run_meta(args)
         doc = {"meta": meta, "summary": summary, "detokenize": detok, "speed": speed}
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0

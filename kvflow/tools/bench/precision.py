@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.stages.engine.config import DTYPES
 from kvflow.stages.engine.default_model import ensure_default_model
+from kvflow.tools.bench._meta import run_meta
 
 PROMPTS = (
     "The capital of France is",
@@ -151,12 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(summary)
     if args.json:
-        meta = {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        }
+        meta = run_meta(args)
         args.json.write_text(json.dumps({"summary": summary, "meta": meta, **result}, indent=2))
     return 0
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import tempfile
 import time
@@ -44,6 +43,7 @@ from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.engine.spec import load_spec
 from kvflow.stages.engine.tokenizer import Tokenizer
+from kvflow.tools.bench._meta import run_meta
 
 
 def _best(fn: Any, repeat: int) -> float:
@@ -275,13 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(label, bandwidth, runs)
     print(summary)
     if args.json:
-        meta = {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        }
+        meta = run_meta(args)
         payload = {"summary": summary, "meta": meta, "bandwidth": bandwidth, "runs": runs}
         args.json.write_text(json.dumps(payload, indent=2))
     return 0

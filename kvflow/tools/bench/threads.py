@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import random
 import tempfile
 import threading
@@ -31,6 +30,7 @@ import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.stages.engine.default_model import ensure_default_model
+from kvflow.tools.bench._meta import run_meta
 
 # Request ids unique across runners: a stopped job leaves its requests in the engine, and
 # the next job's steps finish them.
@@ -186,11 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(summary)
     if args.json:
-        meta = {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        }
+        meta = run_meta(args)
         args.json.write_text(json.dumps({"summary": summary, "meta": meta, "rows": rows}, indent=2))
     return 0
 
