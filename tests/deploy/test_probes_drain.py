@@ -18,8 +18,7 @@ import grpc
 import pytest
 
 from kvflow.stages.api import pb2, pb2_grpc
-from tests.conftest import pick_free_port
-from tests.faults.roles import Role
+from tests.faults.roles import HandStartedRoles, Role
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -51,32 +50,9 @@ def wait_probe(role: Role, port: int, path: str, want: int, timeout_s: float = 1
     raise AssertionError(f"{role.name} {path}: {last!r} after {timeout_s}s:\n{role.output()}")
 
 
-class Cluster:
+class Cluster(HandStartedRoles):
     def __init__(self, root: Path, model: Path) -> None:
-        data = root / "data"
-        self.meta_grpc = f"127.0.0.1:{pick_free_port()}"
-        self.router_port = pick_free_port()
-        common = ["--data-dir", str(data), "--model", str(model), *SMALL]
-        meta = [
-            "--role", "meta", "--address", f"127.0.0.1:{pick_free_port()}",
-            "--grpc-port", self.meta_grpc.rpartition(":")[2], "--data-dir", str(data),
-        ]  # fmt: skip
-        self.roles = [Role("meta", meta, root / "meta.log")]
-        for kind in ("prefill", "decode"):
-            node = [
-                "--role", "node", "--kind", kind, "--node-id", f"{kind}-0",
-                "--port", str(pick_free_port()), "--meta", self.meta_grpc, *common,
-            ]  # fmt: skip
-            self.roles.append(Role(kind, node, root / f"{kind}.log"))
-        router = [
-            "--role", "router", "--meta", self.meta_grpc, "--port", str(self.router_port),
-            "--http-port", "0", "--drain-s", "120", *common,
-        ]  # fmt: skip
-        self.roles.append(Role("router", router, root / "router.log"))
-        self.metrics: dict[str, int] = {}
-        for role in self.roles:
-            self.metrics[role.name] = pick_free_port()
-            role.argv += ["--metrics-port", str(self.metrics[role.name])]
+        super().__init__(root, model, SMALL, ("--drain-s", "120"), router_http_port="0")
 
 
 @pytest.fixture(scope="module")

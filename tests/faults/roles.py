@@ -19,6 +19,7 @@ from typing import IO
 import psutil
 
 from kvflow.security import SECRET_FILE_ENV
+from tests.conftest import pick_free_port
 
 
 @dataclass
@@ -109,3 +110,43 @@ def run_role(argv: list[str], timeout_s: float = 60.0) -> subprocess.CompletedPr
         env=base,
         check=False,
     )
+
+
+class HandStartedRoles:
+    """One metadata replica, a prefill and a decode node and a router, each a ``Role`` started
+    by hand as an operator would (``kvflow serve --role ...``, no supervisor), on free ports
+    with one data dir. ``metrics`` maps each role's name to its metrics port."""
+
+    def __init__(
+        self,
+        root: Path,
+        model: Path,
+        small: list[str],
+        router_extra: tuple[str, ...] = (),
+        router_http_port: str | None = None,
+    ) -> None:
+        self.data_dir = root / "data"
+        self.meta_grpc = f"127.0.0.1:{pick_free_port()}"
+        self.router_port = pick_free_port()
+        common = ["--data-dir", str(self.data_dir), "--model", str(model), *small]
+        meta = [
+            "--role", "meta", "--address", f"127.0.0.1:{pick_free_port()}",
+            "--grpc-port", self.meta_grpc.rpartition(":")[2], "--data-dir", str(self.data_dir),
+        ]  # fmt: skip
+        self.roles = [Role("meta", meta, root / "meta.log")]
+        for kind in ("prefill", "decode"):
+            node = [
+                "--role", "node", "--kind", kind, "--node-id", f"{kind}-0",
+                "--port", str(pick_free_port()), "--meta", self.meta_grpc, *common,
+            ]  # fmt: skip
+            self.roles.append(Role(kind, node, root / f"{kind}.log"))
+        http_port = router_http_port if router_http_port is not None else str(pick_free_port())
+        router = [
+            "--role", "router", "--meta", self.meta_grpc, "--port", str(self.router_port),
+            "--http-port", http_port, *router_extra, *common,
+        ]  # fmt: skip
+        self.roles.append(Role("router", router, root / "router.log"))
+        self.metrics: dict[str, int] = {}
+        for role in self.roles:
+            self.metrics[role.name] = pick_free_port()
+            role.argv += ["--metrics-port", str(self.metrics[role.name])]

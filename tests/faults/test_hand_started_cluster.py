@@ -18,40 +18,18 @@ from kvflow.security import load_secret_file
 from kvflow.stages.api import pb2
 from kvflow.stages.api.client import InferenceClient
 from kvflow.transfer import TransferConfig, TransferEngine
-from tests.conftest import pick_free_port
 
 from ..security.pickle_attack import send_pickle
-from .roles import Role
+from .roles import HandStartedRoles
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.cluster]
 
 SMALL = ["--block-size", "16", "--num-pages", "128", "--dram-mb", "32", "--ssd-mb", "64"]
 
 
-class HandCluster:
+class HandCluster(HandStartedRoles):
     def __init__(self, root: Path, model: Path) -> None:
-        self.data_dir = root / "data"
-        self.meta_grpc = f"127.0.0.1:{pick_free_port()}"
-        self.router_port = pick_free_port()
-        common = ["--data-dir", str(self.data_dir), "--model", str(model), *SMALL]
-        meta = [
-            "--role", "meta", "--address", f"127.0.0.1:{pick_free_port()}",
-            "--grpc-port", self.meta_grpc.rpartition(":")[2], "--data-dir", str(self.data_dir),
-        ]  # fmt: skip
-        self.roles = [Role("meta", meta, root / "meta.log")]
-        for kind in ("prefill", "decode"):
-            node = [
-                "--role", "node", "--kind", kind, "--node-id", f"{kind}-0",
-                "--port", str(pick_free_port()), "--meta", self.meta_grpc, *common,
-            ]  # fmt: skip
-            self.roles.append(Role(kind, node, root / f"{kind}.log"))
-        router = [
-            "--role", "router", "--meta", self.meta_grpc, "--port", str(self.router_port),
-            "--http-port", str(pick_free_port()), *common,
-        ]  # fmt: skip
-        self.roles.append(Role("router", router, root / "router.log"))
-        for role in self.roles:
-            role.argv += ["--metrics-port", str(pick_free_port())]
+        super().__init__(root, model, SMALL)
 
     @property
     def secret_file(self) -> Path:
