@@ -8,12 +8,14 @@ from __future__ import annotations
 import gzip
 import logging
 import random
+import time
 from pathlib import Path
 
 import pytest
 
 from kvflow.replication import MetadataConfig, MetadataGroup, NodeId, Tier
 from kvflow.replication.config import DUMP_FILE, JOURNAL_FILE
+from kvflow.replication.errors import NotLeaderError
 from kvflow.replication.journal_repair import (
     JournalDamage,
     VoteHold,
@@ -209,10 +211,22 @@ def test_a_repaired_replica_catches_up_from_a_snapshot(
     rng = random.Random(7)
     written: list[bytes] = []
 
-    def write(group: MetadataGroup, n: int) -> None:
+    def write(live: list[MetadataGroup], n: int) -> None:
+        # through whichever replica leads now: on a loaded machine the short election timeouts
+        # can move the leadership mid-run (NotLeaderError: retried on the new leader)
         for _ in range(n):
             batch = [rng.randbytes(16) for _ in range(10)]
-            group.record_batch(W, [(k, Tier.DRAM) for k in batch], [], now=1.0)
+            deadline = time.monotonic() + READY_S
+            while True:
+                leader = next((g for g in live if g.is_leader()), None)
+                try:
+                    if leader is not None:
+                        leader.record_batch(W, [(k, Tier.DRAM) for k in batch], [], now=1.0)
+                        break
+                except NotLeaderError:
+                    pass
+                assert time.monotonic() < deadline, "no leader took the write"
+                time.sleep(0.05)
             written.extend(batch)
 
     try:
@@ -220,11 +234,11 @@ def test_a_repaired_replica_catches_up_from_a_snapshot(
             g.start()
         for g in groups:
             g.wait_ready(30.0)
-        write(groups[0], 20)
+        write(groups, 20)
         groups[2].close()
         log = tmp_path / "meta-2" / JOURNAL_FILE
         log.write_bytes(log.read_bytes()[:50])
-        write(groups[0], 20)
+        write(groups[:2], 20)
         # both healthy logs compacted past their start: only a snapshot can bring the
         # emptied replica back
         wait_until(
