@@ -20,6 +20,10 @@ def commit_index(group: MetadataGroup) -> int:
     return int(group.raft_status()["commit_idx"])
 
 
+def raft_term(group: MetadataGroup) -> int:
+    return int(group.raft_status()["raft_term"])
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll ``predicate`` every 10 ms; fail the test with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
