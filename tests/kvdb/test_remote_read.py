@@ -130,6 +130,37 @@ def test_batch_get_into_registered_pages_is_direct(holder: Holder, reader: Reade
     assert holder.shard.stats().dram.hits == 6
 
 
+def _slices(reader: Reader) -> int:
+    return sum(s.slices for s in reader.transfer.backend("tcp").endpoint_stats().values())
+
+
+def test_adjacent_blocks_into_adjacent_pages_move_as_one_request(
+    holder: Holder, reader: Reader
+) -> None:
+    """Blocks back to back in the holder's pool, read into back-to-back pages: one transfer
+    request (read_plan); checksums stay per block."""
+    ks = holder.fill(6)
+    assert reader.client.batch_get_into(ks, reader.pages(6)) == [Tier.DRAM] * 6
+    assert all(np.array_equal(p, value(i)) for i, p in enumerate(reader.pages(6)))
+    assert _slices(reader) == 1
+    pages = reader.pages(8)
+    scattered = [pages[7], pages[5], pages[3]]  # not adjacent: one request each
+    assert reader.client.batch_get_into(ks[:3], scattered) == [Tier.DRAM] * 3
+    assert all(np.array_equal(p, value(i)) for i, p in enumerate(scattered))
+    assert _slices(reader) == 1 + 3
+
+
+def test_a_corrupt_block_inside_a_run_is_the_only_miss(holder: Holder, reader: Reader) -> None:
+    ks = holder.fill(4)
+    lease = reader.client.lease(ks)
+    pool = holder.shard._state.dram.pool  # flip a byte of the third block, inside the run
+    pool[lease.blocks[2].offset] ^= 0xFF
+    assert reader.client.read_into(lease, reader.pages(4)) == [Tier.DRAM] * 2 + [None, Tier.DRAM]
+    assert reader.client.stats().checksum_failures == 1
+    assert _slices(reader) == 1
+    reader.client.release(lease)
+
+
 def test_unregistered_buffers_go_through_staging_in_rounds(holder: Holder) -> None:
     reader = Reader(holder, staging_bytes=2 * NBYTES)  # 6 blocks: 3 staged rounds
     try:

@@ -45,6 +45,7 @@ from kvflow.kvdb.proto import pb2, pb2_grpc
 from kvflow.kvdb.remote.config import RemoteClientConfig
 from kvflow.kvdb.remote.destinations import Destinations
 from kvflow.kvdb.remote.peer_budget import PeerCallBudget
+from kvflow.kvdb.remote.read_plan import chunk_runs, plan_runs
 from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.shard import check_key
 from kvflow.replication import CircuitBreaker, Tier
@@ -63,8 +64,6 @@ from kvflow.transfer import (
 logger = logging.getLogger(__name__)
 
 _TIERS = {"dram": Tier.DRAM, "ssd": Tier.SSD}
-_VERIFY_CHUNKS = 4  # a read is submitted as this many batches, verified one by one
-_MIN_CHUNK = 8  # ...each of at least this many requests
 
 
 class RemoteClient:
@@ -298,36 +297,40 @@ class RemoteClient:
             first = False
             if not round_items:
                 break
-            requests = [
-                TransferRequest(
-                    OpCode.READ, name, offset, target, blocks[i].offset, blocks[i].length
-                )
-                for i, name, offset in round_items
-            ]
-            self._transfer_and_check(lease, round_items, requests, dsts, staging, ok, health)
+            self._transfer_and_check(lease, target, round_items, dsts, staging, ok, health)
 
     def _transfer_and_check(
         self,
         lease: RemoteLease,
+        target: SegmentHandle,
         items: list[tuple[int, str, int]],
-        requests: list[TransferRequest],
         dsts: list[np.ndarray],
         staging: tuple[str, np.ndarray] | None,
         ok: list[bool],
         health: _Health,
     ) -> None:
-        """Submit the requests as a few batches at once (all within ``health.deadline_s``
-        of now), then verify each batch's blocks as soon as it completes, while the later
-        batches are still moving (checksums overlap the transfer instead of following it)."""
-        n = len(requests)
-        step = max(_MIN_CHUNK, -(-n // _VERIFY_CHUNKS))
-        chunks = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+        """Move ``items`` (block index, local segment, local offset) as runs of adjacent
+        blocks (``read_plan``), submitted as chunks of runs at once (all within
+        ``health.deadline_s`` of now); verify each chunk's blocks as soon as it completes,
+        while the later chunks are still moving and its bytes are still in cache."""
+        blocks = lease.blocks
+        runs = plan_runs(
+            [(name, offset, blocks[i].offset, blocks[i].length) for i, name, offset in items]
+        )
+        chunks = chunk_runs(runs)
         batches = []
         try:
             for lo, hi in chunks:
                 batch = self._transfer.allocate_batch(hi - lo)
                 batches.append(batch)
-                self._transfer.submit(batch, requests[lo:hi], deadline_s=health.deadline_s)
+                requests = [
+                    TransferRequest(
+                        OpCode.READ, r.local_segment, r.local_offset, target, r.remote_offset,
+                        r.length,
+                    )
+                    for r in runs[lo:hi]
+                ]  # fmt: skip
+                self._transfer.submit(batch, requests, deadline_s=health.deadline_s)
         except BaseException:
             for batch in batches:  # let what was submitted settle before freeing it
                 self._transfer.wait(batch)
@@ -338,19 +341,23 @@ class RemoteClient:
             self._transfer.free_batch(batch)
             health.timed_out |= any(s.state is TransferState.TIMEOUT for s in statuses)
             health.failed |= any(not s.ok for s in statuses)
-            self._check(lease, items[lo:hi], statuses, dsts, staging, ok)
+            settled = [
+                (item, status)
+                for run, status in zip(runs[lo:hi], statuses, strict=True)
+                for item in items[run.first : run.first + run.count]
+            ]
+            self._check(lease, settled, dsts, staging, ok)
 
     def _check(
         self,
         lease: RemoteLease,
-        items: list[tuple[int, str, int]],
-        statuses: list[TransferStatus],
+        settled: list[tuple[tuple[int, str, int], TransferStatus]],
         dsts: list[np.ndarray],
         staging: tuple[str, np.ndarray] | None,
         ok: list[bool],
     ) -> None:
         transfer_failures = checksum_failures = staged_bytes = 0
-        for (i, name, offset), status in zip(items, statuses, strict=True):
+        for (i, name, offset), status in settled:
             block = lease.blocks[i]
             if not status.ok:
                 transfer_failures += 1
