@@ -63,16 +63,18 @@ def test_compare_runs_the_same_levels_against_a_second_server(
         "bench-load", "--model", str(model), "--concurrency", "1,2", "--requests-per-client",
         "1", "--rates", "", "--max-tokens", "4", "--compare-url",
         f"http://127.0.0.1:{ports[1]}", "--compare-model-name", "other", "--compare-cmd", cmd,
-        "--json", str(out),
+        "--shared-prefix-words", "64", "--json", str(out),
     ]  # fmt: skip
     assert cli.main(argv) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "compare closed_c2: 2/2 served" in line
     doc = json.loads(out.read_text())
     assert set(doc["results"]) == set(doc["compare"]) == {"closed_c1", "closed_c2"}
-    for level in doc["compare"].values():
+    assert doc["shared_prefix_words"] == 64
+    for level in [*doc["results"].values(), *doc["compare"].values()]:
         assert level["served"] == level["requests"] and level["http_5xx"] == 0
         assert level["goodput_tokens_per_s"] > 0
+        assert level["cached_prompt_tokens"] > 0  # the shared prefix, after the warm-up
     with pytest.raises(OSError):  # the compare server was stopped
         urllib.request.urlopen(f"http://127.0.0.1:{ports[1]}/health", timeout=5)
 

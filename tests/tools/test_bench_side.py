@@ -73,6 +73,11 @@ def test_table_says_who_is_ahead() -> None:
     assert rows["ttft_cold_short_s"]["kvflow_ahead"] is True  # lower is better, both rounds
     assert rows["decode_tok_s"]["ratio"] == [1.5, 0.5]
     assert rows["decode_tok_s"]["kvflow_ahead"] is False  # behind in one round
+    assert side._verdict(rows["ttft_cold_short_s"]) == "0.50-0.75x (kvflow ahead)"
+    assert side._verdict(rows["decode_tok_s"]) == "0.50-1.50x (kvflow mixed)"
+    assert side._verdict({**rows["decode_tok_s"], "ratio": [0.5], "kvflow_ahead": False}) == (
+        "0.50x (kvflow behind)"
+    )
     assert rows["startup_s"]["ratio"] == [] and rows["startup_s"]["kvflow_ahead"] is None
     assert rows["ttft_cold_long_s"]["label"] == "TTFT, cold ~2,000 tokens"
 

@@ -96,6 +96,12 @@ class Level:
             "tpot_p50_ms": pct(tpot, 50),
             "tpot_p99_ms": pct(tpot, 99),
             "queue_mean_ms": self.queue_s * 1000,
+            # prompt tokens the server said it had cached (None: it does not say)
+            "cached_prompt_tokens": (
+                sum(o.cached_tokens or 0 for o in ok)
+                if any(o.cached_tokens is not None for o in ok)
+                else None
+            ),
             "wall_s": self.wall_s,
         }
 

@@ -169,11 +169,13 @@ class Run:
     values: dict[str, float | None] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: dict[str, int | None] = field(default_factory=dict)  # as the server said
     prefix_cache: dict[str, Any] = field(default_factory=dict)
 
     def keep(self, key: str, outcome: Outcome) -> Outcome:
         if outcome.status == "200":
             self.texts[key] = outcome.text
+            self.prompt_tokens[key] = outcome.prompt_tokens
         else:
             self.failed[outcome.status] = self.failed.get(outcome.status, 0) + 1
         return outcome
@@ -379,9 +381,9 @@ def _verdict(row: dict[str, Any]) -> str:
     if not row["ratio"]:
         return "-"
     span = _span(row["ratio"], lambda v: f"{v:.2f}")
-    if row["kvflow_ahead"]:
-        return f"{span}x (kvflow ahead)"
-    return f"{span}x" + ("" if row["kvflow_ahead"] is None else " (kvflow behind or mixed)")
+    lower = row["lower_is_better"]
+    behind = all((x > 1) if lower else (x < 1) for x in row["ratio"])
+    return f"{span}x (kvflow {'ahead' if row['kvflow_ahead'] else 'behind' if behind else 'mixed'})"
 
 
 def print_report(args: argparse.Namespace, doc: dict[str, Any]) -> None:
@@ -435,6 +437,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--burst-requests", type=int, default=2)
     p.add_argument("--burst-tokens", type=int, default=505)
     p.add_argument("--burst-max-tokens", type=int, default=16)
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep the servers' data and logs in a new folder under this one (default: a "
+        "temporary directory, removed at the end)",
+    )
     p.add_argument("--json", type=Path)
     p.set_defaults(func=run_bench)
     return p
@@ -460,7 +468,10 @@ def run_bench(args: argparse.Namespace) -> int:
     rounds: list[dict[str, Any]] = []
     error = None
     load_start = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.work_dir:  # a fresh folder in it: a server's old data would be a cache hit
+            args.work_dir.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="side-", dir=args.work_dir) if args.work_dir else scratch
         model = model_dir(args.model, Path(tmp), args.seed)
         if args.model is None:  # the tiny demo model has no chat template of its own
             (model / "chat_template.jinja").write_text(CHATML)
@@ -485,9 +496,9 @@ def run_bench(args: argparse.Namespace) -> int:
                     continue
                 result[who] = {
                     "values": run.values, "failed": run.failed, "prefix_cache": run.prefix_cache,
-                    "texts": run.texts,
+                    "prompt_tokens": run.prompt_tokens, "texts": run.texts,
                 }  # fmt: skip
-                logger.warning("round %d %s: %s", i + 1, who, run.values)
+                logger.warning("round %d: %s measured", i + 1, who)
             if "kvflow" in result and "other" in result:
                 a, b = (Run(texts=result[w]["texts"]) for w in ("kvflow", "other"))
                 result["greedy"] = greedy_match(a, b)
@@ -507,6 +518,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "identical": sum(g["identical"] for g in matched),
         },
         "error": error,
+        "work_dir": tmp if args.work_dir else None,
         "load_avg_start": load_start,
         "load_avg": os.getloadavg(),
         "cpus": os.cpu_count(),
