@@ -422,28 +422,28 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_compare_arguments(p)
     p.add_argument("--rounds", type=int, default=1, help="round i: seed+i, the order swapped")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cold-tokens", type=int, default=512)
-    p.add_argument("--long-tokens", type=int, default=2000)
+    p.add_argument("--cold-tokens", type=int, default=512, help="the cold short prompt")
+    p.add_argument("--long-tokens", type=int, default=2000, help="cold long prompts")
     p.add_argument("--system-tokens", type=int, default=1500, help="and the shared prefix")
-    p.add_argument("--questions", type=int, default=7)
+    p.add_argument("--questions", type=int, default=7, help="after the system prompt")
     p.add_argument("--ttft-max-tokens", type=int, default=8, help="output of the TTFT rows")
-    p.add_argument("--decode-max-tokens", type=int, default=128)
-    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--decode-max-tokens", type=int, default=128, help="output of the decode row")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients")
     p.add_argument("--client-requests", type=int, default=2, help="requests per client")
-    p.add_argument("--client-prompt-tokens", type=int, default=256)
-    p.add_argument("--client-max-tokens", type=int, default=64)
+    p.add_argument("--client-prompt-tokens", type=int, default=256, help="their prompts")
+    p.add_argument("--client-max-tokens", type=int, default=64, help="their output")
     p.add_argument("--tail-tokens", type=int, default=48, help="after the shared prefix")
     p.add_argument("--burst", type=int, default=32, help="clients of the all-done row")
-    p.add_argument("--burst-requests", type=int, default=2)
-    p.add_argument("--burst-tokens", type=int, default=505)
-    p.add_argument("--burst-max-tokens", type=int, default=16)
+    p.add_argument("--burst-requests", type=int, default=2, help="requests per client")
+    p.add_argument("--burst-tokens", type=int, default=505, help="their prompts")
+    p.add_argument("--burst-max-tokens", type=int, default=16, help="their output")
     p.add_argument(
         "--work-dir",
         type=Path,
         help="keep the servers' data and logs in a new folder under this one (default: a "
         "temporary directory, removed at the end)",
     )
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="write every number and text here")
     p.set_defaults(func=run_bench)
     return p
 
