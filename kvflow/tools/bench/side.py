@@ -151,8 +151,8 @@ ROWS = [
     Row("decode_tok_s", "decode, one request", "tok/s", False),
     Row("clients_tok_s", "{clients} concurrent clients: output", "tok/s", False),
     Row("clients_ttft_p99_s", "{clients} concurrent clients: TTFT p99", "s", True),
-    Row("long_tok_s", "{clients} clients, ~{long}-token prompts: output", "tok/s", False),
-    Row("long_ttft_p99_s", "{clients} clients, ~{long}-token prompts: TTFT p99", "s", True),
+    Row("long_tok_s", "{clients} clients, one ~{long}-token prompt each: output", "tok/s", False),
+    Row("long_ttft_p99_s", "{clients} clients, one ~{long}-token prompt each: TTFT p99", "s", True),
     Row("shared_tok_s", "{clients} clients, shared ~{system}-token prefix: output", "tok/s", False),
     Row(
         "shared_ttft_p99_s", "{clients} clients, shared ~{system}-token prefix: TTFT p99", "s", True
@@ -239,10 +239,10 @@ async def rows(args: argparse.Namespace, target: Target, texts: Texts, run: Run)
         run.values["ttft_system_s"] = statistics.median(times) if times else None
         d = await one("decode", texts.text("decode", 48), args.decode_max_tokens)
         run.values["decode_tok_s"] = 1 / d.tpot_s if d.status == "200" and d.tpot_s else None
-    await _level(args, target, texts, run, "clients", args.client_prompt_tokens, "")
-    await _level(args, target, texts, run, "long", args.long_tokens, "")
+    await _level(args, target, texts, run, "clients", args.client_prompt_tokens)
+    await _level(args, target, texts, run, "long", args.long_tokens, per_client=1)
     prefix = texts.text("shared-prefix", args.system_tokens) + " "
-    await _level(args, target, texts, run, "shared", args.tail_tokens, prefix)
+    await _level(args, target, texts, run, "shared", args.tail_tokens, prefix=prefix)
     burst = [
         [texts.text(f"burst-{c}-{r}", args.burst_tokens) for r in range(args.burst_requests)]
         for c in range(args.burst)
@@ -255,11 +255,13 @@ async def rows(args: argparse.Namespace, target: Target, texts: Texts, run: Run)
 
 async def _level(
     args: argparse.Namespace, target: Target, texts: Texts, run: Run, row: str, tokens: int,
-    prefix: str,
+    prefix: str = "", per_client: int | None = None,
 ) -> None:  # fmt: skip
-    """``args.clients`` concurrent clients, ``args.client_requests`` prompts each."""
+    """``args.clients`` concurrent clients, ``per_client`` prompts each (default
+    ``args.client_requests``), each ``prefix`` and then about ``tokens`` tokens of its own."""
+    n = per_client or args.client_requests
     prompts = [
-        [prefix + texts.text(f"{row}-{c}-{r}", tokens) for r in range(args.client_requests)]
+        [prefix + texts.text(f"{row}-{c}-{r}", tokens) for r in range(n)]
         for c in range(args.clients)
     ]
     level = await closed_loop(target, prompts, args.client_max_tokens, row, GREEDY)
