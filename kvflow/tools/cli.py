@@ -35,6 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-transfer": ("kvflow.tools.bench.transfer", "transfer engine throughput"),
     "bench-http": ("kvflow.tools.bench.http", "HTTP streaming vs gRPC: TTFT and TPOT"),
     "bench-load": ("kvflow.tools.bench.load", "many HTTP clients: goodput, TTFT, refusals"),
+    "bench-side": (
+        "kvflow.tools.bench.side",
+        "kvflow beside another OpenAI server: TTFT, decode, load",
+    ),
     "kvdb": ("kvflow.tools.kvadmin", "inspect and manage a server's kvdb (admin service)"),
     "warmup": (
         "kvflow.tools.warmup",

@@ -38,17 +38,28 @@ import logging
 import os
 import platform
 import random
-import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvflow.tools.bench._servers import (
+    Server,
+    add_compare_arguments,
+    checkout,
+    compare_flags_error,
+    log_tail,
+    model_dir,
+    scrape,
+    start_command,
+    start_embedded,
+    stop_embedded,
+    stop_group,
+    wait_healthy,
+)
+from kvflow.tools.bench._stream import Outcome, one_request
 
 logger = logging.getLogger(__name__)
 
@@ -57,22 +68,12 @@ WORDS += ["cake", "flow", "page", "decode", "prefill", "route"]
 
 
 @dataclass
-class Outcome:
-    """One request: ``status`` 200 when served (``ttft_s``, ``tpot_s`` set), else its HTTP
-    status or ``conn``."""
-
-    status: str
-    ttft_s: float = 0.0
-    tpot_s: float | None = None
-    tokens: int = 0
-
-
-@dataclass
 class Level:
     name: str
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
     queue_s: float = 0.0  # mean admission wait (server side), when scraped
+    outputs: dict[str, str] = field(default_factory=dict)  # prompt -> its served text
 
     def summary(self) -> dict[str, Any]:
         ok = [o for o in self.outcomes if o.status == "200"]
@@ -95,6 +96,12 @@ class Level:
             "tpot_p50_ms": pct(tpot, 50),
             "tpot_p99_ms": pct(tpot, 99),
             "queue_mean_ms": self.queue_s * 1000,
+            # prompt tokens the server said it had cached (None: it does not say)
+            "cached_prompt_tokens": (
+                sum(o.cached_tokens or 0 for o in ok)
+                if any(o.cached_tokens is not None for o in ok)
+                else None
+            ),
             "wall_s": self.wall_s,
         }
 
@@ -110,43 +117,22 @@ def prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def one_request(session: Any, url: str, model: str, text: str, max_tokens: int) -> Outcome:
-    import aiohttp
+class Prompts:
+    """The seeded prompts of one run: ``words`` random words each, after the same
+    ``prefix_words`` words (a shared system prompt; 0 for none), drawn from their own seed so
+    the prompts themselves are the same with or without a prefix."""
 
-    body = {
-        "model": model,
-        "prompt": text,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    arrivals: list[float] = []
-    tokens = 0
-    try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                await resp.read()
-                return Outcome(str(resp.status))
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    tokens = int(event["usage"]["completion_tokens"])
-                choices = event.get("choices") or []
-                if choices and choices[0].get("text"):
-                    arrivals.append(time.perf_counter())
-                if "error" in event:
-                    return Outcome(f"stream-{event['error'].get('code', 'error')}")
-    except (TimeoutError, aiohttp.ClientError, OSError):
-        return Outcome("conn")
-    if not arrivals:
-        return Outcome("empty")
-    tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else None
-    return Outcome("200", arrivals[0] - start, tpot, tokens or len(arrivals))
+    def __init__(self, seed: int, words: int, prefix_words: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.words = words
+        shared = prompt(random.Random(f"{seed}-prefix"), prefix_words)
+        self.prefix = shared + " " if shared else ""
+
+    def next(self) -> str:
+        return self.prefix + prompt(self.rng, self.words)
+
+    def take(self, n: int) -> list[str]:
+        return [self.next() for _ in range(n)]
 
 
 class Target:
@@ -157,27 +143,32 @@ class Target:
         self.model = model
         self.metrics_url = metrics_url
 
+    @classmethod
+    def of(cls, server: Server) -> Target:
+        return cls(server.url, server.model, server.metrics_url)
+
     def queue_totals(self) -> tuple[float, float] | None:
         """(sum, count) of kvflow_admission_queue_seconds, or None without metrics."""
         if self.metrics_url is None:
             return None
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        total = count = 0.0
-        for line in text.splitlines():
-            if line.startswith("kvflow_admission_queue_seconds_sum "):
-                total = float(line.split()[1])
-            elif line.startswith("kvflow_admission_queue_seconds_count "):
-                count = float(line.split()[1])
-        return total, count
+        found = scrape(self.metrics_url, (QUEUE + "_sum", QUEUE + "_count"))
+        return found.get(QUEUE + "_sum", 0.0), found.get(QUEUE + "_count", 0.0)
+
+
+QUEUE = "kvflow_admission_queue_seconds"
 
 
 async def closed_loop(
-    target: Target, clients: int, per_client: int, max_tokens: int, rng: random.Random, words: int
+    target: Target,
+    texts: list[list[str]],
+    max_tokens: int,
+    name: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Level:
+    """One client per list in ``texts``, each sending its prompts one after the other."""
     import aiohttp
 
-    texts = [[prompt(rng, words) for _ in range(per_client)] for _ in range(clients)]
-    level = Level(f"closed_c{clients}")
+    level = Level(name or f"closed_c{len(texts)}")
     before = target.queue_totals()
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=1800)
@@ -185,9 +176,12 @@ async def closed_loop(
 
         async def client(mine: list[str]) -> None:
             for text in mine:
-                level.outcomes.append(
-                    await one_request(session, target.url, target.model, text, max_tokens)
+                outcome = await one_request(
+                    session, target.url, target.model, text, max_tokens, extra
                 )
+                level.outcomes.append(outcome)
+                if outcome.status == "200":
+                    level.outputs[text] = outcome.text
 
         start = time.perf_counter()
         await asyncio.gather(*(client(t) for t in texts))
@@ -197,12 +191,12 @@ async def closed_loop(
 
 
 async def open_loop(
-    target: Target, rate: float, n: int, max_tokens: int, rng: random.Random, words: int, name: str
+    target: Target, rate: float, texts: list[str], max_tokens: int, rng: random.Random, name: str
 ) -> Level:
+    """Each of ``texts`` sent at Poisson arrivals of ``rate`` per second."""
     import aiohttp
 
-    gaps = [rng.expovariate(rate) for _ in range(n)]
-    texts = [prompt(rng, words) for _ in range(n)]
+    gaps = [rng.expovariate(rate) for _ in texts]
     level = Level(name)
     before = target.queue_totals()
     connector = aiohttp.TCPConnector(limit=0)
@@ -231,104 +225,22 @@ def _queue_mean(before: tuple[float, float] | None, after: tuple[float, float] |
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_embedded(
-    model: Path, data_dir: Path, extra: list[str], python: str = sys.executable
-) -> tuple[Any, Target]:
-    """``kvflow serve`` (embedded) run by ``python`` in a process of its own; returns once
-    /health answers."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
-    cmd = [
-        python, "-m", "kvflow.tools.cli", "serve", "--model", str(model),
-        "--data-dir", str(data_dir), "--port", str(grpc_port), "--http-port", str(http_port),
-        "--metrics-port", str(metrics_port), *extra,
-    ]  # fmt: skip
-    log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - closed with the process
-    # cwd: the data dir, so `-m kvflow` imports the interpreter's own install (its checkout),
-    # not a kvflow package that happens to sit in the caller's working directory
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=data_dir)
-    url = f"http://127.0.0.1:{http_port}"
-    wait_healthy(url, proc, 600, data_dir / "server.log")
-    models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
-    name = models["data"][0]["id"]
-    return proc, Target(url, name, f"http://127.0.0.1:{metrics_port}/metrics")
-
-
-def wait_healthy(url: str, proc: Any, deadline_s: float, log: Path | None) -> None:
-    """Returns once ``url``/health answers; raises if ``proc`` (may be None) exits first or
-    the deadline passes."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2).read()
-            return
-        except OSError:
-            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                where = f"; see {log}" if log else ""
-                raise RuntimeError(f"the server at {url} did not start{where}") from None
-            time.sleep(0.5)
-
-
 def _against_other(
     args: argparse.Namespace, log_dir: Path, capacity: float | None
 ) -> dict[str, Level]:
     """Every level against ``--compare-url``; with ``--compare-cmd``, that server is started
     here first (its own process group, log in ``log_dir``) and stopped after."""
-    url = args.compare_url.rstrip("/")
-    proc = None
-    if args.compare_cmd:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(log_dir / "compare.log", "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
-            shlex.split(args.compare_cmd), stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-        wait_healthy(url, proc, args.compare_start_s, log_dir / "compare.log" if proc else None)
-        target = Target(url, args.compare_model_name, None)
+    if not args.compare_cmd:
+        wait_healthy(args.compare_url.rstrip("/"), None, args.compare_start_s, None)
+        target = Target(args.compare_url, args.compare_model_name, None)
         return asyncio.run(run(args, target, capacity))
-    finally:
-        if proc is not None:
-            _stop_group(proc)
-
-
-def _log_tail(path: Path, lines: int = 3) -> str:
-    """The last lines of a log, or '' when there is none."""
-    try:
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _stop_group(proc: Any) -> None:
-    """SIGTERM the process group ``proc`` leads, then SIGKILL it if still there after 60 s."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    except ProcessLookupError:
-        proc.wait(10)
-
-
-def _checkout(python: str, cwd: Path) -> str:
-    """Where ``python`` imports kvflow from, and that checkout's commit."""
-    code = "import kvflow, os; print(os.path.dirname(os.path.dirname(kvflow.__file__)))"
-    out = subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True)
-    root = out.stdout.strip()
-    head = subprocess.run(
-        ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    server = start_command(
+        args.compare_cmd, args.compare_url, args.compare_model_name, log_dir, args.compare_start_s
     )
-    return f"{root}@{head.stdout.strip() or '?'}"
+    try:
+        return asyncio.run(run(args, Target.of(server), capacity))
+    finally:
+        stop_group(server.proc)
 
 
 def _capacity(levels: dict[str, Level]) -> float:
@@ -341,13 +253,12 @@ def _capacity(levels: dict[str, Level]) -> float:
 async def run(args: argparse.Namespace, target: Target, capacity: float | None) -> dict[str, Level]:
     """Every level against ``target``; the open loop's rates are multiples of ``capacity``
     (None: measured here by the closed loop)."""
-    rng = random.Random(args.seed)
+    prompts = Prompts(args.seed, args.prompt_words, args.shared_prefix_words)
     levels: dict[str, Level] = {}
-    await closed_loop(target, 2, 2, args.max_tokens, rng, args.prompt_words)  # warm-up
+    await closed_loop(target, [prompts.take(2) for _ in range(2)], args.max_tokens)  # warm-up
     for c in [int(x) for x in args.concurrency.split(",") if x]:
-        level = await closed_loop(
-            target, c, args.requests_per_client, args.max_tokens, rng, args.prompt_words
-        )
+        texts = [prompts.take(args.requests_per_client) for _ in range(c)]
+        level = await closed_loop(target, texts, args.max_tokens)
         levels[level.name] = level
         logger.warning("%s: %s", level.name, _short(level.summary()))
     rates = [float(x) for x in args.rates.split(",") if x]
@@ -356,40 +267,23 @@ async def run(args: argparse.Namespace, target: Target, capacity: float | None) 
         for mult in rates:
             name = f"open_{mult:g}x"
             level = await open_loop(
-                target, mult * capacity, args.open_requests, args.max_tokens, rng,
-                args.prompt_words, name,
+                target, mult * capacity, prompts.take(args.open_requests), args.max_tokens,
+                prompts.rng, name,
             )  # fmt: skip
             levels[name] = level
             logger.warning("%s (%.2f req/s): %s", name, mult * capacity, _short(level.summary()))
     return levels
 
 
-def _model(given: str | None, tmp: Path, seed: int) -> Path:
-    if given == "default":
-        from kvflow.stages.engine.default_model import ensure_default_model
-
-        return ensure_default_model(tmp / "models")
-    if given:
-        return Path(given)
-    from kvflow.stages.engine import write_demo_model
-
-    return write_demo_model(tmp / "tiny", preset="tiny", seed=seed)
-
-
 def _against(
     args: argparse.Namespace, model: Path, data_dir: Path, python: str, capacity: float | None
 ) -> dict[str, Level]:
     """Every level against a fresh ``kvflow serve`` run by ``python``, stopped after."""
-    proc, target = start_embedded(model, data_dir, args.server_args.split(), python)
+    server = start_embedded(model, data_dir, args.server_args.split(), python)
     try:
-        return asyncio.run(run(args, target, capacity))
+        return asyncio.run(run(args, Target.of(server), capacity))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_embedded(server.proc)
 
 
 def _short(s: dict[str, Any]) -> str:
@@ -417,24 +311,20 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="also run the same levels, same seed, against `kvflow serve` run by this "
         "interpreter (e.g. another checkout's .venv/bin/python), for a comparison",
     )
-    p.add_argument(
-        "--compare-url",
-        help="after kvflow's levels, run the same levels (same seed, prompts and open-loop "
-        "rates) against this other OpenAI-compatible server, e.g. vLLM on the same weights",
-    )
-    p.add_argument("--compare-model-name", help="with --compare-url: its served model's name")
-    p.add_argument(
-        "--compare-cmd",
-        help="with --compare-url: the command that starts that server (one string); it is "
-        "started after kvflow's server stopped and stopped at the end",
-    )
-    p.add_argument("--compare-start-s", type=float, default=900, help="its start-up deadline")
+    add_compare_arguments(p)
     p.add_argument("--server-args", default="", help="more `kvflow serve` flags, one string")
     p.add_argument("--concurrency", default="1,8,32,64,128", help="closed-loop clients")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--rates", default="0.5,1,2,4", help="open loop: multiples of capacity")
     p.add_argument("--open-requests", type=int, default=128, help="requests per open level")
     p.add_argument("--prompt-words", type=int, default=48)
+    p.add_argument(
+        "--shared-prefix-words",
+        type=int,
+        default=0,
+        help="every prompt starts with the same seeded words (a shared system prompt), this "
+        "many, before its own --prompt-words",
+    )
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
@@ -456,11 +346,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.url and not args.model_name:
         print("bench-load: --url needs --model-name", file=sys.stderr)
         return 2
-    if args.compare_url and not args.compare_model_name:
-        print("bench-load: --compare-url needs --compare-model-name", file=sys.stderr)
-        return 2
-    if args.compare_cmd and not args.compare_url:
-        print("bench-load: --compare-cmd needs --compare-url", file=sys.stderr)
+    if compare_flags_error(args):
+        print(f"bench-load: {compare_flags_error(args)}", file=sys.stderr)
         return 2
     if args.baseline_python:  # absolute, not resolved: a venv's python is a symlink
         args.baseline_python = os.path.abspath(args.baseline_python)
@@ -474,12 +361,12 @@ def run_bench(args: argparse.Namespace) -> int:
             served = args.url
             levels = asyncio.run(run(args, target, None))
         else:
-            model = _model(args.model, Path(tmp), args.seed)
+            model = model_dir(args.model, Path(tmp), args.seed)
             served = f"kvflow serve --model {model.name} {args.server_args}".strip()
-            checkouts["server"] = _checkout(sys.executable, Path(tmp))
+            checkouts["server"] = checkout(sys.executable, Path(tmp))
             levels = _against(args, model, Path(tmp) / "server", sys.executable, None)
             if args.baseline_python:  # the same arrival rates, for a like-for-like comparison
-                checkouts["baseline"] = _checkout(args.baseline_python, Path(tmp))
+                checkouts["baseline"] = checkout(args.baseline_python, Path(tmp))
                 baseline = _against(
                     args, model, Path(tmp) / "baseline", args.baseline_python, _capacity(levels)
                 )
@@ -488,7 +375,7 @@ def run_bench(args: argparse.Namespace) -> int:
             try:
                 compare = _against_other(args, Path(tmp) / "compare", capacity)
             except RuntimeError as e:  # kvflow's numbers are still reported
-                compare_error = f"{e}: {_log_tail(Path(tmp) / 'compare' / 'compare.log')}"
+                compare_error = f"{e}: {log_tail(Path(tmp) / 'compare' / 'compare.log')}"
                 print(f"bench-load: compare: {compare_error}", file=sys.stderr)
     summaries = {name: level.summary() for name, level in levels.items()}
     load = os.getloadavg()
@@ -496,6 +383,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "bench": "load",
         "server": served,
         "prompt_words": args.prompt_words,
+        "shared_prefix_words": args.shared_prefix_words,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests_per_client,
         "open_requests": args.open_requests,
@@ -514,6 +402,7 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2))
+    shared = f"{args.shared_prefix_words} shared + " if args.shared_prefix_words else ""
     served_all = sum(s["served"] for s in summaries.values())
     total = sum(s["requests"] for s in summaries.values())
     five = sum(s["http_5xx"] for s in summaries.values())
@@ -521,7 +410,7 @@ def run_bench(args: argparse.Namespace) -> int:
     parts += [f"baseline {name}: {_short(s)}" for name, s in doc["baseline"].items()]
     parts += [f"compare {name}: {_short(s)}" for name, s in doc["compare"].items()]
     print(
-        f"bench load ({served}; {args.prompt_words} words + {args.max_tokens} tokens): "
+        f"bench load ({served}; {shared}{args.prompt_words} words + {args.max_tokens} tokens): "
         f"{served_all}/{total} served, {five} 5xx; "
         + "; ".join(parts)
         + (f"; compare failed: {compare_error}" if compare_error else "")

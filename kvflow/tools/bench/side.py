@@ -1,0 +1,546 @@
+"""Side by side: issue 31's table, kvflow against another OpenAI-compatible server, one run.
+
+``kvflow serve`` (started here, ``--model``: the tiny demo model by default, ``default`` for
+SmolLM2-135M-Instruct; the demo model gets a plain ChatML chat template) and then, after it
+stopped, the server that ``--compare-cmd`` starts (e.g. vLLM's CPU build on the same
+weights), or one already at ``--compare-url``. Both get the
+same seeded prompts, sized in tokens with the model's own tokenizer, through streamed OpenAI
+requests (chat where the row is chat) at temperature 0:
+
+- start-up: the server's process start to its first served request;
+- TTFT, cold prompt of ~512 tokens; cold ~2,000 tokens; the same 2,000 tokens again (a prefix
+  hit); each cold row its own seeded text, so nothing is a prefix hit by accident;
+- TTFT of 7 chat questions after a shared ~1,500-token system prompt (primed by one question
+  first; the median of the 7);
+- decode, one request: output tokens/s between the first and the last token;
+- 8 concurrent clients: output tokens/s and TTFT p99;
+- 8 concurrent clients with one long (~2,000-token) prompt each, and 8 whose prompts share
+  a ~1,500-token prefix, primed by one request first (issue 26's rows): output tokens/s and
+  TTFT p99;
+- 32 clients x 2 requests of ~505-token prompts: the time until all are done.
+
+Also: whether the two servers' greedy texts are the same, request by request; what each said
+of its prefix cache (Prometheus counters, the other server's logged ``enable_prefix_caching``,
+the cached tokens of the prefix-hit row where the server reports them). ``--rounds 2`` runs a
+second round with the next seed and the other order. Prints one summary line per server and
+round, then the ratio table (kvflow / other); ``--json PATH`` writes every number.
+
+    python -m kvflow.tools.bench.side --model DIR --compare-url http://127.0.0.1:8391 \\
+        --compare-model-name DIR --compare-cmd "python -m vllm.entrypoints.openai.api_server \\
+        --model DIR --dtype float32 --host 127.0.0.1 --port 8391" --json side.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvflow.tools.bench._servers import (
+    Server,
+    add_compare_arguments,
+    compare_flags_error,
+    log_tail,
+    model_dir,
+    scrape,
+    start_command,
+    start_embedded,
+    stop_embedded,
+    stop_group,
+    wait_healthy,
+)
+from kvflow.tools.bench._stream import Outcome, one_request
+from kvflow.tools.bench.load import Level, Target, closed_loop, pct
+
+logger = logging.getLogger(__name__)
+
+VOCAB = [
+    word
+    for line in (
+        "the a of to and in on for with from by at",
+        "as is was are were be been has have had it this",
+        "that these those river mountain city garden window paper music light stone",
+        "water forest market story letter morning evening winter summer bridge station kitchen",
+        "teacher doctor farmer sailor engine signal record number table chair road field",
+        "cloud storm harbor island quiet bright early late slow quick small large",
+        "green blue old new warm cold simple careful walks reads builds finds",
+        "brings keeps opens closes writes carries follows remembers",
+    )
+    for word in line.split()
+]
+QUESTIONS = (
+    "What is the main idea?", "Who is the story about?", "Where does it happen?",
+    "Why does the engine stop?", "Which season is it?", "How long is the road?",
+    "What does the teacher bring?", "When does the storm come?", "Name one colour.",
+)  # fmt: skip
+GREEDY = {"temperature": 0}
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+KVFLOW_CACHE = ("kvflow_cached_tokens_total", "kvflow_prompt_tokens_total")
+VLLM_CACHE = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+
+
+class Texts:
+    """Seeded prompt text of about N tokens of the model's tokenizer; each ``key`` (a row)
+    draws from its own seed, so two keys' texts share no prefix."""
+
+    def __init__(self, model: Path, seed: int) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+        self._seed = seed
+
+    def count(self, text: str) -> int:
+        return len(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def text(self, key: str, tokens: int) -> str:
+        """The longest prefix of ``key``'s seeded word stream that is at most ``tokens``."""
+        rng = random.Random(f"{self._seed}-{key}")
+        words: list[str] = []
+
+        def fits(n: int) -> bool:
+            words.extend(rng.choice(VOCAB) for _ in range(n - len(words)))
+            return self.count(" ".join(words[:n])) <= tokens
+
+        hi = 8
+        while fits(hi):
+            hi *= 2
+        lo = hi // 2 if hi > 8 else 0  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return " ".join(words[: max(lo, 1)]).capitalize() + "."
+
+
+@dataclass
+class Row:
+    """One row of the table: its name, what it shows, its unit and which way is better."""
+
+    name: str
+    label: str
+    unit: str
+    lower_is_better: bool
+
+
+BURST = "{burst} clients x {burst_requests} requests, ~{burst_tokens}-token prompts: all done"
+ROWS = [
+    Row("startup_s", "start-up (process start to first served request)", "s", True),
+    Row("ttft_cold_short_s", "TTFT, cold ~{cold} tokens", "s", True),
+    Row("ttft_cold_long_s", "TTFT, cold ~{long} tokens", "s", True),
+    Row("ttft_hit_long_s", "TTFT, the same ~{long} tokens again (prefix hit)", "s", True),
+    Row(
+        "ttft_system_s",
+        "TTFT, {questions} chat questions after a ~{system}-token system prompt (median)",
+        "s",
+        True,
+    ),
+    Row("decode_tok_s", "decode, one request", "tok/s", False),
+    Row("clients_tok_s", "{clients} concurrent clients: output", "tok/s", False),
+    Row("clients_ttft_p99_s", "{clients} concurrent clients: TTFT p99", "s", True),
+    Row("long_tok_s", "{clients} clients, one ~{long}-token prompt each: output", "tok/s", False),
+    Row("long_ttft_p99_s", "{clients} clients, one ~{long}-token prompt each: TTFT p99", "s", True),
+    Row("shared_tok_s", "{clients} clients, shared ~{system}-token prefix: output", "tok/s", False),
+    Row(
+        "shared_ttft_p99_s", "{clients} clients, shared ~{system}-token prefix: TTFT p99", "s", True
+    ),
+    Row("burst_all_done_s", BURST, "s", True),
+]
+
+
+@dataclass
+class Run:
+    """One server's pass over the rows: the values, every served text by key, every
+    request's outcome status, and what it said of its prefix cache."""
+
+    values: dict[str, float | None] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: dict[str, int | None] = field(default_factory=dict)  # as the server said
+    prefix_cache: dict[str, Any] = field(default_factory=dict)
+
+    def keep(self, key: str, outcome: Outcome) -> Outcome:
+        if outcome.status == "200":
+            self.texts[key] = outcome.text
+            self.prompt_tokens[key] = outcome.prompt_tokens
+        else:
+            self.failed[outcome.status] = self.failed.get(outcome.status, 0) + 1
+        return outcome
+
+    def keep_level(self, row: str, level: Level, names: dict[str, str]) -> None:
+        for prompt, text in level.outputs.items():
+            self.texts[f"{row}/{names[prompt]}"] = text
+        for o in level.outcomes:
+            if o.status != "200":
+                self.failed[o.status] = self.failed.get(o.status, 0) + 1
+
+
+async def first_served(target: Target, deadline_s: float) -> float:
+    """Sends a one-token completion until one is served; returns when (perf_counter)."""
+    import aiohttp
+
+    deadline = time.monotonic() + deadline_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        while True:
+            o = await one_request(session, target.url, target.model, "Hello", 1, GREEDY)
+            if o.status == "200":
+                return time.perf_counter()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{target.url} served no request: last answer {o.status}")
+            await asyncio.sleep(0.25)
+
+
+async def rows(args: argparse.Namespace, target: Target, texts: Texts, run: Run) -> None:
+    """Every row but start-up, in the table's order, against ``target``."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(key: str, prompt: str | list[dict[str, str]], tokens: int) -> Outcome:
+            o = await one_request(session, target.url, target.model, prompt, tokens, GREEDY)
+            return run.keep(key, o)
+
+        def ttft(o: Outcome) -> float | None:
+            return o.ttft_s if o.status == "200" else None
+
+        for i in range(2):  # warm-up: short prompts of their own
+            await one(f"warmup/{i}", texts.text(f"warmup-{i}", 32), args.ttft_max_tokens)
+        short = texts.text("cold-short", args.cold_tokens)
+        run.values["ttft_cold_short_s"] = ttft(await one("cold_short", short, args.ttft_max_tokens))
+        long = texts.text("cold-long", args.long_tokens)
+        run.values["ttft_cold_long_s"] = ttft(await one("cold_long", long, args.ttft_max_tokens))
+        hit = await one("hit_long", long, args.ttft_max_tokens)
+        run.values["ttft_hit_long_s"] = ttft(hit)
+        run.prefix_cache["hit_row_cached_tokens"] = hit.cached_tokens
+        system = texts.text("system", args.system_tokens)
+        times = []
+        for q in range(args.questions + 1):  # question 0 primes the system prompt
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": QUESTIONS[q % len(QUESTIONS)] + f" ({q})"},
+            ]
+            o = await one(f"system/{q}", messages, args.ttft_max_tokens)
+            if q and o.status == "200":
+                times.append(o.ttft_s)
+        run.values["ttft_system_s"] = statistics.median(times) if times else None
+        d = await one("decode", texts.text("decode", 48), args.decode_max_tokens)
+        run.values["decode_tok_s"] = 1 / d.tpot_s if d.status == "200" and d.tpot_s else None
+    await _level(args, target, texts, run, "clients", args.client_prompt_tokens)
+    await _level(args, target, texts, run, "long", args.long_tokens, per_client=1)
+    prefix = texts.text("shared-prefix", args.system_tokens) + " "
+    await _prime(target, run, prefix + texts.text("shared-prime", args.tail_tokens))
+    await _level(args, target, texts, run, "shared", args.tail_tokens, prefix=prefix)
+    burst = [
+        [texts.text(f"burst-{c}-{r}", args.burst_tokens) for r in range(args.burst_requests)]
+        for c in range(args.burst)
+    ]
+    level = await closed_loop(target, burst, args.burst_max_tokens, "burst", GREEDY)
+    run.keep_level("burst", level, _names(burst))
+    done = level.summary()["served"] == level.summary()["requests"]
+    run.values["burst_all_done_s"] = level.wall_s if done else None
+
+
+async def _prime(target: Target, run: Run, prompt: str) -> None:
+    """One request that puts a shared prefix in the server's cache before its row."""
+    level = await closed_loop(target, [[prompt]], 1, "prime", GREEDY)
+    run.keep_level("prime", level, {prompt: "0"})
+
+
+async def _level(
+    args: argparse.Namespace, target: Target, texts: Texts, run: Run, row: str, tokens: int,
+    prefix: str = "", per_client: int | None = None,
+) -> None:  # fmt: skip
+    """``args.clients`` concurrent clients, ``per_client`` prompts each (default
+    ``args.client_requests``), each ``prefix`` and then about ``tokens`` tokens of its own."""
+    n = per_client or args.client_requests
+    prompts = [
+        [prefix + texts.text(f"{row}-{c}-{r}", tokens) for r in range(n)]
+        for c in range(args.clients)
+    ]
+    level = await closed_loop(target, prompts, args.client_max_tokens, row, GREEDY)
+    run.keep_level(row, level, _names(prompts))
+    s = level.summary()
+    ok = s["served"] == s["requests"]
+    run.values[f"{row}_tok_s"] = s["goodput_tokens_per_s"] if ok else None
+    ttfts = [o.ttft_s for o in level.outcomes if o.status == "200"]
+    run.values[f"{row}_ttft_p99_s"] = pct(ttfts, 99) if ok else None
+
+
+def _names(prompts: list[list[str]]) -> dict[str, str]:
+    return {p: f"{c}-{r}" for c, mine in enumerate(prompts) for r, p in enumerate(mine)}
+
+
+def _prefix_counters(url: str | None, names: tuple[str, str]) -> dict[str, float] | None:
+    """(hit, queried) prompt tokens from the server's Prometheus counters, None if absent."""
+    if url is None:
+        return None
+    try:
+        found = scrape(url, names)
+    except OSError:
+        return None
+    if not found:
+        return None
+    return {"hit_tokens": found.get(names[0], 0.0), "queried_tokens": found.get(names[1], 0.0)}
+
+
+def measure(args: argparse.Namespace, server: Server, texts: Texts, kvflow: bool) -> Run:
+    """Start-up (the server was started at ``server.started_at``), then every row."""
+    run = Run()
+    target = Target.of(server)
+    served_at = asyncio.run(first_served(target, args.compare_start_s))
+    run.values["startup_s"] = served_at - server.started_at if server.started_at else None
+    asyncio.run(rows(args, target, texts, run))
+    metrics = server.metrics_url if kvflow else server.url + "/metrics"
+    run.prefix_cache["counters"] = _prefix_counters(metrics, KVFLOW_CACHE if kvflow else VLLM_CACHE)
+    if server.log is not None and not kvflow:
+        found = re.findall(r"enable_prefix_caching=(\w+)", log_tail(server.log, 10**6))
+        run.prefix_cache["logged_enable_prefix_caching"] = found[0] if found else None
+    return run
+
+
+def run_kvflow(args: argparse.Namespace, model: Path, data_dir: Path, texts: Texts) -> Run:
+    server = start_embedded(model, data_dir, args.server_args.split())
+    try:
+        return measure(args, server, texts, kvflow=True)
+    finally:
+        stop_embedded(server.proc)
+
+
+def run_other(args: argparse.Namespace, log_dir: Path, texts: Texts) -> Run:
+    if not args.compare_cmd:
+        wait_healthy(args.compare_url.rstrip("/"), None, args.compare_start_s, None)
+        server = Server(None, args.compare_url.rstrip("/"), args.compare_model_name, None, None)
+        return measure(args, server, texts, kvflow=False)
+    server = start_command(
+        args.compare_cmd, args.compare_url, args.compare_model_name, log_dir, args.compare_start_s
+    )
+    try:
+        return measure(args, server, texts, kvflow=False)
+    finally:
+        stop_group(server.proc)
+
+
+def greedy_match(a: Run, b: Run) -> dict[str, Any]:
+    """Requests both servers served, and those whose texts differ (by key)."""
+    both = sorted(set(a.texts) & set(b.texts))
+    differ = [k for k in both if a.texts[k] != b.texts[k]]
+    return {"compared": len(both), "identical": len(both) - len(differ), "differ": differ}
+
+
+def labels(args: argparse.Namespace) -> dict[str, str]:
+    sizes = {
+        "cold": args.cold_tokens, "long": f"{args.long_tokens:,}",
+        "system": f"{args.system_tokens:,}", "questions": args.questions,
+        "clients": args.clients, "burst": args.burst,
+        "burst_requests": args.burst_requests, "burst_tokens": args.burst_tokens,
+    }  # fmt: skip
+    return {r.name: r.label.format(**sizes) for r in ROWS}
+
+
+def table(args: argparse.Namespace, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per row: kvflow's and the other's values over the rounds, and kvflow / other."""
+    out = []
+    names = labels(args)
+    for row in ROWS:
+        mine = [r["kvflow"]["values"].get(row.name) for r in rounds if "kvflow" in r]
+        other = [r["other"]["values"].get(row.name) for r in rounds if "other" in r]
+        pairs = zip(mine, other, strict=False)
+        ratios = [k / o for k, o in pairs if k is not None and o is not None and o > 0]
+        out.append(
+            {
+                "row": row.name, "label": names[row.name], "unit": row.unit,
+                "lower_is_better": row.lower_is_better, "kvflow": mine, "other": other,
+                "ratio": ratios,
+                "kvflow_ahead": (
+                    all((x < 1) if row.lower_is_better else (x > 1) for x in ratios)
+                    if ratios else None
+                ),
+            }
+        )  # fmt: skip
+    return out
+
+
+def _span(values: list[Any], fmt: Callable[[float], str]) -> str:
+    got = [v for v in values if v is not None]
+    if not got:
+        return "-"
+    lo, hi = min(got), max(got)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}-{fmt(hi)}"
+
+
+def _num(v: float) -> str:
+    return f"{v:.3g}" if v < 100 else f"{v:.0f}"
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    if not row["ratio"]:
+        return "-"
+    span = _span(row["ratio"], lambda v: f"{v:.2f}")
+    lower = row["lower_is_better"]
+    behind = all((x > 1) if lower else (x < 1) for x in row["ratio"])
+    return f"{span}x (kvflow {'ahead' if row['kvflow_ahead'] else 'behind' if behind else 'mixed'})"
+
+
+def print_report(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    for i, r in enumerate(doc["rounds"]):
+        for who in r["order"]:
+            run = r[who]
+            vals = ", ".join(
+                f"{name} {_num(v)}" for name, v in run["values"].items() if v is not None
+            )
+            failed = ",".join(f"{k}:{n}" for k, n in sorted(run["failed"].items())) or "none"
+            print(f"bench side {who} (round {i + 1}, seed {r['seed']}): {vals}; failed {failed}")
+    if not any("other" in r for r in doc["rounds"]):
+        return
+    print("| | kvflow | other | kvflow/other |\n| --- | --- | --- | --- |")
+    for row in doc["table"]:
+        unit = " " + row["unit"]
+        mine, other = _span(row["kvflow"], _num), _span(row["other"], _num)
+        print(f"| {row['label']} | {mine}{unit} | {other}{unit} | {_verdict(row)} |")
+    g = doc["greedy"]
+    ahead = sum(1 for row in doc["table"] if row["kvflow_ahead"])
+    measured = sum(1 for row in doc["table"] if row["ratio"])
+    print(
+        f"bench side: kvflow ahead on {ahead}/{measured} rows; greedy texts identical in "
+        f"{g['identical']}/{g['compared']}; load avg {doc['load_avg'][0]:.2f}",
+        flush=True,
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument(
+        "--model",
+        help="the model directory both servers serve, or `default` (SmolLM2-135M-Instruct, "
+        "imported into a temporary directory); default: the tiny demo model",
+    )
+    p.add_argument("--server-args", default="", help="more `kvflow serve` flags, one string")
+    add_compare_arguments(p)
+    p.add_argument("--rounds", type=int, default=1, help="round i: seed+i, the order swapped")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cold-tokens", type=int, default=512, help="the cold short prompt")
+    p.add_argument("--long-tokens", type=int, default=2000, help="cold long prompts")
+    p.add_argument("--system-tokens", type=int, default=1500, help="and the shared prefix")
+    p.add_argument("--questions", type=int, default=7, help="after the system prompt")
+    p.add_argument("--ttft-max-tokens", type=int, default=8, help="output of the TTFT rows")
+    p.add_argument("--decode-max-tokens", type=int, default=128, help="output of the decode row")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    p.add_argument("--client-requests", type=int, default=2, help="requests per client")
+    p.add_argument("--client-prompt-tokens", type=int, default=256, help="their prompts")
+    p.add_argument("--client-max-tokens", type=int, default=64, help="their output")
+    p.add_argument("--tail-tokens", type=int, default=48, help="after the shared prefix")
+    p.add_argument("--burst", type=int, default=32, help="clients of the all-done row")
+    p.add_argument("--burst-requests", type=int, default=2, help="requests per client")
+    p.add_argument("--burst-tokens", type=int, default=505, help="their prompts")
+    p.add_argument("--burst-max-tokens", type=int, default=16, help="their output")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep the servers' data and logs in a new folder under this one (default: a "
+        "temporary directory, removed at the end)",
+    )
+    p.add_argument("--json", type=Path, help="write every number and text here")
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def register(subparsers: Any) -> None:
+    add_arguments(subparsers.add_parser("bench-side", help=__doc__.splitlines()[0]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    return run_bench(p.parse_args(argv))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if compare_flags_error(args):
+        print(f"bench-side: {compare_flags_error(args)}", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print("bench-side: --rounds must be at least 1", file=sys.stderr)
+        return 2
+    rounds: list[dict[str, Any]] = []
+    error = None
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.work_dir:  # a fresh folder in it: a server's old data would be a cache hit
+            args.work_dir.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="side-", dir=args.work_dir) if args.work_dir else scratch
+        model = model_dir(args.model, Path(tmp), args.seed)
+        if args.model is None:  # the tiny demo model has no chat template of its own
+            (model / "chat_template.jinja").write_text(CHATML)
+        for i in range(args.rounds):
+            seed = args.seed + i
+            texts = Texts(model, seed)
+            order = ["kvflow", "other"] if args.compare_url else ["kvflow"]
+            order = order if i % 2 == 0 else order[::-1]
+            result: dict[str, Any] = {"seed": seed, "order": order}
+            for who in order:
+                where = Path(tmp) / f"round{i}-{who}"
+                try:
+                    run = (
+                        run_kvflow(args, model, where, texts)
+                        if who == "kvflow"
+                        else run_other(args, where, texts)
+                    )
+                except RuntimeError as e:  # the other's numbers are still reported
+                    error = f"{who}: {e}: {log_tail(where / 'compare.log')}"
+                    print(f"bench-side: {error}", file=sys.stderr)
+                    result["order"] = [w for w in result["order"] if w != who]
+                    continue
+                result[who] = {
+                    "values": run.values, "failed": run.failed, "prefix_cache": run.prefix_cache,
+                    "prompt_tokens": run.prompt_tokens, "texts": run.texts,
+                }  # fmt: skip
+                logger.warning("round %d: %s measured", i + 1, who)
+            if "kvflow" in result and "other" in result:
+                a, b = (Run(texts=result[w]["texts"]) for w in ("kvflow", "other"))
+                result["greedy"] = greedy_match(a, b)
+            rounds.append(result)
+    matched = [r["greedy"] for r in rounds if "greedy" in r]
+    doc = {
+        "bench": "side",
+        "model": str(args.model or "tiny demo model"),
+        "server_args": args.server_args,
+        "compare_url": args.compare_url,
+        "compare_cmd": args.compare_cmd,
+        "seed": args.seed,
+        "rounds": rounds,
+        "table": table(args, rounds),
+        "greedy": {
+            "compared": sum(g["compared"] for g in matched),
+            "identical": sum(g["identical"] for g in matched),
+        },
+        "error": error,
+        "work_dir": tmp if args.work_dir else None,
+        "load_avg_start": load_start,
+        "load_avg": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "args": vars(args),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2, default=str))
+    print_report(args, doc)
+    failed = any(r[w]["failed"] for r in rounds for w in r["order"])
+    return 1 if error or failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

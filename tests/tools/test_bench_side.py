@@ -1,0 +1,153 @@
+"""`kvflow bench-side`: issue 31's table against kvflow and another OpenAI-compatible server in
+one run. No test runs vLLM: the "other" server here is a second real `kvflow serve`, started by
+--compare-cmd, so the whole harness (start-up, every row, the greedy comparison, the prefix
+cache report, the ratio table) runs against two real servers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvflow.tools import cli
+from kvflow.tools.bench import _servers, side
+from kvflow.tools.bench.load import Prompts
+from tests.docs.blocks import block
+
+SMALL = [
+    "--cold-tokens", "64", "--long-tokens", "256", "--system-tokens", "128", "--questions", "2",
+    "--ttft-max-tokens", "4", "--decode-max-tokens", "8", "--clients", "2",
+    "--client-requests", "1", "--client-prompt-tokens", "32", "--client-max-tokens", "4",
+    "--tail-tokens", "16", "--burst", "4", "--burst-tokens", "48", "--burst-max-tokens", "4",
+]  # fmt: skip
+
+
+def test_compare_url_needs_a_model_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench-side", "--compare-url", "http://127.0.0.1:1"]) == 2
+    assert "--compare-model-name" in capsys.readouterr().err
+
+
+def test_compare_cmd_needs_a_url(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench-side", "--compare-cmd", "true"]) == 2
+    assert "--compare-cmd needs --compare-url" in capsys.readouterr().err
+
+
+def test_texts_are_sized_in_tokens_and_share_no_prefix(tmp_path: Path) -> None:
+    from kvflow.stages.engine import write_demo_model
+
+    texts = side.Texts(write_demo_model(tmp_path / "tiny", preset="tiny", seed=0), seed=0)
+    short, long = texts.text("cold-short", 512), texts.text("cold-long", 2000)
+    assert 490 <= texts.count(short) <= 520 and 1960 <= texts.count(long) <= 2010
+    assert texts.text("cold-long", 2000) == long  # seeded
+    assert short[:24] != long[:24]  # each cold row its own text: no accidental prefix hit
+    assert side.Texts(tmp_path / "tiny", seed=1).text("cold-long", 2000) != long
+
+
+def test_shared_prefix_prompts_start_alike() -> None:
+    plain, shared = Prompts(0, 8), Prompts(0, 8, prefix_words=100)
+    a, b = shared.take(2)
+    assert a.startswith(shared.prefix) and b.startswith(shared.prefix) and a != b
+    assert len(shared.prefix.split()) == 100
+    assert a == shared.prefix + plain.next()  # the same own words, after the prefix
+
+
+def test_table_says_who_is_ahead() -> None:
+    args = side.add_arguments(argparse.ArgumentParser()).parse_args([])
+    rounds = [
+        {
+            "kvflow": {"values": {"ttft_cold_short_s": 1.0, "decode_tok_s": 30.0}},
+            "other": {"values": {"ttft_cold_short_s": 2.0, "decode_tok_s": 20.0}},
+        },
+        {
+            "kvflow": {"values": {"ttft_cold_short_s": 1.5, "decode_tok_s": 10.0}},
+            "other": {"values": {"ttft_cold_short_s": 2.0, "decode_tok_s": 20.0}},
+        },
+    ]
+    rows = {r["row"]: r for r in side.table(args, rounds)}
+    assert rows["ttft_cold_short_s"]["ratio"] == [0.5, 0.75]
+    assert rows["ttft_cold_short_s"]["kvflow_ahead"] is True  # lower is better, both rounds
+    assert rows["decode_tok_s"]["ratio"] == [1.5, 0.5]
+    assert rows["decode_tok_s"]["kvflow_ahead"] is False  # behind in one round
+    assert side._verdict(rows["ttft_cold_short_s"]) == "0.50-0.75x (kvflow ahead)"
+    assert side._verdict(rows["decode_tok_s"]) == "0.50-1.50x (kvflow mixed)"
+    assert side._verdict({**rows["decode_tok_s"], "ratio": [0.5], "kvflow_ahead": False}) == (
+        "0.50x (kvflow behind)"
+    )
+    assert rows["startup_s"]["ratio"] == [] and rows["startup_s"]["kvflow_ahead"] is None
+    assert rows["ttft_cold_long_s"]["label"] == "TTFT, cold ~2,000 tokens"
+
+
+def test_greedy_match_names_the_requests_that_differ() -> None:
+    a = side.Run(texts={"x/0": "same", "y/0": "one", "z/0": "only here"})
+    b = side.Run(texts={"x/0": "same", "y/0": "two"})
+    assert side.greedy_match(a, b) == {"compared": 2, "identical": 1, "differ": ["y/0"]}
+
+
+def _run(argv: list[str], out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict, str]:
+    code = cli.main([*argv, "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    return json.loads(out.read_text()), printed
+
+
+@pytest.mark.slow
+def test_doc_block_runs_every_row_against_kvflow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The docs' small command: every row has a value, the prefix-hit row was a hit."""
+    argv = shlex.split(block("benchmarks.md", "bench-side-small").replace("\\\n", " "))[1:]
+    doc, printed = _run(argv, tmp_path / "side.json", capsys)
+    (r,) = doc["rounds"]
+    values = r["kvflow"]["values"]
+    assert set(values) == {row.name for row in side.ROWS}
+    assert all(v is not None and v > 0 for v in values.values()), values
+    assert r["kvflow"]["prefix_cache"]["hit_row_cached_tokens"] > 0
+    assert r["kvflow"]["prefix_cache"]["counters"]["hit_tokens"] > 0
+    assert printed.splitlines()[-1].startswith("bench side kvflow (round 1, seed 0)")
+
+
+@pytest.mark.slow
+def test_side_by_side_with_a_second_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kvflow, then a second `kvflow serve` started by --compare-cmd: same prompts, so the
+    greedy texts are the same request by request; the table has a ratio on every row."""
+    from kvflow.stages.engine import write_demo_model
+
+    model = write_demo_model(tmp_path / "tiny", preset="tiny", seed=0)
+    (model / "chat_template.jinja").write_text(side.CHATML)
+    ports = [_servers.free_port() for _ in range(3)]
+    cmd = shlex.join(
+        [
+            sys.executable, "-m", "kvflow.tools.cli", "serve", "--model", str(model),
+            "--data-dir", str(tmp_path / "other"), "--port", str(ports[0]),
+            "--http-port", str(ports[1]), "--metrics-port", str(ports[2]),
+            "--served-model-name", "other",
+        ]
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{ports[1]}"
+    argv = [
+        "bench-side", "--model", str(model), *SMALL, "--compare-url", url,
+        "--compare-model-name", "other", "--compare-cmd", cmd,
+    ]  # fmt: skip
+    doc, printed = _run(argv, tmp_path / "side.json", capsys)
+    (r,) = doc["rounds"]
+    assert r["order"] == ["kvflow", "other"]
+    for who in ("kvflow", "other"):
+        assert all(v is not None and v > 0 for v in r[who]["values"].values()), (who, r[who])
+        assert not r[who]["failed"]
+    assert r["greedy"]["compared"] >= 20 and r["greedy"]["differ"] == []
+    assert doc["greedy"]["identical"] == doc["greedy"]["compared"] == r["greedy"]["compared"]
+    assert all(len(row["ratio"]) == 1 for row in doc["table"])
+    lines = printed.splitlines()
+    assert lines[0].startswith("bench side kvflow") and lines[1].startswith("bench side other")
+    assert lines[2] == "| | kvflow | other | kvflow/other |"
+    assert len([x for x in lines if x.startswith("| ")]) == 1 + len(side.ROWS) + 1
+    assert "greedy texts identical in" in lines[-1]
+    with pytest.raises(OSError):  # the other server was stopped
+        urllib.request.urlopen(url + "/health", timeout=5)
