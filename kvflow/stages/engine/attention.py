@@ -40,6 +40,20 @@ def _sdpa(
     )
 
 
+def gather_context(pool: torch.Tensor, layer: int, page_ids: torch.Tensor) -> torch.Tensor:
+    """K/V of `layer` over the pages `page_ids` ([pages] or [B, pages]) as
+    [2, (B,) kv_heads, pages * block_size, head_dim]: one copy (the gather), the rest views.
+
+    Indexing the pages of a per-layer view that already has (k/v, head) in front gives
+    [2, heads, (B,) pages, block, d], where pages and block are adjacent and merge freely;
+    gathering whole pages first and permuting after would copy the context twice."""
+    per_layer = pool[:, layer].permute(1, 2, 0, 3, 4)  # [2, kvh, pool pages, bs, d], a view
+    ctx = per_layer[:, :, page_ids]  # [2, kvh, (B,) n, bs, d]
+    if page_ids.dim() == 2:
+        ctx = ctx.permute(0, 2, 1, 3, 4, 5)  # [2, B, kvh, n, bs, d]
+    return ctx.flatten(-3, -2)
+
+
 class PagedPrefill:
     """Chunk [start, start + T) of one request whose pages are `page_ids` (in block order).
 
@@ -79,9 +93,7 @@ class PagedPrefill:
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             out = _sdpa(qh, kh, vh, None, causal=True)
         else:
-            ctx = pool[self.ctx_pages, layer]  # [pages, 2, kvh, bs, d]
-            n, _, kvh, bs, d = ctx.shape
-            ctx = ctx.permute(1, 2, 0, 3, 4).reshape(2, kvh, n * bs, d)[:, :, : self.ctx_len]
+            ctx = gather_context(pool, layer, self.ctx_pages)[:, :, : self.ctx_len]
             out = _sdpa(qh, ctx[0].unsqueeze(0), ctx[1].unsqueeze(0), self.mask)
         return out.squeeze(0).transpose(0, 1).reshape(self.num_tokens, -1)
 
@@ -109,10 +121,12 @@ class PagedDecode:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pool.tensor
         pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
-        ctx = pool[self.page_table, layer]  # [B, pages, 2, kvh, bs, d]
-        b, n, _, kvh, bs, d = ctx.shape
-        ctx = ctx.permute(2, 0, 3, 1, 4, 5).reshape(2, b, kvh, n * bs, d)
-        out = _sdpa(q.unsqueeze(2), ctx[0], ctx[1], self.mask)  # [B, heads, 1, d]
+        ctx = gather_context(pool, layer, self.page_table)  # [2, B, kvh, pages * bs, d]
+        _, b, kvh, _, d = ctx.shape
+        # Grouped-query attention without expanding K/V: the query heads that share a KV head
+        # are that head's queries (head h reads KV head h // group, as in Hugging Face).
+        qg = q.reshape(b, kvh, -1, d)  # [B, kvh, group, d]
+        out = _sdpa(qg, ctx[0], ctx[1], self.mask)  # [B, kvh, group, d]
         return out.reshape(b, -1)
 
 
