@@ -4,6 +4,7 @@ written on the default model."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,26 @@ def test_roofline_quick_two_dtypes(tmp_path: Path, capsys: pytest.CaptureFixture
     f32, b16 = doc["runs"]["fused-float32"], doc["runs"]["fused-bfloat16"]
     assert f32["weight_bytes"] == 2 * b16["weight_bytes"]
     assert doc["meta"]["threads"] == 2
+
+
+def test_roofline_quick_two_linear_backends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVFLOW_LINEAR", raising=False)
+    model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "roofline.json"
+    argv = ["--quick", "--linears", "onednn,aten", "--model", str(model), "--json", str(out)]
+    assert roofline.main(argv) == 0
+    assert capsys.readouterr().out.count("unfused-float32-") == 2
+    doc = json.loads(out.read_text())
+    assert set(doc["runs"]) == {"unfused-float32-onednn", "unfused-float32-aten"}
+    one, aten = doc["runs"]["unfused-float32-onednn"], doc["runs"]["unfused-float32-aten"]
+    assert one["weight_bytes"] == aten["weight_bytes"] > 0  # the same weights, no copy
+    assert all(r["decode"][0]["tok_s"] > 0 for r in (one, aten))
+    assert "KVFLOW_LINEAR" not in os.environ  # restored after each engine
+    with pytest.raises(SystemExit):
+        roofline.main(["--linears", "onednn,mkl"])
+    assert "unknown linear backend(s) ['mkl']" in capsys.readouterr().err
 
 
 def test_roofline_rejects_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""bfloat16 linears through oneDNN directly, on CPUs that compute bf16 natively.
+"""Linears through oneDNN directly on the CPU: bfloat16 (where the CPU computes bf16 natively)
+and float32.
 
 With bf16 weights, `nn.Linear` on the CPU goes through aten's matmul, which for the few rows
 of a decode step (batch 1-8) ran 1.3-1.9x slower here than oneDNN's inner product on the same
@@ -7,20 +8,47 @@ frozen bf16 linear). `use_onednn_linears` swaps every `nn.Linear` of a loaded mo
 `OneDNNLinear` holding the weight prepared by `torch.ops.mkldnn._reorder_linear_weight`.
 The outputs are the same (bit for bit on the CPUs measured); docs/performance.md has numbers.
 
-`onednn_applies(dtype, device)` decides where it is used: bf16, on the CPU, with oneDNN's
-bf16 support (avx512_bf16 / AMX or the Arm equivalent). Everywhere else the model keeps
-`nn.Linear` (float32, float16, CUDA).
+float32: `nn.Linear` goes to MKL, whose matrix-vector product (a decode step at batch 1) read
+the weights at ~12 GB/s here on 1 or 2 threads alike, while oneDNN's inner product on the same
+float32 weights, unprepared, ran 1.5-1.6x faster on 2 threads (and ~1.1x on 1); prefill-sized
+products (512 rows) ran at the same rate. `OneDNNDenseLinear` calls it on the linear's own
+weight (no second copy, the parameter names and the tied embedding stay); its outputs equal
+`F.linear`'s up to float32 summation order (~1e-5 relative).
+
+`onednn_applies(dtype, device)` decides where it is used: on the CPU with oneDNN, float32
+always, bf16 with oneDNN's bf16 support (avx512_bf16 / AMX or the Arm equivalent).
+Everywhere else the model keeps `nn.Linear` (float16, CUDA). `KVFLOW_LINEAR=aten` keeps
+`nn.Linear` everywhere (the A/B switch of `kvflow.tools.bench.roofline --linears`).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+ENV_LINEAR = "KVFLOW_LINEAR"
+LINEAR_BACKENDS = ("onednn", "aten")
+
+
+def linear_backend() -> str:
+    """`KVFLOW_LINEAR` (default "onednn"): "aten" keeps `nn.Linear` for every dtype."""
+    value = os.environ.get(ENV_LINEAR, "onednn")
+    if value not in LINEAR_BACKENDS:
+        raise ValueError(f"{ENV_LINEAR} must be one of {LINEAR_BACKENDS}, got {value!r}")
+    return value
 
 
 def onednn_applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `use_onednn_linears` is used for a model in `dtype` on `device`."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if linear_backend() != "onednn":
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype != torch.bfloat16:
         return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -47,9 +75,33 @@ class OneDNNLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
+class OneDNNDenseLinear(nn.Module):
+    """`y = x @ W.T + b` for 2-D float32 `x` through oneDNN's inner product on the linear's
+    own (unprepared) weight, which stays a parameter under its name."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn dense"
+
+
+def _onednn(linear: nn.Linear) -> nn.Module:
+    if linear.weight.dtype == torch.float32:
+        return OneDNNDenseLinear(linear)
+    return OneDNNLinear(linear)
+
+
 def use_onednn_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` under `model` by a `OneDNNLinear` (after loading, fusing
-    and moving; the state dict's names no longer hold the weights). Returns the count."""
+    """Replace every `nn.Linear` under `model` by its oneDNN form (after loading, fusing and
+    moving): float32 by a `OneDNNDenseLinear` (same parameters), bf16 by a `OneDNNLinear`
+    (the state dict's names no longer hold the weights). Returns the count."""
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -57,5 +109,5 @@ def use_onednn_linears(model: nn.Module) -> int:
         if isinstance(child, nn.Linear)
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, OneDNNLinear(child))
+        setattr(parent, name, _onednn(child))
     return len(swaps)

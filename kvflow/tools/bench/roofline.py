@@ -14,7 +14,8 @@ Measures, best of `--repeat`:
   engine's dtype (every weight is read once per step; tied embeddings count once).
 
 `--dtype float32,bfloat16` runs an engine per dtype; `--fused` loads the model with q/k/v and
-gate/up fused (not the engine's default), and `--compare` runs both layouts. With more than
+gate/up fused (not the engine's default), and `--compare` runs both layouts; `--linears
+onednn,aten` runs an engine per linear backend (`KVFLOW_LINEAR`, onednn_linear.py). With more than
 one engine they run alternating, A B ... B A, in one invocation, each row the better of its two
 passes. Seeded; one summary line; `--json PATH` writes every number.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import time
@@ -41,6 +43,7 @@ from kvflow.stages.engine.config import DTYPES
 from kvflow.stages.engine.default_model import ensure_default_model
 from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model_card import ModelCard
+from kvflow.stages.engine.onednn_linear import ENV_LINEAR, LINEAR_BACKENDS
 from kvflow.stages.engine.spec import load_spec
 from kvflow.stages.engine.tokenizer import Tokenizer
 from kvflow.tools.bench._meta import run_meta
@@ -89,11 +92,23 @@ def read_bandwidth(mib: int, repeat: int) -> float:
     return x.numel() * 4 / _best(once, repeat)
 
 
-def open_engine(model_dir: Path, config: EngineConfig, fuse: bool) -> Engine:
-    """Engine.open, with the projection fusion selectable (the bench's A/B switch)."""
+def open_engine(
+    model_dir: Path, config: EngineConfig, fuse: bool, linears: str | None = None
+) -> Engine:
+    """Engine.open, with the projection fusion and the linear backend selectable (the bench's
+    A/B switches; `linears` None: the environment's)."""
     spec, config_bytes = load_spec(model_dir)
     card = ModelCard.from_dir(model_dir)
-    model = load_weights(model_dir, spec, config.torch_dtype, torch.device(config.device), fuse)
+    saved = os.environ.get(ENV_LINEAR)
+    if linears is not None:
+        os.environ[ENV_LINEAR] = linears
+    try:
+        model = load_weights(model_dir, spec, config.torch_dtype, torch.device(config.device), fuse)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_LINEAR, None)
+        else:
+            os.environ[ENV_LINEAR] = saved
     fp = fingerprint(model_dir, config_bytes, config.dtype)
     return Engine(model, Tokenizer.from_dir(model_dir), config, fp, card)
 
@@ -228,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=["float32"],
         help="engine dtype(s), comma-separated: float32, bfloat16, float16",
     )
+    p.add_argument(
+        "--linears",
+        type=_linears,
+        default=None,
+        help="linear backend(s), comma-separated: onednn, aten (default: the environment's)",
+    )
     p.add_argument("--bw-mib", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3, help="best of this many timings")
     p.add_argument("--seed", type=int, default=0)
@@ -259,10 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         layouts = {"fused": True, "unfused": False}
         if not args.compare:
             layouts = {"fused": True} if args.fused else {"unfused": False}
+        backends: list[str | None] = args.linears or [None]
         engines = {
-            f"{name}-{dtype}": open_engine(model_dir, replace(config, dtype=dtype), fuse)
+            f"{name}-{dtype}" + (f"-{lin}" if lin else ""): open_engine(
+                model_dir, replace(config, dtype=dtype), fuse, lin
+            )
             for name, fuse in layouts.items()
             for dtype in args.dtype
+            for lin in backends
         }
         bandwidth = read_bandwidth(args.bw_mib, args.repeat)
         for engine in engines.values():  # warm-up: first-touch of pages and weights
@@ -287,6 +312,16 @@ def _dtypes(value: str) -> list[str]:
     if not names or bad:
         raise argparse.ArgumentTypeError(
             f"unknown dtype(s) {bad or value!r}; one of {sorted(DTYPES)}"
+        )
+    return names
+
+
+def _linears(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in LINEAR_BACKENDS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown linear backend(s) {bad or value!r}; one of {list(LINEAR_BACKENDS)}"
         )
     return names
 

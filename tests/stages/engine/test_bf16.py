@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine.onednn_linear import OneDNNLinear, onednn_applies, use_onednn_linears
+from kvflow.stages.engine.onednn_linear import (
+    ENV_LINEAR,
+    OneDNNDenseLinear,
+    OneDNNLinear,
+    onednn_applies,
+    use_onednn_linears,
+)
 from kvflow.tools.bench.precision import compare, equivalence_prompt
 from tests.stages.engine.conftest import open_engine
 from tests.stages.engine.hf_models import make_hf_model
@@ -56,12 +62,51 @@ def test_onednn_linear_equals_nn_linear() -> None:
         assert torch.allclose(got, expected, rtol=1e-2, atol=0.1), (got - expected).abs().max()
 
 
-def test_onednn_only_for_bf16_on_cpu(llama_dir: Path) -> None:
-    assert not onednn_applies(torch.float32, torch.device("cpu"))
-    assert not onednn_applies(torch.float16, torch.device("cpu"))
+def test_onednn_dense_linear_equals_f_linear() -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    gen = torch.Generator().manual_seed(0)
+    for bias in (False, True):
+        for rows in (1, 5, 64):
+            linear = torch.nn.Linear(96, 40, bias=bias)
+            with torch.no_grad():
+                linear.weight.copy_(torch.randn(40, 96, generator=gen))
+                if bias:
+                    linear.bias.copy_(torch.randn(40, generator=gen))
+            x = torch.randn(rows, 96, generator=gen)
+            holder = torch.nn.Sequential(linear)
+            expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+            assert use_onednn_linears(holder) == 1
+            assert isinstance(holder[0], OneDNNDenseLinear)
+            assert holder[0].weight is linear.weight  # no copy; the name still holds it
+            got = holder[0](x)
+            assert got.shape == expected.shape and got.dtype == torch.float32
+            # float32 products summed in another order: within float32 rounding
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4), (got - expected).abs().max()
+
+
+def test_onednn_where_it_applies(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert onednn_applies(torch.float32, cpu) == torch.backends.mkldnn.is_available()
+    assert not onednn_applies(torch.float16, cpu)
     assert not onednn_applies(torch.bfloat16, torch.device("meta"))
+    assert not onednn_applies(torch.float32, torch.device("meta"))
     f32 = open_engine(llama_dir)
-    assert not any(isinstance(m, OneDNNLinear) for m in f32.model.modules())
+    dense = [m for m in f32.model.modules() if isinstance(m, OneDNNDenseLinear)]
+    assert bool(dense) == torch.backends.mkldnn.is_available()
+    if dense:  # every linear swapped
+        assert not any(isinstance(m, torch.nn.Linear) for m in f32.model.modules())
+    # tied embeddings stay one tensor
+    if f32.spec.tie_word_embeddings and dense:
+        assert f32.model.lm_head.weight is f32.model.model.embed_tokens.weight
+    monkeypatch.setenv(ENV_LINEAR, "aten")
+    assert not onednn_applies(torch.float32, cpu)
+    aten = open_engine(llama_dir)
+    assert not any(isinstance(m, OneDNNDenseLinear) for m in aten.model.modules())
+    monkeypatch.setenv(ENV_LINEAR, "bogus")
+    with pytest.raises(ValueError, match=ENV_LINEAR):
+        onednn_applies(torch.float32, cpu)
+    monkeypatch.delenv(ENV_LINEAR)
     b16 = open_engine(llama_dir, dtype="bfloat16")
     swapped = any(isinstance(m, OneDNNLinear) for m in b16.model.modules())
     assert swapped == onednn_applies(torch.bfloat16, torch.device("cpu"))
