@@ -63,3 +63,11 @@ def test_precision_rejects_float32_and_unknown(capsys: pytest.CaptureFixture[str
         with pytest.raises(SystemExit):
             precision.main(["--dtype", bad])
     assert "unknown dtype(s) ['int3']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_docs_quantized_precision_block(tmp_path: Path) -> None:
+    run_bash(block("performance.md", "performance-quantized"), tmp_path)
+    doc = json.loads((tmp_path / "precision.json").read_text())
+    assert set(doc["results"]) == {"int8", "int4"}
+    assert doc["summary"].startswith("bench_precision SmolLM2-135M-Instruct int8 vs float32")

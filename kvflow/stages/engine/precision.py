@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 INT4_GROUP = 32
-"""Input columns per int4 scale/zero group; divides every hidden size a Llama-family model
-uses (SmolLM2-135M's 576 is not a multiple of 64 or 128)."""
+"""Input columns per int4 scale/zero group; divides the hidden and MLP sizes of the common
+Llama-family models (SmolLM2-135M's 576 is not a multiple of 64 or 128)."""
 
 
 @dataclass(frozen=True)

@@ -160,3 +160,8 @@ def test_missing_kernel_is_named(llama_dir: Path) -> None:
     spec, _ = load_spec(llama_dir)
     with pytest.raises(ModelLoadError, match=r"dtype int4 cannot load: .*_for_cpu"):
         load_weights(llama_dir, spec, torch.bfloat16, torch.device("meta"), quant=precision("int4"))
+
+
+def test_int4_names_a_width_its_groups_do_not_divide() -> None:
+    with pytest.raises(ValueError, match="divisible by the group size 32, got 48"):
+        Int4Linear(nn.Linear(48, 8), torch.float32, 32)
