@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvflow.stages.serve.config import DTYPES
 from kvflow.stages.serve.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,13 @@ def address_list(value: str, flag: str) -> tuple[str, ...]:
 def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
     """The engine and shard flags that the embedded server and a node take alike."""
     p.add_argument("--data-dir", type=Path, default=Path("data"))
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="float32, bfloat16, float16; int8/int4: weight-only quantized linears, bf16 "
+        "activations and KV (docs/performance.md)",
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument(
         "--num-pages",

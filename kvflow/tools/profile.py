@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.stages.engine import Engine, EngineConfig, ModelLoadError
+from kvflow.stages.serve.config import DTYPES
 from kvflow.tools.profiling import ProfileGrid, profile_engine
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("profile", help="fit the conductor's prefill/decode time models")
     p.add_argument("--model", type=Path, required=True, help="model directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--max-len", type=int, default=4096, help="longest prompt timed")

@@ -44,3 +44,30 @@ def test_docs_precision_block(tmp_path: Path) -> None:
     run_bash(block("performance.md", "performance-precision"), tmp_path)
     doc = json.loads((tmp_path / "precision.json").read_text())
     assert doc["summary"].startswith("bench_precision SmolLM2-135M-Instruct bfloat16")
+
+
+def test_precision_quick_quantized(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "precision.json"
+    argv = ["--quick", "--dtype", "int8,int4", "--model", str(model), "--json", str(out)]
+    assert precision.main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("bench_precision tiny int8 vs float32") and "| int4 vs float32" in line
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"int8", "int4"}
+    assert all(r["max_logit_diff"] > 0 and r["prompts"] == 2 for r in results.values())
+
+
+def test_precision_rejects_float32_and_unknown(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("float32", "int8,int3"):
+        with pytest.raises(SystemExit):
+            precision.main(["--dtype", bad])
+    assert "unknown dtype(s) ['int3']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_docs_quantized_precision_block(tmp_path: Path) -> None:
+    run_bash(block("performance.md", "performance-quantized"), tmp_path)
+    doc = json.loads((tmp_path / "precision.json").read_text())
+    assert set(doc["results"]) == {"int8", "int4"}
+    assert doc["summary"].startswith("bench_precision SmolLM2-135M-Instruct int8 vs float32")

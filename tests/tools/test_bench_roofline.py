@@ -69,3 +69,17 @@ def test_docs_roofline_block(tmp_path: Path) -> None:
     run_bash(block("performance.md", "performance-roofline"), tmp_path)
     doc = json.loads((tmp_path / "roofline.json").read_text())
     assert doc["summary"].startswith("bench_roofline SmolLM2-135M-Instruct")
+
+
+def test_roofline_quick_quantized(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "roofline.json"
+    argv = ["--quick", "--dtype", "bfloat16,int8,int4", "--model", str(model)]
+    assert roofline.main([*argv, "--json", str(out)]) == 0
+    assert capsys.readouterr().out.count("unfused-int4: p64=") == 1
+    runs = json.loads(out.read_text())["runs"]
+    assert all(r["decode"][0]["ceiling_share"] > 0 for r in runs.values())
+    # The decoder's linears shrink (int8: 1 byte per weight + a scale per row; int4: half a
+    # byte + a scale and zero per 32), the tied bf16 embedding table does not.
+    b16, i8, i4 = (runs[f"unfused-{d}"]["weight_bytes"] for d in ("bfloat16", "int8", "int4"))
+    assert b16 > i8 > i4 > 0

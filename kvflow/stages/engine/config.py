@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.stages.engine.grammar import GrammarSpec
+from kvflow.stages.engine.precision import PRECISIONS, Precision, precision
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -38,7 +39,9 @@ class EngineConfig:
     """How an engine runs a model.
 
     Fields:
-        dtype: weights, activations and KV pages: "float32", "bfloat16" or "float16".
+        dtype: weights, activations and KV pages: "float32", "bfloat16" or "float16"; or
+            "int8" / "int4": the decoder's linear weights quantized at load time, everything
+            else (activations, KV pages) in bfloat16 (precision.py).
         block_size: tokens per KV page (and per cached block).
         num_pages: pages in the pool; the pool is allocated once at open.
         prefill_chunk: at most this many prompt tokens are computed per `step()`
@@ -63,8 +66,8 @@ class EngineConfig:
     return_logits: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in PRECISIONS:
+            raise ValueError(f"dtype must be one of {list(PRECISIONS)}, got {self.dtype!r}")
         _positive("block_size", self.block_size)
         _positive("num_pages", self.num_pages)
         _positive("prefill_chunk", self.prefill_chunk)
@@ -79,8 +82,13 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from exc
 
     @property
+    def precision(self) -> Precision:
+        return precision(self.dtype)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The compute dtype: activations, float weights and KV pages."""
+        return DTYPES[self.precision.compute]
 
 
 MAX_LOGIT_BIAS = 100.0

@@ -68,7 +68,11 @@ class Engine:
         self.max_model_len = config.max_model_len or spec.max_position_embeddings
         self.device = torch.device(config.device)
         self.kv_layout = KVLayout(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            config.block_size,
+            config.precision.compute,
         )
         self._pool = PagePool(config.num_pages, self.kv_layout, config.torch_dtype, self.device)
         self._runner = ModelRunner(model, self._pool, self.device)
@@ -121,7 +125,9 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the model's "
                 f"max_position_embeddings {spec.max_position_embeddings}"
             )
-        model = load_weights(path, spec, config.torch_dtype, torch.device(config.device))
+        model = load_weights(
+            path, spec, config.torch_dtype, torch.device(config.device), quant=config.precision
+        )
         fp = fingerprint(path, config_bytes, config.dtype)
         return cls(model, tokenizer, config, fp, card)
 

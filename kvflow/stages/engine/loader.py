@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from kvflow.stages.engine.errors import ModelLoadError
 from kvflow.stages.engine.model import CausalLM
 from kvflow.stages.engine.onednn_linear import onednn_applies, use_onednn_linears
+from kvflow.stages.engine.precision import Precision
+from kvflow.stages.engine.quant_linear import missing_kernel, quantize_linears
 from kvflow.stages.engine.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -69,14 +71,23 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     fuse: bool = False,
+    quant: Precision | None = None,
 ) -> CausalLM:
     """Build a CausalLM for `spec` holding the checkpoint's weights in `dtype` on `device`.
     `fuse` concatenates q/k/v and gate/up (`CausalLM.fuse_projections`); off by default: on
     this 2-core CPU it measured no faster at decode (see docs/performance.md). bf16 on a CPU
-    with native bf16 runs its linears through oneDNN (`onednn_linear.py`).
+    with native bf16 runs its linears through oneDNN (`onednn_linear.py`). A quantized `quant`
+    (int8/int4, precision.py) reads the weights in float32, quantizes the decoder layers'
+    linears from them, and holds the rest in `dtype`.
 
-    Raises ModelLoadError naming missing, unexpected or misshapen weights."""
-    state = _read_state(weight_files(model_dir), dtype)
+    Raises ModelLoadError naming missing, unexpected or misshapen weights, or the kernel a
+    quantized precision needs that this torch or device lacks."""
+    bits = quant.weight_bits if quant is not None else None
+    if quant is not None and bits is not None:
+        why = missing_kernel(bits, device)
+        if why:
+            raise ModelLoadError(f"dtype {quant.name} cannot load: {why}")
+    state = _read_state(weight_files(model_dir), torch.float32 if bits else dtype)
     if spec.tie_word_embeddings or "lm_head.weight" not in state:
         if not spec.tie_word_embeddings:
             raise ModelLoadError("checkpoint has no lm_head.weight and embeddings are not tied")
@@ -103,10 +114,17 @@ def load_weights(
     if fuse:
         model.fuse_projections()
     model = model.to(device).eval().requires_grad_(False)
+    if quant is not None and bits is not None:
+        try:
+            quantize_linears(model.model.layers, quant, dtype)
+        except (ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"dtype {quant.name} cannot quantize this model: {exc}") from exc
+        model = model.to(dtype)  # the rest (embeddings, norms, lm_head); int buffers stay
     if onednn_applies(dtype, device):
         use_onednn_linears(model)
     model.setup_rotary(device)
-    logger.info("loaded %s: %d params, dtype=%s", spec.architecture, spec.num_params, dtype)
+    name = quant.name if quant is not None else dtype
+    logger.info("loaded %s: %d params, dtype=%s", spec.architecture, spec.num_params, name)
     return model
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from kvflow.kvdb import PeerCallBudget
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+"""The engine dtypes (``stages/engine/precision.py:PRECISIONS`` says what each means; named here
+too so that flag parsing imports no torch)."""
 STORAGE_ENGINES = ("rocksdb", "lmdb", "memory")
 
 
@@ -72,7 +74,8 @@ class EngineStoreConfig:
         model_dir: a Hugging Face model directory (config.json, model.safetensors,
             tokenizer.json). None: the small demo model under ``data_dir/models/small``.
         data_dir: root of everything persistent (shards, metadata journal, demo model).
-        dtype: engine dtype; block_size: tokens per KV page and cached block.
+        dtype: engine dtype (``DTYPES``; int8/int4: weight-only quantized decoder linears,
+            bf16 activations and KV); block_size: tokens per KV page and cached block.
         num_pages: KV pages per engine; prefill_chunk: tokens per prefill step.
         max_batch: decode batch cap per engine.
         staging_pages: page slots of each staging area (decode: streamed KV lands there;

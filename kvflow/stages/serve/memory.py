@@ -27,7 +27,11 @@ MAX_DRAM_BYTES = 256 * MIB
 MAX_SSD_BYTES = 8 << 30
 MIN_SSD_BYTES = 256 * MIB
 MIN_SEQUENCE_TOKENS = 4096  # one sequence this long always fits (or max_model_len if shorter)
-ITEM_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEM_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2, "int4": 2}
+"""Bytes of one KV element per engine dtype (int8/int4 engines keep bf16 KV)."""
+WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
+"""About how many bytes one parameter takes (int8/int4: the quantized linears' share; the
+embeddings stay bf16, so the estimate is low for small models)."""
 
 
 def available_memory_bytes() -> int | None:
@@ -144,7 +148,7 @@ def plan_memory(
         ssd_bytes=ssd_bytes,
         engines=engines,
         shards=shards,
-        weights_bytes=num_params * ITEM_SIZE[dtype],
+        weights_bytes=int(num_params * WEIGHT_BYTES[dtype]),
         auto=tuple(auto),
     )
 

@@ -104,6 +104,7 @@ class RouterServer:
         self.metadata.start()
         self.prefill: dict[str, RemoteNode] = {}
         self.decode: dict[str, RemoteNode] = {}
+        self.model_fingerprint = ""  # the first prefill node's, once started: every node's
         self.tracer = Tracer(settings.trace_capacity)
         self.metrics = Metrics()
         self.serving_metrics = ServingMetrics(self.metrics)
@@ -138,6 +139,7 @@ class RouterServer:
                 await asyncio.sleep(0.2)
         info = await self._first_info(deadline)
         self.model_fingerprint = info.model_fingerprint
+        await self._refresh()  # nodes of another model or dtype out before the first request
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
         self.layout = layout_from_info(info)
@@ -249,13 +251,14 @@ class RouterServer:
             if not node.state.healthy:
                 self.node_guard.cancel_node(node, "marked unhealthy")
 
-    @staticmethod
-    async def _poll(node: RemoteNode, alive: bool) -> None:
+    async def _poll(self, node: RemoteNode, alive: bool) -> None:
         """One ``Info`` call per live node per refresh. It is the readiness probe (a node is
         routable once it answers, and again after a failed call only once it answers again; a
         node that does not answer gets a fresh channel) and the node's own account of its
         load, every router's requests: what other routers sent there is added to this
-        router's books (``set_reported_load``)."""
+        router's books (``set_reported_load``). A node whose model fingerprint (the weights
+        and the dtype: a bf16 and an int8 node have KV pages of one layout but not the same
+        values) is not the cluster's is never routed to."""
         if alive:
             try:
                 info = await node.stub.Info(node_pb2.InfoRequest(), timeout=1.0)
@@ -263,6 +266,19 @@ class RouterServer:
                 if not node.ready:
                     await node.reconnect()
             else:
+                expected = self.model_fingerprint
+                if expected and info.model_fingerprint != expected:
+                    if node.ready or not node.was_ready:
+                        logger.error(
+                            "router: node=%s serves model %s, not this cluster's %s (another "
+                            "model or --dtype); not routing to it",
+                            node.instance_id,
+                            info.model_fingerprint,
+                            expected,
+                        )
+                    node.ready, node.was_ready = False, True
+                    node.state.set_healthy(False)
+                    return
                 if not node.ready and node.was_ready:
                     logger.info("router: node=%s answers again; routing to it", node.instance_id)
                 node.ready = node.was_ready = True

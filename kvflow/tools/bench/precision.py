@@ -1,6 +1,7 @@
 """Precision benchmark: what a lower engine dtype costs in accuracy against float32.
 
-For each prompt, the float32 engine and the `--dtype` engine each decode `--tokens` tokens
+`--dtype` takes one or more (comma-separated) of bfloat16, float16, int8, int4. For each
+prompt, the float32 engine and each `--dtype` engine decode `--tokens` tokens
 greedily; reported, over all prompts:
 - `identical`: prompts whose whole greedy output is the same token for token;
 - `agreement`: teacher-forced top-1 agreement: the `--dtype` engine scores the float32 text
@@ -15,6 +16,7 @@ seed 5, as tests/stages/engine/test_hf_equivalence.py draws them) and `PROMPTS`'
 Seeded and deterministic; one summary line; `--json PATH` writes every number.
 
     python -m kvflow.tools.bench.precision                    # default model, bfloat16
+    python -m kvflow.tools.bench.precision --dtype bfloat16,int8,int4 --json out.json
     python -m kvflow.tools.bench.precision --quick --json out.json
 """
 
@@ -29,8 +31,8 @@ from typing import Any
 import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
-from kvflow.stages.engine.config import DTYPES
 from kvflow.stages.engine.default_model import ensure_default_model
+from kvflow.stages.engine.precision import PRECISIONS
 from kvflow.tools.bench._meta import run_meta
 
 PROMPTS = (
@@ -118,12 +120,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", type=Path, help="model directory (default: the default model)")
     p.add_argument("--data-dir", type=Path, help="where the default model is imported (a tmp dir)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(set(DTYPES) - {"float32"}))
+    p.add_argument(
+        "--dtype",
+        type=_dtypes,
+        default=["bfloat16"],
+        help="comma-separated, each compared with float32: " + ", ".join(_CANDIDATES),
+    )
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--quick", action="store_true", help="two prompts, 8 tokens")
     p.add_argument("--json", type=Path, help="write full results here")
     return p
+
+
+_CANDIDATES = [name for name in PRECISIONS if name != "float32"]
+
+
+def _dtypes(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in _CANDIDATES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype(s) {bad or value!r}; one or more of {_CANDIDATES}"
+        )
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,23 +156,32 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model or ensure_default_model(args.data_dir or Path(tmp))
         config = EngineConfig(block_size=16, num_pages=64, return_logits=True, seed=0)
         ref = Engine.open(model_dir, config)
-        cand = Engine.open(model_dir, EngineConfig(**{**vars(config), "dtype": args.dtype}))
         texts = PROMPTS[:1] if args.quick else PROMPTS
         prompts = [equivalence_prompt()] + [ref.tokenizer.encode_prompt(t) for t in texts]
         vocab = ref.spec.vocab_size
         prompts = [[t % vocab for t in p] for p in prompts]  # a tiny model's vocabulary
-        result = compare(ref, cand, prompts, n)
+        results = {}
+        for dtype in args.dtype:
+            cand = Engine.open(model_dir, EngineConfig(**{**vars(config), "dtype": dtype}))
+            results[dtype] = compare(ref, cand, prompts, n)
+            del cand
         label = model_dir.name
-    summary = (
-        f"bench_precision {label} {args.dtype} vs float32: identical "
-        f"{result['identical']}/{result['prompts']} greedy texts of {n} tokens, teacher-forced "
-        f"top-1 agreement {result['agreement'] * 100:.1f}%, max logit diff "
-        f"{result['max_logit_diff']:.3g} (logits up to {result['max_abs_logit']:.3g})"
+    summary = f"bench_precision {label} " + (
+        " | ".join(
+            f"{dtype} vs float32: identical {r['identical']}/{r['prompts']} greedy texts of {n} "
+            f"tokens, teacher-forced "
+            f"top-1 agreement {r['agreement'] * 100:.1f}%, max logit diff "
+            f"{r['max_logit_diff']:.3g} (logits up to {r['max_abs_logit']:.3g})"
+            for dtype, r in results.items()
+        )
     )
     print(summary)
     if args.json:
         meta = run_meta(args)
-        args.json.write_text(json.dumps({"summary": summary, "meta": meta, **result}, indent=2))
+        payload: dict[str, Any] = {"summary": summary, "meta": meta, "results": results}
+        if len(results) == 1:  # the one-dtype layout earlier runs wrote
+            payload.update(next(iter(results.values())))
+        args.json.write_text(json.dumps(payload, indent=2))
     return 0
 
 

@@ -13,11 +13,14 @@ Measures, best of `--repeat`:
   prompt; at batch 1 against the bandwidth ceiling: bandwidth / bytes of the weights in the
   engine's dtype (every weight is read once per step; tied embeddings count once).
 
-`--dtype float32,bfloat16` runs an engine per dtype; `--fused` loads the model with q/k/v and
-gate/up fused (not the engine's default), and `--compare` runs both layouts; `--linears
-onednn,aten` runs an engine per linear backend (`KVFLOW_LINEAR`, onednn_linear.py). With more than
-one engine they run alternating, A B ... B A, in one invocation, each row the better of its two
-passes. Seeded; one summary line; `--json PATH` writes every number.
+`--dtype float32,bfloat16,int8,int4` runs an engine per dtype (int8/int4: weight-only
+quantized decoder linears with bf16 activations, whose matmul rate is measured in bf16 and
+whose ceiling counts the int8/int4 weights and their scales); `--fused` loads the model
+with q/k/v and gate/up fused (not the engine's default), and `--compare` runs both layouts;
+`--linears onednn,aten` runs an engine per linear backend (`KVFLOW_LINEAR`,
+onednn_linear.py). With more than one engine they run alternating, A B ... B A, in one
+invocation, each row the better of its two passes. Seeded; one summary line; `--json PATH`
+writes every number.
 
     python -m kvflow.tools.bench.roofline                  # default model, 2 threads
     python -m kvflow.tools.bench.roofline --dtype float32,bfloat16 --json out.json
@@ -39,11 +42,11 @@ from typing import Any
 import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
-from kvflow.stages.engine.config import DTYPES
 from kvflow.stages.engine.default_model import ensure_default_model
 from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.engine.onednn_linear import ENV_LINEAR, LINEAR_BACKENDS
+from kvflow.stages.engine.precision import PRECISIONS
 from kvflow.stages.engine.spec import load_spec
 from kvflow.stages.engine.tokenizer import Tokenizer
 from kvflow.tools.bench._meta import run_meta
@@ -99,11 +102,12 @@ def open_engine(
     A/B switches; `linears` None: the environment's)."""
     spec, config_bytes = load_spec(model_dir)
     card = ModelCard.from_dir(model_dir)
+    device = torch.device(config.device)
     saved = os.environ.get(ENV_LINEAR)
     if linears is not None:
         os.environ[ENV_LINEAR] = linears
     try:
-        model = load_weights(model_dir, spec, config.torch_dtype, torch.device(config.device), fuse)
+        model = load_weights(model_dir, spec, config.torch_dtype, device, fuse, config.precision)
     finally:
         if saved is None:
             os.environ.pop(ENV_LINEAR, None)
@@ -114,14 +118,15 @@ def open_engine(
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes of the weights one decode step reads: every parameter and oneDNN-prepared
-    linear weight (`packed` buffers, opaque tensors without a storage), each once; the
-    embedding table only where it is the lm_head's weight (tied), as a step reads one row."""
+    """Bytes of the weights one decode step reads: every parameter, oneDNN-prepared linear
+    weight (`packed` buffers, opaque tensors without a storage) and int8/int4 weight with its
+    scales (`packed`, `scales` buffers), each once; the embedding table only where it is the
+    lm_head's weight (tied), as a step reads one row."""
     model = engine.model
     embed = model.model.embed_tokens.weight
     lm_head = getattr(model.lm_head, "weight", None)
     tensors = [p for p in model.parameters() if p is not embed or p is lm_head]
-    tensors += [b for n, b in model.named_buffers() if n.endswith("packed")]
+    tensors += [b for n, b in model.named_buffers() if n.endswith(("packed", "scales"))]
     seen: set[int] = set()
     total = 0
     for t in tensors:
@@ -241,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         type=_dtypes,
         default=["float32"],
-        help="engine dtype(s), comma-separated: float32, bfloat16, float16",
+        help="engine dtype(s), comma-separated: " + ", ".join(PRECISIONS),
     )
     p.add_argument(
         "--linears",
@@ -308,10 +313,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dtypes(value: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [n for n in names if n not in DTYPES]
+    bad = [n for n in names if n not in PRECISIONS]
     if not names or bad:
         raise argparse.ArgumentTypeError(
-            f"unknown dtype(s) {bad or value!r}; one of {sorted(DTYPES)}"
+            f"unknown dtype(s) {bad or value!r}; one of {list(PRECISIONS)}"
         )
     return names
 

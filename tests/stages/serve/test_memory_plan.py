@@ -20,6 +20,16 @@ def smol(**kw: object) -> object:
 def test_page_size_of_the_default_model() -> None:
     assert page_nbytes(30, 3, 64, 64, "float32") == 2_949_120  # 2.81 MiB
     assert page_nbytes(30, 3, 64, 64, "bfloat16") == 2_949_120 // 2
+    for quantized in ("int8", "int4"):  # weight-only: bf16 KV pages
+        assert page_nbytes(30, 3, 64, 64, quantized) == 2_949_120 // 2
+
+
+def test_quantized_weights_are_planned_smaller() -> None:
+    f32, b16, i8, i4 = (
+        smol(dtype=d, available=8 * GIB) for d in ("float32", "bfloat16", "int8", "int4")
+    )
+    assert f32.weights_bytes == 2 * b16.weights_bytes == 4 * i8.weights_bytes  # type: ignore[attr-defined]
+    assert i8.weights_bytes == 2 * i4.weights_bytes  # type: ignore[attr-defined]
 
 
 def test_a_laptop_gets_one_4096_token_sequence_and_small_tiers() -> None:

@@ -1,0 +1,136 @@
+"""Weight-only int8 and int4 linears on torch's CPU kernels (precision.py says which).
+
+`quantize_linears(module, precision, compute)` replaces every `nn.Linear` under `module` by an
+`Int8Linear` or `Int4Linear` built from the linear's float weight (quantize from float32 for
+the best rounding). Activations, the bias and the output stay in `compute` (bfloat16 for the
+engine's int8/int4): only the weight is stored low-bit and dequantized inside the kernel.
+
+- `Int8Linear`: `q = round(w / s)` in [-127, 127] with `s = max|w_row| / 127` per output row;
+  `y = x @ (q * s).T` by `torch._weight_int8pack_mm(x, q[N, K], s[N])`.
+- `Int4Linear`: per row and group of `group_size` input columns, `s = (max - min) / 15`,
+  `q = round((w - min) / s)` in [0, 15], stored as `(q - 8) * s + zero` with
+  `zero = min + 8 s` — the layout `torch._weight_int4pack_mm_for_cpu` reads (scales and zeros
+  `[K / group, N, 2]`, the weight packed by `torch._convert_weight_to_int4pack_for_cpu`).
+
+`dequantized()` gives each module's weight as the kernel sees it (float32 `[N, K]`), for tests
+and for the error bound: every element is within half a step (`s / 2`) of the float weight.
+`missing_kernel(bits, device)` names what this torch build or device lacks, or None.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.stages.engine.precision import Precision
+
+_INT8_OP = "_weight_int8pack_mm"
+_INT4_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
+_TINY = 1e-8  # the smallest scale: an all-zero row or a constant group quantizes exactly
+
+
+def missing_kernel(bits: int, device: torch.device) -> str | None:
+    """Why weight-only `bits`-bit linears cannot run on `device` with this torch, or None."""
+    ops = (_INT8_OP,) if bits == 8 else _INT4_OPS
+    absent = [op for op in ops if not hasattr(torch, op)]
+    if absent:
+        return f"torch {torch.__version__} has no {', '.join('torch.' + op for op in absent)}"
+    if device.type != "cpu":
+        return (
+            f"int{bits} weights run on torch's CPU kernels ({', '.join(ops)}); "
+            f"device {device} has none here (use bfloat16 or float16 on it)"
+        )
+    return None
+
+
+def _bias(linear: nn.Linear, compute: torch.dtype) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().to(compute)
+
+
+class Int8Linear(nn.Module):
+    """`y = x @ (q * s).T + b` with q int8 `[N, K]` and one scale per output row."""
+
+    def __init__(self, linear: nn.Linear, compute: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().to(torch.float32)
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=_TINY)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("packed", q.contiguous(), persistent=False)
+        self.register_buffer("scales", scales.to(compute), persistent=False)
+        self.register_buffer("bias", _bias(linear, compute), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.contiguous(), self.packed, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        return self.packed.to(torch.float32) * self.scales.to(torch.float32)[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int4Linear(nn.Module):
+    """`y = x @ W.T + b` with W int4 in groups of `group_size` input columns, each group's
+    scale and zero point in the compute dtype."""
+
+    def __init__(self, linear: nn.Linear, compute: torch.dtype, group_size: int) -> None:
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        if k % group_size:
+            raise ValueError(
+                f"int4 needs in_features divisible by the group size {group_size}, got {k}"
+            )
+        self.in_features, self.out_features, self.group_size = k, n, group_size
+        w = linear.weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((high - low) / 15.0).clamp(min=_TINY)
+        q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15)
+        q = q.to(torch.int32).reshape(n, k)
+        zeros = low + 8.0 * scales
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales_zeros.to(compute), persistent=False)
+        self.register_buffer("bias", _bias(linear, compute), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group_size, self.scales
+        )
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """Through the kernel itself: the identity's rows times W.T (unpacking is the
+        kernel's business)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32)
+        scales = self.scales.to(torch.float32)
+        w_t = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, scales)
+        return w_t.t().contiguous()
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 group={self.group_size}"
+        )
+
+
+def quantize_linears(module: nn.Module, precision: Precision, compute: torch.dtype) -> int:
+    """Replace every `nn.Linear` under `module` by its `precision.weight_bits` version (after
+    loading and fusing; quantizes on the linears' device). Returns the count. ValueError for a
+    shape the scheme cannot take."""
+    swaps = [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    for parent, name, child in swaps:
+        if precision.weight_bits == 8:
+            setattr(parent, name, Int8Linear(child, compute))
+        elif precision.weight_bits == 4 and precision.group_size:
+            setattr(parent, name, Int4Linear(child, compute, precision.group_size))
+        else:
+            raise ValueError(f"{precision.name} is not a weight-only quantized precision")
+    return len(swaps)
