@@ -15,6 +15,7 @@ from torch import nn
 
 from kvflow.stages.engine import EngineConfig, ModelLoadError, SamplingParams
 from kvflow.stages.engine.loader import load_weights
+from kvflow.stages.engine.onednn_linear import OneDNNDenseLinear
 from kvflow.stages.engine.precision import PRECISIONS, precision
 from kvflow.stages.engine.quant_linear import Int4Linear, Int8Linear, missing_kernel
 from kvflow.stages.engine.spec import load_spec
@@ -67,7 +68,7 @@ def _dequantized_twin(cand_dir: Path, cand: nn.Module) -> nn.Module:
         cand.model.layers.named_modules(), ref.model.model.layers.named_modules(), strict=True
     ):
         if isinstance(module, QUANT):
-            assert isinstance(twin, nn.Linear), name
+            assert isinstance(twin, (nn.Linear, OneDNNDenseLinear)), name  # weight: a parameter
             with torch.no_grad():
                 twin.weight.copy_(module.dequantized())
     return ref

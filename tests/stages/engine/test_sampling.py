@@ -34,7 +34,7 @@ def test_sampling_params_validation(fields: dict[str, object], name: str) -> Non
 @pytest.mark.parametrize(
     ("fields", "name"),
     [
-        ({"dtype": "int8"}, "dtype"),
+        ({"dtype": "int3"}, "dtype"),
         ({"block_size": 0}, "block_size"),
         ({"num_pages": -1}, "num_pages"),
         ({"prefill_chunk": 0}, "prefill_chunk"),
