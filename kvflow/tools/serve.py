@@ -80,6 +80,13 @@ def register(subparsers: Any) -> None:
     add_security_flags(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument(
+        "--colocate",
+        action="store_true",
+        help="(embedded) prefill instance i and decode instance i share one engine: one copy "
+        "of the weights, every core, prefill chunks mixed into decode steps (needs "
+        "--prefill = --decode); see docs/performance.md",
+    )
     p.add_argument("--policy", default="cache-aware", choices=policy_names())
     p.add_argument("--ttft-slo-ms", type=float, help="reject requests predicted to miss it")
     p.add_argument("--tbt-slo-ms", type=float, help="reject requests predicted to miss it")
@@ -201,6 +208,7 @@ def config_from_args(args: argparse.Namespace, plan: Any) -> Any:
         model_dir=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
+        colocate=args.colocate,
         served_model_name=args.served_model_name,
         **engine_store_values(args, plan),
         **_routing(args),

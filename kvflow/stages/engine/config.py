@@ -53,6 +53,9 @@ class EngineConfig:
         seed: seeds sampling for requests whose SamplingParams give no seed.
         return_logits: attach the float32 logits that each sampled token came from
             to its `RequestOutput` (for tests and debugging; costs a copy).
+        mixed_forward: a step that has prefill chunks and decode tokens (or several
+            chunks) runs them as ONE forward pass, so the weights are read once for all
+            of them; False: one forward per chunk and one for the decode batch.
     """
 
     dtype: str = "float32"
@@ -64,6 +67,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     return_logits: bool = False
+    mixed_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in PRECISIONS:

@@ -348,30 +348,53 @@ class Engine:
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: prefill chunks (at most prefill_chunk prompt tokens in
-        all) and one decode step for up to max_batch running requests. Returns one output
+        all) and one decode step for up to max_batch running requests, run as one forward
+        pass (config.mixed_forward) or one per chunk plus one for the decode batch (always
+        when a chunk asks for prompt logprobs). Returns one output
         per request that made progress or finished (including aborts since the last step)."""
         outputs, self._pending = self._pending, []
         cfg = self.config
         plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch)
         self._steps += 1
-        for seq, n in plan.prefill:
-            start = seq.num_computed
-            want_prompt = seq.sampling.prompt_logprobs is not None
-            logits = self._runner.prefill(seq, n, all_logits=want_prompt)
-            seq.num_computed += n
-            prompt_lps = prompt_logprobs(seq, start, logits) if want_prompt else ()
-            if logits is not None and want_prompt:
-                logits = logits[-1] if seq.num_computed == len(seq.token_ids) else None
-            last = None if logits is None else logits[None]
-            outputs.append(self._advance(seq, start, last, prompt_lps))
-        if plan.decode:
-            logits = self._runner.decode(plan.decode)
+        if self._one_forward(plan.prefill, plan.decode):
+            chunk_logits, decode_logits = self._runner.mixed(plan.prefill, plan.decode)
+            for (seq, n), logits in zip(plan.prefill, chunk_logits, strict=True):
+                start = seq.num_computed
+                seq.num_computed += n
+                outputs.append(self._advance(seq, start, None if logits is None else logits[None]))
+        else:
+            for seq, n in plan.prefill:
+                outputs.append(self._prefill(seq, n))
+            decode_logits = self._runner.decode(plan.decode) if plan.decode else None
+        if decode_logits is not None:
             for row, seq in enumerate(plan.decode):
                 start = seq.num_computed
                 seq.num_computed += 1
                 seq.last_decode_step = self._steps
-                outputs.append(self._advance(seq, start, logits[row : row + 1]))
+                outputs.append(self._advance(seq, start, decode_logits[row : row + 1]))
         return outputs
+
+    def _one_forward(self, chunks: Seq[tuple[Sequence, int]], decode: Seq[Sequence]) -> bool:
+        """Whether a step's work runs as one forward pass: more than one part (chunks, the
+        decode batch), mixing enabled, and no chunk asking for every position's logits."""
+        parts = len(chunks) + (1 if decode else 0)
+        return (
+            self.config.mixed_forward
+            and parts > 1
+            and all(seq.sampling.prompt_logprobs is None for seq, _ in chunks)
+        )
+
+    def _prefill(self, seq: Sequence, n: int) -> RequestOutput:
+        """One prefill chunk as a forward of its own (with prompt logprobs if asked)."""
+        start = seq.num_computed
+        want_prompt = seq.sampling.prompt_logprobs is not None
+        logits = self._runner.prefill(seq, n, all_logits=want_prompt)
+        seq.num_computed += n
+        prompt_lps = prompt_logprobs(seq, start, logits) if want_prompt else ()
+        if logits is not None and want_prompt:
+            logits = logits[-1] if seq.num_computed == len(seq.token_ids) else None
+        last = None if logits is None else logits[None]
+        return self._advance(seq, start, last, prompt_lps)
 
     def _advance(
         self,

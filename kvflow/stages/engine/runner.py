@@ -1,8 +1,8 @@
 """The model runner: turns planned work into forward passes over the paged KV pool.
 
 Each prefill chunk is one forward over that request's tokens; the decode batch is one
-forward over one token per request. Logits are computed only for rows that sample.
-Not thread-safe; runs under torch.inference_mode.
+forward over one token per request; `mixed` runs several of those as one forward.
+Logits are computed only for rows that sample. Not thread-safe; runs under torch.inference_mode.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvflow.stages.engine.attention import PagedDecode, PagedPrefill
-from kvflow.stages.engine.model import CausalLM
+from kvflow.stages.engine.model import CausalLM, KVAttention
 from kvflow.stages.engine.pages import PagePool
+from kvflow.stages.engine.segments import Segments
 from kvflow.stages.engine.sequence import Sequence
 
 
@@ -52,6 +53,48 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
         """Compute KV for the last token of each sequence; float32 logits [len(seqs), vocab]."""
+        ids, positions, kv = self._decode_inputs(seqs)
+        return self.model.logits(self.model(ids, positions, kv))
+
+    @torch.inference_mode()
+    def mixed(
+        self, chunks: Seq[tuple[Sequence, int]], decode: Seq[Sequence]
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """Prefill chunks and a decode batch in ONE forward pass (segments.py): the weights
+        are read once for all rows. Returns, per chunk, float32 logits [vocab] of its last
+        token if the chunk reaches the end of its sequence (else None), and the decode
+        batch's float32 logits [len(decode), vocab] (None without decode). Does not advance
+        the counters."""
+        dev = self.device
+        ids_parts: list[torch.Tensor] = []
+        pos_parts: list[torch.Tensor] = []
+        parts: list[tuple[int, KVAttention]] = []
+        last_rows: list[int | None] = []  # per chunk: the row to sample, if it ends its prompt
+        row = 0
+        for seq, n in chunks:
+            start, end = seq.num_computed, seq.num_computed + n
+            ids_parts.append(torch.tensor(seq.token_ids[start:end], dtype=torch.int64, device=dev))
+            pos_parts.append(torch.arange(start, end, dtype=torch.int64, device=dev))
+            parts.append((n, PagedPrefill(self.pool, self._page_ids(seq), start, n, self.window)))
+            row += n
+            last_rows.append(row - 1 if end == len(seq.token_ids) else None)
+        if decode:
+            ids, positions, kv = self._decode_inputs(decode)
+            ids_parts.append(ids)
+            pos_parts.append(positions)
+            parts.append((len(decode), kv))
+        hidden = self.model(torch.cat(ids_parts), torch.cat(pos_parts), Segments(parts))
+        sampled = [r for r in last_rows if r is not None]
+        rows = sampled + list(range(row, row + len(decode)))
+        if not rows:
+            return [None] * len(last_rows), None
+        logits = self.model.logits(hidden[rows])
+        index = iter(range(len(sampled)))
+        chunk_logits = [None if r is None else logits[next(index)] for r in last_rows]
+        return chunk_logits, (logits[len(sampled) :] if decode else None)
+
+    def _decode_inputs(self, seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor, PagedDecode]:
+        """Token ids [B], positions [B] and the paged backend of a decode batch."""
         bs = self.pool.layout.block_size
         positions_list = [s.num_computed for s in seqs]
         width = max(p // bs + 1 for p in positions_list)
@@ -62,5 +105,4 @@ class ModelRunner:
         page_table = torch.tensor(rows, dtype=torch.int64, device=self.device)
         positions = torch.tensor(positions_list, dtype=torch.int64, device=self.device)
         ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64, device=self.device)
-        kv = PagedDecode(self.pool, page_table, positions, self.window)
-        return self.model.logits(self.model(ids, positions, kv))
+        return ids, positions, PagedDecode(self.pool, page_table, positions, self.window)

@@ -14,6 +14,9 @@ The policy, measured on a 2-core machine (docs/performance.md, "Threads"):
   decode at small batch is bound by memory bandwidth, which one core of two already draws
   (batch 1 was no slower on 1 thread than on 2), and its share leaves the prefill's cores.
 
+A colocated embedded server (``--colocate``) has one engine per prefill/decode pair; it gets
+the prefill's share (``engine_threads("prefill", pairs, 0)``): every core for one pair.
+
 ``KVFLOW_INTRA_OP_THREADS`` sets every engine's count outright; with ``OMP_NUM_THREADS``
 set, engines keep torch's count (the operator decided). A process with one engine (a node)
 leaves torch's default: every core.

@@ -208,6 +208,10 @@ class ServeConfig(EngineStoreConfig, RoutingConfig):
 
     Fields (besides EngineStoreConfig's and RoutingConfig's):
         num_prefill / num_decode: instances of each kind; each has its own engine.
+        colocate: prefill instance i and decode instance i share ONE engine (one copy of
+            the weights, every core, one step loop that mixes prefill chunks into decode
+            steps) with a pool of 2 x num_pages; needs num_prefill == num_decode. The stages
+            and the store are the same as disaggregated (KV still goes through kvdb).
         queue_size: bounded queue in front of each stage; a full first queue rejects with
             RESOURCE_EXHAUSTED.
         request_timeout_s: deadline of one request.
@@ -215,6 +219,7 @@ class ServeConfig(EngineStoreConfig, RoutingConfig):
 
     num_prefill: int = 1
     num_decode: int = 1
+    colocate: bool = False
     queue_size: int = 256
     request_timeout_s: float = 600.0
 
@@ -224,6 +229,11 @@ class ServeConfig(EngineStoreConfig, RoutingConfig):
         for name in ("num_prefill", "num_decode", "queue_size"):
             _positive_int(name, getattr(self, name))
         _positive_or_none("request_timeout_s", self.request_timeout_s)
+        if self.colocate and self.num_prefill != self.num_decode:
+            raise ValueError(
+                f"colocate pairs prefill and decode instances: num_prefill "
+                f"({self.num_prefill}) must equal num_decode ({self.num_decode})"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 """EmbeddedCluster: N prefill and M decode instances, one logical store, one process.
 
 The composition root of `kvflow serve` (``--role embedded``): it opens the engines (one
-EngineWorker thread each), a kvdb shard per instance over one single-replica Raft metadata
+EngineWorker thread each; with ``colocate``, prefill instance i and decode instance i share
+one engine and its thread), a kvdb shard per instance over one single-replica Raft metadata
 group, a transfer engine whose segments are the prefill page pools and the decode staging
 areas, the conductor, and the seven-stage pipeline; the heartbeat and replicator loops are the
 same as a node's (runtime/). The API servers are put in front of it by tools/serve.py.
@@ -10,6 +11,7 @@ same as a node's (runtime/). The API servers are put in front of it by tools/ser
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +33,8 @@ from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, poo
 from kvflow.stages.runtime.prefix_index import ShardPrefixIndex
 from kvflow.stages.runtime.replicator import Replicator
 from kvflow.stages.runtime.staging import StagingArea
-from kvflow.stages.runtime.threads import engine_threads
+from kvflow.stages.runtime.threads import ROLES, engine_threads
+from kvflow.stages.runtime.worker import EngineWorker
 from kvflow.stages.serve.build import (
     build_admission,
     build_conductor,
@@ -78,9 +81,10 @@ class EmbeddedCluster:
     # -- building ---------------------------------------------------------------------------
     def _build(self, metadata_port: int | None) -> None:
         c = self.config
-        self._threads = {
-            k: engine_threads(k, c.num_prefill, c.num_decode) for k in ("prefill", "decode")
-        }
+        if c.colocate:  # one engine per prefill/decode pair: the prefill's share of cores
+            self._threads = {k: engine_threads("prefill", c.num_prefill, 0) for k in ROLES}
+        else:
+            self._threads = {k: engine_threads(k, c.num_prefill, c.num_decode) for k in ROLES}
         before = torch.get_num_threads()  # the engine threads' settings reach new threads'
         self._closers.add(lambda: torch.set_num_threads(before))  # default: restored at close
         self.transfer = TransferEngine(TransferConfig())
@@ -106,8 +110,9 @@ class EmbeddedCluster:
         self.max_model_len = first.max_model_len
         self.vocab_size = first.spec.vocab_size
         self.layout = kv_layout(first)
+        shared = list(self.prefill.values()) if c.colocate else []
         for i in range(c.num_decode):
-            self._add_decode(f"decode-{i}")
+            self._add_decode(f"decode-{i}", shared[i].worker if shared else None)
         # One grammar compiler (and cache) for the fronts and every engine: a request's grammar
         # is compiled once, off the event loop, before it is queued.
         self.grammars = first.grammars
@@ -158,7 +163,9 @@ class EmbeddedCluster:
     def _add_prefill(self, instance_id: str) -> None:
         c = self.config
         threads = self._threads["prefill"]
-        worker = open_engine(self.model_dir, c, instance_id, self._closers, threads)
+        # colocated: one engine holds both pools' pages (what the two engines would hold)
+        engine_config = replace(c, num_pages=2 * c.num_pages) if c.colocate else c
+        worker = open_engine(self.model_dir, engine_config, instance_id, self._closers, threads)
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers)
         pool = engine.pool_tensor
@@ -177,10 +184,13 @@ class EmbeddedCluster:
         )
         self.prefill[instance_id] = PrefillInstance(instance_id, worker, store, state, load_staging)
 
-    def _add_decode(self, instance_id: str) -> None:
+    def _add_decode(self, instance_id: str, worker: EngineWorker | None = None) -> None:
+        """A decode instance on its own engine, or on ``worker``'s (colocated with a prefill
+        instance: the engine ids ``<request>/prefill`` and ``<request>/decode`` differ)."""
         c = self.config
-        threads = self._threads["decode"]
-        worker = open_engine(self.model_dir, c, instance_id, self._closers, threads)
+        if worker is None:
+            threads = self._threads["decode"]
+            worker = open_engine(self.model_dir, c, instance_id, self._closers, threads)
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers)
         staging = StagingArea(

@@ -89,3 +89,52 @@ def test_pool_page_roundtrip_and_checks(pool: PagePool) -> None:
     strided = memoryview(bytearray(raw * 2))[::2]
     with pytest.raises(PageLayoutError, match="page 0"):
         pool.check_page(0, strided)
+
+
+def test_plan_policy_over_random_mixes() -> None:
+    """For seeded random mixes of prefill and decode sequences: the chunks fit the budget, the
+    budget goes to prompts in arrival order (a later prompt gets tokens only when every
+    earlier one got all it needs), and every decode sequence is in the batch, or the batch
+    is full of sequences that decoded no later than it did (none is starved)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        seqs = []
+        for i in range(rng.randrange(1, 12)):
+            n = rng.randrange(2, 200)
+            computed = n - 1 if rng.random() < 0.5 else rng.randrange(0, n - 1)
+            seqs.append(_seq(f"s{i}", n, computed, i, last=rng.randrange(-1, 5)))
+        budget, cap = rng.randrange(1, 300), rng.randrange(1, 6)
+        plan = plan_step(seqs, prefill_budget=budget, max_batch=cap)
+        assert sum(n for _, n in plan.prefill) <= budget
+        assert all(n >= 1 for _, n in plan.prefill)
+        prompts = [s for s in seqs if s.phase is Phase.PREFILL]
+        planned = {s.request_id: n for s, n in plan.prefill}
+        assert [s.request_id for s, _ in plan.prefill] == [
+            s.request_id for s in prompts[: len(plan.prefill)]
+        ]
+        for earlier in prompts[: len(plan.prefill) - 1]:
+            assert planned[earlier.request_id] == earlier.remaining
+        if sum(planned.values()) < budget:  # budget left over: every prompt got all it needs
+            assert len(planned) == len(prompts)
+            assert all(planned[s.request_id] == s.remaining for s in prompts)
+        decoding = [s for s in seqs if s.phase is Phase.DECODE]
+        assert len(plan.decode) == min(cap, len(decoding))
+        chosen = {s.request_id for s in plan.decode}
+        key = max(((s.last_decode_step, s.arrival) for s in plan.decode), default=None)
+        for s in decoding:
+            if s.request_id not in chosen:
+                assert key is not None and (s.last_decode_step, s.arrival) > key
+
+
+def test_decode_is_never_starved_by_a_long_prompt() -> None:
+    """A prompt far larger than the budget takes it step after step; the running sequences
+    decode in every one of those steps."""
+    long = _seq("long", 5000, 0, 0)
+    running = [_seq(f"d{i}", 10, 9, i + 1) for i in range(3)]
+    for _ in range(5):
+        plan = plan_step([long, *running], prefill_budget=256, max_batch=8)
+        assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 256)]
+        assert {s.request_id for s in plan.decode} == {"d0", "d1", "d2"}
+        long.num_computed += 256
