@@ -14,11 +14,27 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvflow.stages.engine.errors import OutOfPagesError, PageLayoutError
 
 PageData = bytes | bytearray | memoryview | torch.Tensor
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory is taken as it is written. On the CPU a large zeroed
+    allocation comes from calloc, i.e. zero pages the kernel maps on first write, so a pool
+    sized for many sequences costs resident memory only for the pages used so far (torch.zeros
+    writes every byte at once). Other devices: torch.zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = itemsize
+    for n in shape:
+        nbytes *= n
+    raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -45,7 +61,7 @@ class PagePool:
     ) -> None:
         self.layout = layout
         self.dtype = dtype
-        self.tensor = torch.zeros((num_pages, *layout.page_shape), dtype=dtype, device=device)
+        self.tensor = lazy_zeros((num_pages, *layout.page_shape), dtype, device)
         self._free: deque[int] = deque(range(num_pages))
         self._used: set[int] = set()
 

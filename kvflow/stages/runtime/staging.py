@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvflow.stages.engine.pages import lazy_zeros
 from kvflow.stages.errors import NoCapacity
 from kvflow.transfer import SegmentHandle, TransferEngine
 
@@ -53,7 +54,7 @@ class StagingArea:
         name: str | None = None,
     ) -> None:
         self.instance_id = instance_id
-        self.tensor = torch.zeros((num_slots, *page_shape), dtype=dtype)
+        self.tensor = lazy_zeros((num_slots, *page_shape), dtype, torch.device("cpu"))
         self.page_nbytes = int(self.tensor[0].numel() * self.tensor.element_size())
         self.segment_name = name or staging_segment_name(instance_id)
         self.segment: SegmentHandle | None = None

@@ -5,7 +5,8 @@ fixed default: ``plan_memory`` sizes each one left unset.
 
 - KV pages per engine (and the same number of slots in each staging area): enough for one
   sequence of ``min(max_model_len, 4096)`` tokens, more when the KV budget allows — the
-  budget is 1/32 of the memory available now, at most 128 MiB per pool — and at most 512.
+  budget is 1/16 of the memory available now, at most 768 MiB per pool — and at most 512.
+  (A pool is zero pages the kernel maps lazily: what is resident is what has been used.)
 - DRAM tier per shard: 1/32 of the available memory, between 64 MiB and 256 MiB.
 - SSD tier per shard: a quarter of the free disk under the data directory, at most 8 GiB.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 MIB = 1 << 20
 MAX_AUTO_PAGES = 512
-MAX_POOL_BYTES = 128 * MIB  # the KV budget of one pool, at most
+MAX_POOL_BYTES = 768 * MIB  # the KV budget of one pool, at most
 MIN_DRAM_BYTES = 64 * MIB
 MAX_DRAM_BYTES = 256 * MIB
 MAX_SSD_BYTES = 8 << 30
@@ -130,7 +131,7 @@ def plan_memory(
     if num_pages is None:
         auto.append("num_pages")
         one_sequence = -(-min(max_model_len, MIN_SEQUENCE_TOKENS) // block_size)
-        budget = MAX_POOL_BYTES if available is None else min(MAX_POOL_BYTES, available // 32)
+        budget = MAX_POOL_BYTES if available is None else min(MAX_POOL_BYTES, available // 16)
         num_pages = max(one_sequence, min(MAX_AUTO_PAGES, budget // page))
     if dram_bytes is None:
         auto.append("dram_mb")

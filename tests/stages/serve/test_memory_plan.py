@@ -32,11 +32,16 @@ def test_quantized_weights_are_planned_smaller() -> None:
     assert i8.weights_bytes == 2 * i4.weights_bytes  # type: ignore[attr-defined]
 
 
-def test_a_laptop_gets_one_4096_token_sequence_and_small_tiers() -> None:
+def test_a_laptop_gets_a_sixteenth_of_its_memory_per_pool() -> None:
     plan = smol(available=8 * GIB, free_disk=100 * GIB)
-    assert plan.num_pages == plan.staging_pages == 64  # 4096 tokens; the budget allows fewer
+    assert plan.num_pages == plan.staging_pages == 182  # 512 MiB: 11,648 tokens per engine
     assert plan.dram_bytes == 256 * MIB and plan.ssd_bytes == 8 * GIB
-    assert plan.kv_bytes == 2 * 128 * 2_949_120  # 720 MiB for both engines
+    assert plan.kv_bytes == 2 * 2 * 182 * 2_949_120  # 2 GiB for both engines, taken as used
+
+
+def test_a_large_machine_stops_at_768_mib_a_pool() -> None:
+    plan = smol(available=64 * GIB)
+    assert plan.num_pages == 768 * MIB // 2_949_120 == 273  # 17,472 tokens per engine
     assert plan.auto == ("num_pages", "dram_mb", "ssd_mb")
 
 
