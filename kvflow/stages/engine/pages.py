@@ -53,8 +53,9 @@ class KVLayout:
 
 
 class PagePool:
-    """Fixed pool of KV pages. Allocation is first-in first-out over the free list, so the
-    page ids a sequence of calls returns are deterministic."""
+    """Fixed pool of KV pages. Allocation takes the front of the free list, where freed pages
+    return (last in, first out), so the page ids a sequence of calls returns are
+    deterministic and recently used (resident) pages are reused first."""
 
     def __init__(
         self, num_pages: int, layout: KVLayout, dtype: torch.dtype, device: torch.device
@@ -86,12 +87,17 @@ class PagePool:
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
-        """Return pages to the pool. Their contents are left as they are (not zeroed)."""
-        for p in pages:
-            if p not in self._used:
-                raise ValueError(f"page {p} is not allocated")
-            self._used.remove(p)
-            self._free.append(p)
+        """Return pages to the pool. Their contents are left as they are (not zeroed).
+
+        Freed pages go to the front of the free list, so the next allocation reuses them: the
+        pool's memory is mapped lazily (`lazy_zeros`), and pages already written cost no page
+        faults, so a steady load keeps touching the pages it has made resident."""
+        returned = list(pages)
+        for i, p in enumerate(returned):
+            if p not in self._used or p in returned[:i]:
+                raise ValueError(f"page {p} is not allocated")  # and none is returned
+        self._used.difference_update(returned)
+        self._free.extendleft(reversed(returned))
 
     def page(self, page_id: int) -> torch.Tensor:
         """A view of one page (contiguous); valid while the page stays allocated."""

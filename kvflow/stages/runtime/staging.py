@@ -80,7 +80,8 @@ class StagingArea:
 
     def release(self, lease: StagingLease) -> None:
         with self._lock:
-            self._free.extend(lease.slots)
+            # to the front: the next lease reuses slots already resident (lazily mapped pool)
+            self._free.extendleft(reversed(lease.slots))
 
     def offset(self, slot: int) -> int:
         return slot * self.page_nbytes

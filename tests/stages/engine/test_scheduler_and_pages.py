@@ -66,15 +66,18 @@ def pool() -> PagePool:
     return PagePool(4, layout, torch.float32, torch.device("cpu"))
 
 
-def test_pool_allocate_free_is_fifo_and_checked(pool: PagePool) -> None:
+def test_pool_reuses_freed_pages_first_and_checks(pool: PagePool) -> None:
     assert pool.allocate(3) == [0, 1, 2]
     with pytest.raises(OutOfPagesError, match="needs 2 KV pages but only 1"):
         pool.allocate(2)
     assert pool.num_free == 1
     pool.free([1])
-    assert pool.allocate(2) == [3, 1]
+    assert pool.allocate(2) == [1, 3]  # the freed (resident) page first, then untouched ones
     with pytest.raises(ValueError, match="not allocated"):
         pool.free([1, 1])
+    assert pool.num_free == 0  # a refused free returns nothing
+    pool.free([3, 0])
+    assert pool.allocate(1) == [3]
 
 
 def test_pool_page_roundtrip_and_checks(pool: PagePool) -> None:
