@@ -45,6 +45,8 @@ def test_three_replicas_elect_a_leader_and_replicate_a_batch(
     leader = the_leader(groups)
     assert all(g.leader() == leader.config.self_address for g in groups)
     follower = next(g for g in groups if g is not leader)
+    # the follower learns that the new leader's no-op entry is committed a heartbeat later
+    wait_until(lambda: commit_index(follower) == commit_index(leader), DEADLINE_S, "catch-up")
     before, term_before = commit_index(follower), raft_term(follower)
 
     # a write on a follower is forwarded to the leader; it returns once applied here
