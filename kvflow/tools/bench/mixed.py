@@ -26,13 +26,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from kvflow.tools.bench._meta import run_meta
+from kvflow.tools.bench._servers import stop_embedded
 from kvflow.tools.bench.load import WORDS, Target, pct, start_embedded
 
 
@@ -233,7 +233,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 asyncio.run(_warm(target))
                 results[name].append(asyncio.run(one_round(target, args, args.seed)))
             finally:
-                _stop(proc)
+                stop_embedded(proc)
     summary = {name: _median(rs) for name, rs in results.items()}
     meta = run_meta(args) | {"load_avg": list(os.getloadavg())}
     return {"meta": meta, "runs": results, "summary": summary}
@@ -244,15 +244,6 @@ async def _warm(target: Target) -> None:
 
     async with aiohttp.ClientSession() as session:
         await _stream(session, target, "hello there", 4, [])
-
-
-def _stop(proc: Any) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, float]:
