@@ -14,9 +14,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -108,6 +111,22 @@ def start_command(command: str, url: str, model: str, log_dir: Path, deadline_s:
         stop_group(proc)
         raise
     return Server(proc, url.rstrip("/"), model, None, log, started)
+
+
+def against_other(args: argparse.Namespace, log_dir: Path, measure: Callable[[Server], T]) -> T:
+    """``measure`` against the server at ``--compare-url``; with ``--compare-cmd``, that server
+    is started here first (its own process group, log in ``log_dir``) and stopped after."""
+    if not args.compare_cmd:
+        url = args.compare_url.rstrip("/")
+        wait_healthy(url, None, args.compare_start_s, None)
+        return measure(Server(None, url, args.compare_model_name, None, None))
+    server = start_command(
+        args.compare_cmd, args.compare_url, args.compare_model_name, log_dir, args.compare_start_s
+    )
+    try:
+        return measure(server)
+    finally:
+        stop_group(server.proc)
 
 
 def wait_healthy(url: str, proc: Any, deadline_s: float, log: Path | None) -> None:

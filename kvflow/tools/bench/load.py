@@ -45,19 +45,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvflow.tools.bench import _cli
 from kvflow.tools.bench._servers import (
     Server,
     add_compare_arguments,
+    against_other,
     checkout,
-    compare_flags_error,
     log_tail,
     model_dir,
     scrape,
-    start_command,
     start_embedded,
     stop_embedded,
-    stop_group,
-    wait_healthy,
 )
 from kvflow.tools.bench._stream import Outcome, one_request
 
@@ -228,19 +226,10 @@ def _queue_mean(before: tuple[float, float] | None, after: tuple[float, float] |
 def _against_other(
     args: argparse.Namespace, log_dir: Path, capacity: float | None
 ) -> dict[str, Level]:
-    """Every level against ``--compare-url``; with ``--compare-cmd``, that server is started
-    here first (its own process group, log in ``log_dir``) and stopped after."""
-    if not args.compare_cmd:
-        wait_healthy(args.compare_url.rstrip("/"), None, args.compare_start_s, None)
-        target = Target(args.compare_url, args.compare_model_name, None)
-        return asyncio.run(run(args, target, capacity))
-    server = start_command(
-        args.compare_cmd, args.compare_url, args.compare_model_name, log_dir, args.compare_start_s
+    """Every level against ``--compare-url`` (started and stopped here with ``--compare-cmd``)."""
+    return against_other(
+        args, log_dir, lambda server: asyncio.run(run(args, Target.of(server), capacity))
     )
-    try:
-        return asyncio.run(run(args, Target.of(server), capacity))
-    finally:
-        stop_group(server.proc)
 
 
 def _capacity(levels: dict[str, Level]) -> float:
@@ -332,22 +321,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def register(subparsers: Any) -> None:
-    add_arguments(subparsers.add_parser("bench-load", help=__doc__.splitlines()[0]))
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    return run_bench(p.parse_args(argv))
+register, main = _cli.entry_points("bench-load", __doc__, add_arguments)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.url and not args.model_name:
         print("bench-load: --url needs --model-name", file=sys.stderr)
         return 2
-    if compare_flags_error(args):
-        print(f"bench-load: {compare_flags_error(args)}", file=sys.stderr)
+    if _cli.compare_flags_wrong("bench-load", args):
         return 2
     if args.baseline_python:  # absolute, not resolved: a venv's python is a symlink
         args.baseline_python = os.path.abspath(args.baseline_python)

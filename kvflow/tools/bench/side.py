@@ -49,18 +49,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvflow.tools.bench import _cli
 from kvflow.tools.bench._servers import (
     Server,
     add_compare_arguments,
-    compare_flags_error,
+    against_other,
     log_tail,
     model_dir,
     scrape,
-    start_command,
     start_embedded,
     stop_embedded,
-    stop_group,
-    wait_healthy,
 )
 from kvflow.tools.bench._stream import Outcome, one_request
 from kvflow.tools.bench.load import Level, Target, closed_loop, pct
@@ -322,17 +320,7 @@ def run_kvflow(args: argparse.Namespace, model: Path, data_dir: Path, texts: Tex
 
 
 def run_other(args: argparse.Namespace, log_dir: Path, texts: Texts) -> Run:
-    if not args.compare_cmd:
-        wait_healthy(args.compare_url.rstrip("/"), None, args.compare_start_s, None)
-        server = Server(None, args.compare_url.rstrip("/"), args.compare_model_name, None, None)
-        return measure(args, server, texts, kvflow=False)
-    server = start_command(
-        args.compare_cmd, args.compare_url, args.compare_model_name, log_dir, args.compare_start_s
-    )
-    try:
-        return measure(args, server, texts, kvflow=False)
-    finally:
-        stop_group(server.proc)
+    return against_other(args, log_dir, lambda server: measure(args, server, texts, kvflow=False))
 
 
 def greedy_match(a: Run, b: Run) -> dict[str, Any]:
@@ -458,19 +446,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def register(subparsers: Any) -> None:
-    add_arguments(subparsers.add_parser("bench-side", help=__doc__.splitlines()[0]))
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    return run_bench(p.parse_args(argv))
+register, main = _cli.entry_points("bench-side", __doc__, add_arguments)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if compare_flags_error(args):
-        print(f"bench-side: {compare_flags_error(args)}", file=sys.stderr)
+    if _cli.compare_flags_wrong("bench-side", args):
         return 2
     if args.rounds < 1:
         print("bench-side: --rounds must be at least 1", file=sys.stderr)
