@@ -1,12 +1,13 @@
 """The command-line wiring of a benchmark module: its ``kvflow`` subcommand, its own ``main``
-(``python -m``), and the check of the flags that name a server to compare against."""
+(``python -m``), the check of the flags that name a server to compare against, and flags that
+take a comma-separated list of known names."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvflow.tools.bench._servers import compare_flags_error
@@ -39,3 +40,20 @@ def compare_flags_wrong(prog: str, args: argparse.Namespace) -> bool:
     if error:
         print(f"{prog}: {error}", file=sys.stderr)
     return error is not None
+
+
+def names_of(what: str, allowed: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``allowed``; its error names
+    the unknown ones, as ``what`` (e.g. ``dtype``) says what they are."""
+    known = list(allowed)
+
+    def names(value: str) -> list[str]:
+        got = [v.strip() for v in value.split(",") if v.strip()]
+        bad = [n for n in got if n not in known]
+        if not got or bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what}(s) {bad or value!r}; one or more of {known}"
+            )
+        return got
+
+    return names

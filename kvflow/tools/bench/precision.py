@@ -33,6 +33,7 @@ import torch
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
 from kvflow.stages.engine.default_model import ensure_default_model
 from kvflow.stages.engine.precision import PRECISIONS
+from kvflow.tools.bench import _cli
 from kvflow.tools.bench._meta import run_meta
 
 PROMPTS = (
@@ -136,14 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 _CANDIDATES = [name for name in PRECISIONS if name != "float32"]
 
 
-def _dtypes(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [n for n in names if n not in _CANDIDATES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown dtype(s) {bad or value!r}; one or more of {_CANDIDATES}"
-        )
-    return names
+_dtypes = _cli.names_of("dtype", _CANDIDATES)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ from kvflow.stages.engine.onednn_linear import ENV_LINEAR, LINEAR_BACKENDS
 from kvflow.stages.engine.precision import PRECISIONS
 from kvflow.stages.engine.spec import load_spec
 from kvflow.stages.engine.tokenizer import Tokenizer
+from kvflow.tools.bench import _cli
 from kvflow.tools.bench._meta import run_meta
 
 
@@ -311,24 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _dtypes(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [n for n in names if n not in PRECISIONS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown dtype(s) {bad or value!r}; one of {list(PRECISIONS)}"
-        )
-    return names
-
-
-def _linears(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [n for n in names if n not in LINEAR_BACKENDS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown linear backend(s) {bad or value!r}; one of {list(LINEAR_BACKENDS)}"
-        )
-    return names
+_dtypes = _cli.names_of("dtype", PRECISIONS)
+_linears = _cli.names_of("linear backend", LINEAR_BACKENDS)
 
 
 def _better(a: dict, b: dict) -> dict:
