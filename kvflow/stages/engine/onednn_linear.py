@@ -28,6 +28,8 @@ import os
 import torch
 from torch import nn
 
+from kvflow.stages.engine.linear_swap import swap_linears
+
 ENV_LINEAR = "KVFLOW_LINEAR"
 LINEAR_BACKENDS = ("onednn", "aten")
 
@@ -102,12 +104,4 @@ def use_onednn_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` under `model` by its oneDNN form (after loading, fusing and
     moving): float32 by a `OneDNNDenseLinear` (same parameters), bf16 by a `OneDNNLinear`
     (the state dict's names no longer hold the weights). Returns the count."""
-    swaps = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-    ]
-    for parent, name, child in swaps:
-        setattr(parent, name, _onednn(child))
-    return len(swaps)
+    return swap_linears(model, _onednn)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.stages.engine.linear_swap import swap_linears
 from kvflow.stages.engine.precision import Precision
 
 _INT8_OP = "_weight_int8pack_mm"
@@ -120,17 +121,12 @@ def quantize_linears(module: nn.Module, precision: Precision, compute: torch.dty
     """Replace every `nn.Linear` under `module` by its `precision.weight_bits` version (after
     loading and fusing; quantizes on the linears' device). Returns the count. ValueError for a
     shape the scheme cannot take."""
-    swaps = [
-        (parent, name, child)
-        for parent in module.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-    ]
-    for parent, name, child in swaps:
+
+    def make(linear: nn.Linear) -> nn.Module:
         if precision.weight_bits == 8:
-            setattr(parent, name, Int8Linear(child, compute))
-        elif precision.weight_bits == 4 and precision.group_size:
-            setattr(parent, name, Int4Linear(child, compute, precision.group_size))
-        else:
-            raise ValueError(f"{precision.name} is not a weight-only quantized precision")
-    return len(swaps)
+            return Int8Linear(linear, compute)
+        if precision.weight_bits == 4 and precision.group_size:
+            return Int4Linear(linear, compute, precision.group_size)
+        raise ValueError(f"{precision.name} is not a weight-only quantized precision")
+
+    return swap_linears(module, make)
