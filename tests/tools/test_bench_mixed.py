@@ -32,3 +32,20 @@ def test_engine_mode_measures_tbt_during_a_long_prefill(
             assert r["tokens_during"] == 5 * 2
             assert 0 < r["tbt_during_p50_s"] <= r["tbt_during_max_s"] <= r["long_ttft_s"]
     assert doc["meta"]["load_avg"]
+
+
+@pytest.mark.slow
+def test_server_mode_measures_a_real_embedded_server(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default mode starts `kvflow serve` processes and streams over their HTTP API."""
+    out = tmp_path / "mixed.json"
+    argv = ["--model", str(tiny_model), "--streams", "2", "--stream-words", "4"]
+    argv += ["--stream-tokens", "40", "--warm-tokens", "2", "--long-words", "200"]
+    argv += ["--rounds", "1", "--variant", "disagg=", "--json", str(out)]
+    assert mixed.main(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith("mixed: disagg: long TTFT")
+    run = json.loads(out.read_text())["runs"]["disagg"][0]
+    assert run["long_prompt_tokens"] > 100
+    assert run["long_ttft_s"] > 0

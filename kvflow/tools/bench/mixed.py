@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.tools.bench._meta import run_meta
-from kvflow.tools.bench._servers import stop_embedded
-from kvflow.tools.bench.load import WORDS, Target, pct, start_embedded
+from kvflow.tools.bench._servers import start_embedded, stop_embedded
+from kvflow.tools.bench.load import WORDS, Target, pct
 
 
 async def _stream(
@@ -227,13 +227,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvflow-mixed-") as tmp:
         for i, name in enumerate(_order(list(variants), args.rounds)):
             flags = [*args.server_args.split(), *variants[name]]
-            proc, target = start_embedded(model, Path(tmp) / f"{i}-{name}", flags)
+            server = start_embedded(model, Path(tmp) / f"{i}-{name}", flags)
+            target = Target.of(server)
             try:
                 # warm-up: one short request, so the first forward's set-up is not measured
                 asyncio.run(_warm(target))
                 results[name].append(asyncio.run(one_round(target, args, args.seed)))
             finally:
-                stop_embedded(proc)
+                stop_embedded(server.proc)
     summary = {name: _median(rs) for name, rs in results.items()}
     meta = run_meta(args) | {"load_avg": list(os.getloadavg())}
     return {"meta": meta, "runs": results, "summary": summary}
