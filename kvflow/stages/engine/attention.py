@@ -1,7 +1,11 @@
 """KV attention backends: where a layer's K/V is stored and which context a token attends to.
 
 - `PagedPrefill`: one request's chunk of consecutive tokens; K/V written into its pages,
-  attention over all its tokens so far (the chunk's offset gives the causal mask).
+  attention over all its tokens so far (the chunk's offset gives the causal mask). A later
+  chunk on the CPU attends in two parts merged by their log-sum-exp (`attend_in_parts`):
+  the earlier tokens (gathered from the pages, every one visible: no mask) and the chunk's
+  own K/V (causal, as the first chunk), instead of one masked attention over a gathered
+  context; the flash kernel skips the masked half of the own part and reads no mask.
 - `PagedDecode`: one token for each of several requests; each request's pages are gathered
   into a padded batch and masked by its own length.
 - `ContiguousKV`: the plain reference path: one sequence, one contiguous K/V per layer.
@@ -54,6 +58,43 @@ def gather_context(pool: torch.Tensor, layer: int, page_ids: torch.Tensor) -> to
     return ctx.flatten(-3, -2)
 
 
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def parts_apply(device: torch.device, window: int | None, end: int) -> bool:
+    """Whether a later chunk ending at `end` attends in parts (`attend_in_parts`): on the CPU
+    where torch has the flash kernel that returns the log-sum-exp, without a sliding window
+    that hides earlier tokens."""
+    return device.type == "cpu" and _flash_cpu is not None and (window is None or window >= end)
+
+
+def attend_in_parts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prior_k: torch.Tensor, prior_v: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention of a chunk's queries over earlier keys and its own.
+
+    q [heads, T, d]; k/v [kv_heads, T, d] (the chunk's own); prior_k/prior_v
+    [kv_heads, S, d] (every earlier position, all visible) -> [heads, T, d]. Each part is one
+    flash attention that also returns its log-sum-exp L; the parts merge exactly:
+    out = (o1 e^{L1} + o2 e^{L2}) / (e^{L1} + e^{L2}). Grouped-query heads: for the prior
+    part the queries of the heads sharing a KV head are stacked as that head's rows (no mask,
+    so the rows are independent); the own part repeats K/V (T rows, causal)."""
+    assert _flash_cpu is not None
+    heads, t, d = q.shape
+    kvh = k.shape[0]
+    group = heads // kvh
+    qf = q.reshape(1, kvh, group * t, d)
+    o1, l1 = _flash_cpu(qf, prior_k.unsqueeze(0), prior_v.unsqueeze(0))[:2]
+    o1, l1 = o1.reshape(heads, t, d), l1.reshape(heads, t)
+    if group > 1:
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    o2, l2 = _flash_cpu(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True)[:2]
+    o2, l2 = o2.reshape(heads, t, d), l2.reshape(heads, t)
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
+    return (o1 * w1 + o2 * w2) / (w1 + w2)
+
+
 class PagedPrefill:
     """Chunk [start, start + T) of one request whose pages are `page_ids` (in block order).
 
@@ -79,8 +120,10 @@ class PagedPrefill:
         self.ctx_len = end
         # The first chunk without a window needs no gather: its own K/V are the context.
         self.fast = start == 0 and (window is None or window >= num_tokens)
+        self.parts = not self.fast and parts_apply(device, window, end)
+        self.prior_pages = page_ids[: (start + bs - 1) // bs]
         self.mask = None
-        if not self.fast:
+        if not self.fast and not self.parts:
             self.mask = visible_mask(
                 positions[:, None], torch.arange(end, device=device)[None, :], window
             )
@@ -92,6 +135,10 @@ class PagedPrefill:
         if self.fast:
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             out = _sdpa(qh, kh, vh, None, causal=True)
+        elif self.parts:
+            prior = gather_context(pool, layer, self.prior_pages)[:, :, : self.start]
+            own = attend_in_parts(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), *prior)
+            return own.transpose(0, 1).reshape(self.num_tokens, -1)
         else:
             ctx = gather_context(pool, layer, self.ctx_pages)[:, :, : self.ctx_len]
             out = _sdpa(qh, ctx[0].unsqueeze(0), ctx[1].unsqueeze(0), self.mask)

@@ -1,0 +1,59 @@
+"""A later prefill chunk's attention in two parts (earlier tokens + its own) equals one masked
+attention over the whole context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.stages.engine.attention import PagedPrefill, attend_in_parts, parts_apply
+from kvflow.stages.engine.pages import KVLayout, PagePool
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [T, H, d], k/v [start + T, kvh, d] -> [H, T, d]: one masked attention."""
+    t = q.shape[0]
+    mask = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)[0]
+
+
+@pytest.mark.skipif(not parts_apply(torch.device("cpu"), None, 1), reason="no flash CPU op")
+@pytest.mark.parametrize(
+    ("start", "t", "heads", "kvh"), [(48, 16, 9, 3), (5, 3, 4, 4), (64, 1, 6, 2)]
+)
+def test_parts_equal_one_masked_attention(start: int, t: int, heads: int, kvh: int) -> None:
+    gen = torch.Generator().manual_seed(start + t)
+    q = torch.randn(t, heads, 32, generator=gen)
+    k = torch.randn(start + t, kvh, 32, generator=gen)
+    v = torch.randn(start + t, kvh, 32, generator=gen)
+    got = attend_in_parts(
+        *(x.transpose(0, 1) for x in (q, k[start:], v[start:], k[:start], v[:start]))
+    )
+    assert float((got - _masked(q, k, v, start)).abs().max()) < 1e-5
+
+
+def test_parts_only_without_a_window_that_hides_earlier_tokens() -> None:
+    cpu = torch.device("cpu")
+    assert not parts_apply(cpu, 8, 32)
+    assert not parts_apply(torch.device("meta"), None, 32)
+    if parts_apply(cpu, None, 32):
+        assert parts_apply(cpu, 64, 32)
+
+
+def test_paged_prefill_later_chunk_equals_masked() -> None:
+    """Through the page pool: a chunk at offset 40 (pages out of order, the offset inside a
+    page) writes its K/V and attends like the masked reference."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
+    pool = PagePool(16, layout, torch.float32, torch.device("cpu"))
+    pages = torch.tensor([9, 2, 14, 0, 5, 11, 7])
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(52, 2, 16, generator=gen)
+    v = torch.randn(52, 2, 16, generator=gen)
+    q = torch.randn(12, 6, 16, generator=gen)
+    PagedPrefill(pool, pages, 0, 40, None).attend(1, torch.randn(40, 6, 16), k[:40], v[:40])
+    later = PagedPrefill(pool, pages, 40, 12, None)
+    got = later.attend(1, q, k[40:], v[40:])
+    want = _masked(q, k, v, 40).transpose(0, 1).reshape(12, -1)
+    assert float((got - want).abs().max()) < 1e-5
