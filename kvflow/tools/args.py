@@ -46,13 +46,6 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
     )
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument(
-        "--prefill-chunk-idle",
-        type=int,
-        default=4096,
-        help="tokens per prefill step of the first prompt while the engine decodes nothing "
-        "(fewer, larger forwards for a lone long prompt; docs/performance.md)",
-    )
-    p.add_argument(
         "--dram-mb",
         type=int,
         help="DRAM tier per shard, MiB; default: 1/32 of the free memory, 64-256 (printed)",
@@ -77,7 +70,6 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "num_pages": plan.num_pages,
         "staging_pages": plan.staging_pages,
         "prefill_chunk": args.prefill_chunk,
-        "prefill_chunk_idle": args.prefill_chunk_idle,
         "dram_capacity_bytes": plan.dram_bytes,
         "ssd_capacity_bytes": plan.ssd_bytes,
         "storage_engine": args.storage_engine,

@@ -46,10 +46,6 @@ class EngineConfig:
         num_pages: pages in the pool; the pool is allocated once at open.
         prefill_chunk: at most this many prompt tokens are computed per `step()`
             (chunked prefill), summed over all requests in prefill.
-        prefill_chunk_idle: while no request is decoding, the first request in prefill
-            computes up to this many tokens per step (at least prefill_chunk): a lone long
-            prompt in fewer, larger forward passes, which reach its first token sooner
-            (scheduler.py). None: prefill_chunk always (the servers set 4096).
         max_model_len: longest sequence (prompt + output) in tokens; None takes the
             model's `max_position_embeddings`.
         max_batch: at most this many requests in one decode step.
@@ -66,7 +62,6 @@ class EngineConfig:
     block_size: int = 64
     num_pages: int = 256
     prefill_chunk: int = 512
-    prefill_chunk_idle: int | None = None
     max_model_len: int | None = None
     max_batch: int = 32
     device: str = "cpu"
@@ -80,8 +75,6 @@ class EngineConfig:
         _positive("block_size", self.block_size)
         _positive("num_pages", self.num_pages)
         _positive("prefill_chunk", self.prefill_chunk)
-        if self.prefill_chunk_idle is not None:
-            _positive("prefill_chunk_idle", self.prefill_chunk_idle)
         _positive("max_batch", self.max_batch)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)

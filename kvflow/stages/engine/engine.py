@@ -348,15 +348,13 @@ class Engine:
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: prefill chunks (at most prefill_chunk prompt tokens in
-        all; prefill_chunk_idle for the first while none decodes) and one decode step for up to max_batch running requests, run as one forward
+        all) and one decode step for up to max_batch running requests, run as one forward
         pass (config.mixed_forward) or one per chunk plus one for the decode batch (always
         when a chunk asks for prompt logprobs). Returns one output
         per request that made progress or finished (including aborts since the last step)."""
         outputs, self._pending = self._pending, []
         cfg = self.config
-        plan = plan_step(
-            self._seqs.values(), cfg.prefill_chunk, cfg.max_batch, cfg.prefill_chunk_idle or 0
-        )
+        plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch)
         self._steps += 1
         if self._one_forward(plan.prefill, plan.decode):
             chunk_logits, decode_logits = self._runner.mixed(plan.prefill, plan.decode)

@@ -69,7 +69,6 @@ def open_engine(
             block_size=config.block_size,
             num_pages=config.num_pages,
             prefill_chunk=config.prefill_chunk,
-            prefill_chunk_idle=config.prefill_chunk_idle,
             max_batch=config.max_batch,
             seed=config.seed,
         ),

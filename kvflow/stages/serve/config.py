@@ -76,9 +76,7 @@ class EngineStoreConfig:
         data_dir: root of everything persistent (shards, metadata journal, demo model).
         dtype: engine dtype (``DTYPES``; int8/int4: weight-only quantized decoder linears,
             bf16 activations and KV); block_size: tokens per KV page and cached block.
-        num_pages: KV pages per engine; prefill_chunk: tokens per prefill step;
-        prefill_chunk_idle: tokens per step of the first prompt while no request decodes
-            on that engine (``EngineConfig.prefill_chunk_idle``).
+        num_pages: KV pages per engine; prefill_chunk: tokens per prefill step.
         max_batch: decode batch cap per engine.
         staging_pages: page slots of each staging area (decode: streamed KV lands there;
             prefill: reuse-load reads cached blocks there).
@@ -93,7 +91,6 @@ class EngineStoreConfig:
     block_size: int = 64
     num_pages: int = 512
     prefill_chunk: int = 512
-    prefill_chunk_idle: int = 4096
     max_batch: int = 32
     staging_pages: int = 512
     dram_capacity_bytes: int = 1 << 30
@@ -106,7 +103,6 @@ class EngineStoreConfig:
             "block_size",
             "num_pages",
             "prefill_chunk",
-            "prefill_chunk_idle",
             "max_batch",
             "staging_pages",
             "dram_capacity_bytes",

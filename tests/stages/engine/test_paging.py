@@ -168,25 +168,3 @@ def test_exported_bytes_roundtrip_exactly(tiny_dir: Path) -> None:
     layer0 = view[0]
     assert layer0.is_contiguous()
     assert layer0.data_ptr() == view.data_ptr()
-
-
-def test_idle_chunk_prefills_a_lone_prompt_in_one_step(llama_dir: Path) -> None:
-    """prefill_chunk_idle: a lone 45-token prompt is computed in one step (not six of 8), with
-    the same tokens as the chunked prefill; a second request that decodes meanwhile brings the
-    chunk back to prefill_chunk."""
-    prompt = _prompt(45)
-    ref_tokens, ref_logits = _single(open_engine(llama_dir, prefill_chunk=8), prompt)
-    engine = open_engine(llama_dir, prefill_chunk=8, prefill_chunk_idle=64)
-    engine.add_request("r", prompt, GREEDY)
-    first = engine.step()
-    assert [o.num_computed_tokens for o in first] == [45]
-    outs = first + [o for o in _run(engine).get("r", [])]
-    tokens, logits = _tokens_logits(outs)
-    assert tokens == ref_tokens
-    _close(logits, ref_logits, 5e-5)
-
-    engine.add_request("d", _prompt(5, seed=2), SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.step()  # "d" prefilled: it decodes from now on
-    engine.add_request("long", _prompt(40, seed=3), GREEDY)
-    step = {o.request_id: o for o in engine.step()}
-    assert step["long"].num_computed_tokens == 8

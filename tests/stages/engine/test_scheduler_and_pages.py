@@ -141,27 +141,3 @@ def test_decode_is_never_starved_by_a_long_prompt() -> None:
         assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 256)]
         assert {s.request_id for s in plan.decode} == {"d0", "d1", "d2"}
         long.num_computed += 256
-
-
-def test_idle_chunk_lets_a_lone_prompt_take_more_than_the_budget() -> None:
-    """With nothing decoding, the first prompt takes up to idle_chunk tokens; the ones after
-    it get only what is left of the ordinary budget (here nothing)."""
-    a, b = _seq("a", 2000, 0, 0), _seq("b", 100, 0, 1)
-    plan = plan_step([a, b], prefill_budget=512, max_batch=8, idle_chunk=4096)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 2000)]
-    big = _seq("big", 5000, 0, 0)
-    plan = plan_step([big], prefill_budget=512, max_batch=8, idle_chunk=4096)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("big", 4096)]
-
-
-def test_idle_chunk_leaves_the_rest_of_the_budget_after_a_short_prompt() -> None:
-    a, b = _seq("a", 100, 0, 0), _seq("b", 2000, 0, 1)
-    plan = plan_step([a, b], prefill_budget=512, max_batch=8, idle_chunk=4096)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 100), ("b", 412)]
-
-
-def test_idle_chunk_does_not_apply_while_a_request_decodes() -> None:
-    long, running = _seq("long", 2000, 0, 0), _seq("d", 10, 9, 1)
-    plan = plan_step([long, running], prefill_budget=512, max_batch=8, idle_chunk=4096)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 512)]
-    assert [s.request_id for s in plan.decode] == ["d"]
