@@ -1,5 +1,5 @@
-"""A later prefill chunk's attention in two parts (earlier tokens + its own) equals one masked
-attention over the whole context."""
+"""Prefill attention in query blocks, each in two parts (earlier tokens + its own) merged by
+log-sum-exp, equals one masked attention over the whole context."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.stages.engine.attention import PagedPrefill, attend_in_parts, parts_apply
+from kvflow.stages.engine.attention import (
+    PagedPrefill,
+    attend_in_parts,
+    blocked_causal,
+    parts_apply,
+)
 from kvflow.stages.engine.pages import KVLayout, PagePool
 
 
@@ -34,6 +39,21 @@ def test_parts_equal_one_masked_attention(start: int, t: int, heads: int, kvh: i
     assert float((got - _masked(q, k, v, start)).abs().max()) < 1e-5
 
 
+@pytest.mark.skipif(not parts_apply(torch.device("cpu"), None, 1), reason="no flash CPU op")
+@pytest.mark.parametrize(
+    ("start", "t", "block"), [(0, 50, 16), (0, 16, 16), (21, 37, 8), (64, 5, 16)]
+)
+def test_blocked_causal_equals_one_masked_attention(start: int, t: int, block: int) -> None:
+    """Blocks that start at 0, at an earlier chunk's end, inside a page; a last block shorter
+    than the others."""
+    gen = torch.Generator().manual_seed(start * 100 + t)
+    q = torch.randn(t, 6, 32, generator=gen)
+    k = torch.randn(start + t, 2, 32, generator=gen)
+    v = torch.randn(start + t, 2, 32, generator=gen)
+    got = blocked_causal(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), start, block)
+    assert float((got - _masked(q, k, v, start)).abs().max()) < 1e-5
+
+
 def test_parts_only_without_a_window_that_hides_earlier_tokens() -> None:
     cpu = torch.device("cpu")
     assert not parts_apply(cpu, 8, 32)
@@ -42,9 +62,9 @@ def test_parts_only_without_a_window_that_hides_earlier_tokens() -> None:
         assert parts_apply(cpu, 64, 32)
 
 
-def test_paged_prefill_later_chunk_equals_masked() -> None:
-    """Through the page pool: a chunk at offset 40 (pages out of order, the offset inside a
-    page) writes its K/V and attends like the masked reference."""
+def test_paged_prefill_chunks_equal_masked() -> None:
+    """Through the page pool: a first chunk of 40 tokens and a chunk at offset 40 (pages out of
+    order, the offset inside a page) write their K/V and attend like the masked reference."""
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
     pool = PagePool(16, layout, torch.float32, torch.device("cpu"))
     pages = torch.tensor([9, 2, 14, 0, 5, 11, 7])
@@ -52,7 +72,10 @@ def test_paged_prefill_later_chunk_equals_masked() -> None:
     k = torch.randn(52, 2, 16, generator=gen)
     v = torch.randn(52, 2, 16, generator=gen)
     q = torch.randn(12, 6, 16, generator=gen)
-    PagedPrefill(pool, pages, 0, 40, None).attend(1, torch.randn(40, 6, 16), k[:40], v[:40])
+    q0 = torch.randn(40, 6, 16, generator=gen)
+    first = PagedPrefill(pool, pages, 0, 40, None).attend(1, q0, k[:40], v[:40])
+    want0 = _masked(q0, k[:40], v[:40], 0).transpose(0, 1).reshape(40, -1)
+    assert float((first - want0).abs().max()) < 1e-5
     later = PagedPrefill(pool, pages, 40, 12, None)
     got = later.attend(1, q, k[40:], v[40:])
     want = _masked(q, k, v, 40).transpose(0, 1).reshape(12, -1)
