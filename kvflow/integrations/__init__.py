@@ -8,6 +8,6 @@ imports SGLang's storage contract when SGLang loads it. See README.md in this fo
 from __future__ import annotations
 
 from kvflow.integrations.config import MemberConfig
-from kvflow.integrations.member import MEMBER_KIND, ClusterMember, MemberCounters
+from kvflow.integrations.member import MEMBER_KIND, ClusterMember, MemberCounters, Misses
 
-__all__ = ["MEMBER_KIND", "ClusterMember", "MemberConfig", "MemberCounters"]
+__all__ = ["MEMBER_KIND", "ClusterMember", "MemberConfig", "MemberCounters", "Misses"]

@@ -7,7 +7,9 @@ pool) and reads the blocks it lacks from live peers over the transfer engine. Wi
 is an embedded store: one shard in this process, no servers, no peers.
 
 Keys are final ``BlockKey`` bytes (the caller derives them inside its namespace). Every method
-is thread-safe. Misses are return values; a dead peer is a miss, never an exception.
+is thread-safe. Misses are return values; a dead peer is a miss, never an exception. What a
+miss means to the caller (``Misses``, chosen when the member is made) decides how hard a read
+tries a holder that did not answer in time before it reports one.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import grpc
@@ -25,7 +28,7 @@ import numpy as np
 
 from kvflow.integrations.config import MemberConfig
 from kvflow.integrations.fetched import MISS, Fetched
-from kvflow.integrations.peers import Peers, format_member_address
+from kvflow.integrations.peers import PeerRead, Peers, format_member_address
 from kvflow.kvdb import (
     BlockPinnedError,
     BlockToCopy,
@@ -56,6 +59,30 @@ MESSAGE_BYTES = 96 << 20  # a pushed copy carries up to one 64 MiB value
 METADATA_READY_S = 30.0
 
 
+class Misses(Enum):
+    """What a miss means to the member's caller: the one place that decides how hard a read
+    tries before it reports one (docs/durability.md, "Reading a replica").
+
+    RECOMPUTE: a miss costs a recompute (a serving engine's prefix reuse): a holder that does
+        not answer within its deadline (``PeerCallBudget.base_s`` plus its bytes) is skipped
+        and, with no other replica, the key is a miss at once.
+    ANSWER: a miss is an answer the client acts on (a Mooncake store's ``get``: b"" means the
+        object is gone): when a key is still missing after every live holder was tried and
+        some of them did not answer (timed out, or skipped for an open breaker; not refused),
+        those are tried once more, one after another, with the budget's ``last_resort_s``
+        and whatever their breakers say. A holder whose last-resort try timed out too gets no
+        other one until it answers or has been silent for ``peer_dead_after_s``.
+    """
+
+    RECOMPUTE = "recompute"
+    ANSWER = "answer"
+
+
+# one read of keys[idx] from a peer, with a patience (0 = the normal deadline), writing the
+# outcomes into the caller's results; returns whether the peer left them unanswered
+_PeerReadFn = Callable[[NodeId, list[int], float], bool]
+
+
 @dataclass
 class MemberCounters:
     """Blocks served per source since the last reset (read with ``counters(reset)``)."""
@@ -71,7 +98,8 @@ class MemberCounters:
 class ClusterMember:
     """One member (see the module doc). ``namespace`` binds the shard to one model and layout
     (another model's data dir raises NamespaceMismatchError-like IncompatibleDataDirError);
-    ``value_size``: the exact size of every value, None = any size up to 64 MiB."""
+    ``value_size``: the exact size of every value, None = any size up to 64 MiB. ``misses``:
+    what a miss means to the caller (``Misses``)."""
 
     def __init__(
         self,
@@ -79,8 +107,10 @@ class ClusterMember:
         namespace: Namespace,
         value_size: int | None = None,
         clock: Callable[[], float] = time.time,
+        misses: Misses = Misses.RECOMPUTE,
     ) -> None:
         self.config = config
+        self.misses = misses
         self.namespace = namespace
         self.node = NodeId(config.node_id)
         self._clock = clock
@@ -262,10 +292,16 @@ class ClusterMember:
             tier = shard.get_into(key, buf)
             out.append(None if tier is None else ("dram" if tier is Tier.DRAM else "ssd"))
         missing = [i for i, src in enumerate(out) if src is None]
-        for node, idx in self._by_holder(keys, missing, lambda i: out[i] is None):
-            got = self.peers.read_into(node, [keys[i] for i in idx], [bufs[i] for i in idx])  # type: ignore[union-attr]
-            for i, ok in zip(idx, got, strict=True):
+
+        def read(node: NodeId, idx: list[int], patience_s: float) -> bool:
+            got = self.peers.read_into(  # type: ignore[union-attr]
+                node, [keys[i] for i in idx], [bufs[i] for i in idx], patience_s
+            )
+            for i, ok in zip(idx, got.got, strict=True):
                 out[i] = "remote" if ok else None
+            return got.unanswered
+
+        self._from_peers(keys, missing, lambda i: out[i] is None, read)
         self._count(out)
         return out
 
@@ -282,30 +318,67 @@ class ClusterMember:
         shard = self.store.shard
         out = [self._read_local(shard, k, b, n) for k, b, n in zip(keys, bufs, sizes, strict=True)]
         missing = [i for i, f in enumerate(out) if f == MISS]
-        for node, idx in self._by_holder(keys, missing, lambda i: out[i] == MISS):
-            got = self.peers.read_fitting(node, [keys[i] for i in idx], [bufs[i] for i in idx])  # type: ignore[union-attr]
-            for i, fetched in zip(idx, got, strict=True):
+
+        def read(node: NodeId, idx: list[int], patience_s: float) -> bool:
+            got = self.peers.read_fitting(  # type: ignore[union-attr]
+                node, [keys[i] for i in idx], [bufs[i] for i in idx], patience_s
+            )
+            for i, fetched in zip(idx, got.got, strict=True):
                 out[i] = fetched
+            return got.unanswered
+
+        self._from_peers(keys, missing, lambda i: out[i] == MISS, read)
         self._count([f.source for f in out if not f.too_small])
         return out
 
-    def _by_holder(
-        self, keys: Sequence[bytes], missing: list[int], still_missing: Callable[[int], bool]
-    ) -> Iterator[tuple[NodeId, list[int]]]:
-        """Rounds of (peer, positions in ``keys``) for the ``missing`` ones: first each key's
-        first live holder (one read per peer), then, for the keys ``still_missing`` after
-        that read, their next holder, and so on — a holder that died is skipped over."""
+    def _from_peers(
+        self,
+        keys: Sequence[bytes],
+        missing: list[int],
+        still_missing: Callable[[int], bool],
+        read: _PeerReadFn,
+    ) -> None:
+        """Read the ``missing`` keys from their live holders with ``read`` (``_by_holder``
+        rounds); then, per ``self.misses``, give the holders that left a key still missing
+        unanswered their last-resort try (``Misses.ANSWER``)."""
         if not missing or self.peers is None:
             return
         rows = self.peers.holder_lists([keys[i] for i in missing])
-        pending = dict(zip(missing, rows, strict=True))
+        silent = self._by_holder(dict(zip(missing, rows, strict=True)), still_missing, read, 0.0)
+        if self.misses is Misses.ANSWER:
+            again = {i: nodes for i, nodes in silent.items() if still_missing(i)}
+            if again:
+                logger.info(
+                    "member=%s %d keys missing after every holder; %d holders did not answer: "
+                    "trying them once more with %.1fs",
+                    self.node, len(again), len({n for r in again.values() for n in r}),
+                    self.peers.last_resort_s,
+                )  # fmt: skip
+                self._by_holder(again, still_missing, read, self.peers.last_resort_s)
+
+    @staticmethod
+    def _by_holder(
+        pending: dict[int, list[NodeId]],
+        still_missing: Callable[[int], bool],
+        read: _PeerReadFn,
+        patience_s: float,
+    ) -> dict[int, list[NodeId]]:
+        """Read in rounds the keys of ``pending`` (position in the caller's keys -> its
+        holders, in order): first each key's first holder (one read per peer), then, for the
+        keys ``still_missing`` after that read, their next holder, and so on — a holder that
+        died is skipped over. Per key, the holders that left it unanswered."""
+        silent: dict[int, list[NodeId]] = {}
         while pending:
             by_node: dict[NodeId, list[int]] = {}
             for i, row in pending.items():
                 if row:
                     by_node.setdefault(row[0], []).append(i)
-            yield from by_node.items()
+            for node, idx in by_node.items():
+                if read(node, idx, patience_s):
+                    for i in idx:
+                        silent.setdefault(i, []).append(node)
             pending = {i: r[1:] for i, r in pending.items() if len(r) > 1 and still_missing(i)}
+        return silent
 
     @staticmethod
     def _read_local(shard: Any, key: bytes, buf: np.ndarray, size: int | None) -> Fetched:
@@ -339,13 +412,15 @@ class ClusterMember:
         value = self.store.shard.get(key)
         if value is not None:
             return len(value)
-        if self.peers is None:
-            return None
-        for holder in self.peers.holder_lists([key])[0]:
-            size = self.peers.size_of(holder, key)
-            if size is not None:
-                return size
-        return None
+        size: list[int | None] = [None]
+
+        def read(node: NodeId, idx: list[int], patience_s: float) -> bool:
+            got: PeerRead[int | None] = self.peers.size_of(node, key, patience_s)  # type: ignore[union-attr]
+            size[0] = got.got
+            return got.unanswered
+
+        self._from_peers([key], [0], lambda _: size[0] is None, read)
+        return size[0]
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove ``keys`` from this member's shard (peers keep their copies); the number
@@ -370,4 +445,4 @@ class ClusterMember:
         return snapshot
 
 
-__all__ = ["MEMBER_KIND", "ClusterMember", "MemberCounters"]
+__all__ = ["MEMBER_KIND", "ClusterMember", "MemberCounters", "Misses"]

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvflow.integrations import mooncake_tensors as tensors
 from kvflow.integrations.config import MemberConfig
-from kvflow.integrations.member import ClusterMember
+from kvflow.integrations.member import ClusterMember, Misses
 from kvflow.integrations.mooncake_buffers import BufferHandle, Regions, view_at
 from kvflow.integrations.mooncake_leases import Leases
 from kvflow.integrations.mooncake_setup import SetupArgs, from_dict, parse_size
@@ -149,7 +149,9 @@ class MooncakeDistributedStore:
             config = MemberConfig.from_mapping(args.kvflow, **defaults)
             self._ns = Namespace(config.tenant, "mooncake-store", _LAYOUT)
             self._named = named_key_prefix(self._ns)
-            self._member = ClusterMember(config, self._ns)
+            # b"" tells a Mooncake client the object is gone: a holder that is only slow
+            # gets a last-resort try before a get answers that (Misses.ANSWER)
+            self._member = ClusterMember(config, self._ns, misses=Misses.ANSWER)
         except (ValueError, TypeError) as exc:
             logger.error("setup: %s", exc)
             return INVALID_PARAMS

@@ -6,7 +6,11 @@ read each other's blocks alike. Reads go through kvdb's ``RemoteClient`` (Lease 
 transfer-engine READ straight into a registered destination, xxh3 check, Release).
 
 Thread-safe. A peer that cannot be reached, a failed transfer or a failed checksum is a miss:
-``read_into`` never raises for them.
+``read_into`` never raises for them. Each read also says whether the peer *answered*
+(``PeerRead.unanswered``: its Lease timed out, or its breaker skipped it): a caller for which a
+miss is an answer may then try it once more with ``last_resort_s`` (``patience_s``). A peer
+whose last-resort try timed out too is not given another one until it answers a read or has
+been silent for ``dead_after_s``: a peer paused for good costs one last-resort deadline.
 """
 
 from __future__ import annotations
@@ -16,18 +20,29 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import grpc
 
 from kvflow.integrations.fetched import MISS, Fetched
-from kvflow.kvdb import KVDBError, RemoteClient
+from kvflow.kvdb import KVDBError, RemoteClient, RemoteClientConfig, RemoteReadError
 from kvflow.replication import NodeId, ReplicationError, Tier
 from kvflow.transfer import TransferEngine, TransferError
 
 logger = logging.getLogger(__name__)
 
 NODES_TTL_S = 0.5
+
+T = TypeVar("T")
+
+
+class PeerRead(NamedTuple, Generic[T]):
+    """One read from a peer: ``got``, its outcome (misses included), and ``unanswered``: the
+    peer did not answer in time (its Lease timed out, or its open breaker skipped it), so a
+    more patient try may still find what it missed."""
+
+    got: T
+    unanswered: bool
 
 
 def format_member_address(control: str, transfer: str) -> str:
@@ -62,6 +77,9 @@ class Peers:
         self._live: dict[NodeId, tuple[str, str]] = {}
         self._loaded = -NODES_TTL_S
         self._failed: dict[NodeId, float] = {}  # peer -> monotonic time its last read failed
+        self._hung: dict[NodeId, float] = {}  # peer -> when its last-resort try timed out
+        self._client_config = RemoteClientConfig()
+        self.last_resort_s = self._client_config.budget.last_resort_s
         self._clients: dict[NodeId, tuple[tuple[str, str], RemoteClient]] = {}
         self._destinations: list[Any] = []
 
@@ -143,7 +161,9 @@ class Peers:
             if old is not None and old[0] == addresses:
                 return old[1]
             stale = old[1] if old is not None else None
-            client = RemoteClient(addresses[0], self._transfer, addresses[1], shard=node)
+            client = RemoteClient(
+                addresses[0], self._transfer, addresses[1], shard=node, config=self._client_config
+            )
             for buffer in self._destinations:
                 client.register_destination(buffer)
             self._clients[node] = (addresses, client)
@@ -151,54 +171,89 @@ class Peers:
             stale.close()
         return client
 
-    def read_into(self, node: NodeId, keys: Sequence[bytes], bufs: Sequence[Any]) -> list[bool]:
+    def _gave_up_on(self, node: NodeId, patience_s: float) -> bool:
+        """A last-resort try (``patience_s`` > 0) to a peer whose last one timed out too,
+        within ``dead_after_s`` of that: not worth another deadline."""
+        if not patience_s:
+            return False
+        with self._lock:
+            since = self._hung.get(node)
+        return since is not None and time.monotonic() - since < self._dead_after_s
+
+    def _answered(self, node: NodeId) -> None:
+        with self._lock:
+            self._hung.pop(node, None)
+
+    def _failed_read(self, node: NodeId, exc: Exception, patience_s: float) -> bool:
+        """Log and record a failed read of ``node``; whether it went unanswered."""
+        unanswered = isinstance(exc, RemoteReadError) and (exc.timed_out or exc.skipped)
+        logger.warning("member=%s read from peer=%s failed: %s", self._self, node, exc)
+        self._suspect(node)
+        if patience_s and unanswered:
+            logger.warning(
+                "member=%s peer=%s did not answer a last-resort read within %.1fs",
+                self._self, node, patience_s,
+            )  # fmt: skip
+            with self._lock:
+                self._hung[node] = time.monotonic()
+        return unanswered
+
+    def read_into(
+        self, node: NodeId, keys: Sequence[bytes], bufs: Sequence[Any], patience_s: float = 0.0
+    ) -> PeerRead[list[bool]]:
         """Read ``keys`` from ``node`` into ``bufs``; per key whether its bytes arrived and
         verified. Misses for anything that fails (the peer died, the lease or transfer
-        failed, a checksum did not match); buffers of misses hold unspecified bytes."""
+        failed, a checksum did not match); buffers of misses hold unspecified bytes.
+        ``patience_s`` > 0: a last-resort try (module doc)."""
         client = self._client(node)
-        if client is None or not keys:
-            return [False] * len(keys)
+        if client is None or not keys or self._gave_up_on(node, patience_s):
+            return PeerRead([False] * len(keys), False)
         try:
-            got = client.batch_get_into(keys, bufs)
+            got = client.batch_get_into(keys, bufs, patience_s)
         except (KVDBError, TransferError, OSError, grpc.RpcError) as exc:
-            logger.warning("member=%s read from peer=%s failed: %s", self._self, node, exc)
-            self._suspect(node)
-            return [False] * len(keys)
-        return [t is not None for t in got]
+            return PeerRead([False] * len(keys), self._failed_read(node, exc, patience_s))
+        self._answered(node)
+        return PeerRead([t is not None for t in got], False)
 
     def read_fitting(
-        self, node: NodeId, keys: Sequence[bytes], bufs: Sequence[Any]
-    ) -> list[Fetched]:
+        self, node: NodeId, keys: Sequence[bytes], bufs: Sequence[Any], patience_s: float = 0.0
+    ) -> PeerRead[list[Fetched]]:
         """Read ``keys`` from ``node`` into the heads of ``bufs`` (flat uint8 numpy arrays, each
         at least its value's size) with one Lease RPC per run of held keys (the lease says
         each value's size), one transfer batch and an asynchronous Release. A miss for what
         is not held, fails its transfer or checksum, or an unreachable peer; ``too_small``
-        (nothing read) for a buffer smaller than its value."""
+        (nothing read) for a buffer smaller than its value. ``patience_s`` > 0: a last-resort
+        try (module doc)."""
         client = self._client(node)
         out = [MISS] * len(keys)
-        if client is None or not keys:
-            return out
+        if client is None or not keys or self._gave_up_on(node, patience_s):
+            return PeerRead(out, False)
         try:
             pos = 0
             while pos < len(keys):
-                lease = client.lease(keys[pos:])
+                lease = client.lease(keys[pos:], patience_s=patience_s)
                 if not lease.blocks:
                     pos += 1  # not held (any more): a miss; lease the rest
                     continue
                 try:
-                    self._read_leased(client, lease, bufs[pos:], out, pos)
+                    self._read_leased(client, lease, bufs[pos:], out, pos, patience_s)
                 finally:
                     client.release_async(lease)  # the data is verified: do not wait
                 pos += len(lease.blocks)
         except (KVDBError, TransferError, OSError, grpc.RpcError) as exc:
-            logger.warning("member=%s read from peer=%s failed: %s", self._self, node, exc)
-            self._suspect(node)
-            return [f if f.too_small else MISS for f in out]
-        return out
+            unanswered = self._failed_read(node, exc, patience_s)
+            return PeerRead([f if f.too_small else MISS for f in out], unanswered)
+        self._answered(node)
+        return PeerRead(out, False)
 
     @staticmethod
     def _read_leased(
-        client: RemoteClient, lease: Any, bufs: Sequence[Any], out: list[Fetched], pos: int
+        client: RemoteClient,
+        lease: Any,
+        bufs: Sequence[Any],
+        out: list[Fetched],
+        pos: int,
+        patience_s: float,
     ) -> None:
         """Read the leased blocks that fit their buffers; their outcomes into ``out[pos:]``."""
         blocks = lease.blocks
@@ -211,21 +266,23 @@ class Peers:
         if not fit:
             return
         sub = dataclasses.replace(lease, blocks=tuple(blocks[i] for i in fit))
-        got = client.read_into(sub, [bufs[i][: blocks[i].length] for i in fit])
+        got = client.read_into(sub, [bufs[i][: blocks[i].length] for i in fit], patience_s)
         for i, tier in zip(fit, got, strict=True):
             out[pos + i] = MISS if tier is None else Fetched("remote", blocks[i].length)
 
-    def size_of(self, node: NodeId, key: bytes) -> int | None:
-        """The size of ``key``'s value on ``node`` (a lease, released at once), or None."""
+    def size_of(self, node: NodeId, key: bytes, patience_s: float = 0.0) -> PeerRead[int | None]:
+        """The size of ``key``'s value on ``node`` (a lease, released at once), or None.
+        ``patience_s`` > 0: a last-resort try (module doc)."""
         client = self._client(node)
-        if client is None:
-            return None
+        if client is None or self._gave_up_on(node, patience_s):
+            return PeerRead(None, False)
         try:
-            lease = client.lease([key])
-        except (KVDBError, TransferError, OSError, grpc.RpcError):
-            return None
+            lease = client.lease([key], patience_s=patience_s)
+        except (KVDBError, TransferError, OSError, grpc.RpcError) as exc:
+            return PeerRead(None, self._failed_read(node, exc, patience_s))
+        self._answered(node)
         client.release_async(lease)
-        return lease.blocks[0].length if lease.blocks else None
+        return PeerRead(lease.blocks[0].length if lease.blocks else None, False)
 
     def close(self) -> None:
         with self._lock:
@@ -235,4 +292,4 @@ class Peers:
             client.close()
 
 
-__all__ = ["Peers", "format_member_address", "parse_member_address"]
+__all__ = ["PeerRead", "Peers", "format_member_address", "parse_member_address"]

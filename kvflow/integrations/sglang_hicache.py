@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from kvflow.integrations.config import MemberConfig
-from kvflow.integrations.member import ClusterMember, MemberCounters
+from kvflow.integrations.member import ClusterMember, MemberCounters, Misses
 from kvflow.integrations.sglang_contract import load_contract, new_storage_metrics
 from kvflow.integrations.sglang_pages import (
     FlatPageOrder,
@@ -94,7 +94,11 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         )
         self.keys = PageKeys(ns, geometry)
         self.views = PoolViews(mem_pool_host, geometry)
-        self.member = ClusterMember(self.member_config, ns, value_size=geometry.segment_bytes)
+        # a miss costs SGLang a prefix recompute: a holder that does not answer in time is
+        # skipped at once (Misses.RECOMPUTE)
+        self.member = ClusterMember(
+            self.member_config, ns, value_size=geometry.segment_bytes, misses=Misses.RECOMPUTE
+        )
         self.member.register_destination(self.views.bytes)
         logger.info(
             "kvflow HiCache storage: node=%s model=%s pages of %d x %d bytes (pid %d)",

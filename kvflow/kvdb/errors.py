@@ -79,7 +79,16 @@ class UnknownShardError(KVDBError, LookupError):
 
 class RemoteReadError(KVDBError):
     """The control RPC of a remote read failed (holder unreachable, or it refused the
-    request). Per-block transfer or checksum failures are misses, not this error."""
+    request). Per-block transfer or checksum failures are misses, not this error.
+    ``timed_out``: the holder did not answer within the deadline (paused, or a loaded host:
+    it may well answer a later, more patient call); False for a refused or reset connection,
+    a refused request. ``skipped``: nothing was sent, the holder's circuit breaker is open (it
+    timed out or failed recently)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False, skipped: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+        self.skipped = skipped
 
 
 class NotEnoughReplicasError(KVDBError):

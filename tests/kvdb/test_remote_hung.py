@@ -177,6 +177,16 @@ def test_budget_sizes_deadlines_to_bytes_and_validates() -> None:
             PeerCallBudget(**{name: float("nan")})
     with pytest.raises(ValueError, match="ceiling_s"):
         PeerCallBudget(base_s=2.0, ceiling_s=1.0)
+    assert b.last_resort_s == 5.0  # the default
+    assert b.patient_deadline_s(0, 0.0) == 0.5  # no patience: the plain deadline
+    assert b.patient_deadline_s(0, 2.0) == 2.0
+    assert b.patient_deadline_s(2_000_000, 2.0) == pytest.approx(2.5)  # the bytes' is longer
+    assert b.patient_deadline_s(0, 9.0) == 3.0  # the ceiling
+    with pytest.raises(ValueError, match="patience_s"):
+        b.patient_deadline_s(0, -1.0)
+    for bad in (0, float("inf")):
+        with pytest.raises(ValueError, match="last_resort_s"):
+            PeerCallBudget(last_resort_s=bad)
     breakers = PeerBreakers(b)
     assert breakers.get("a") is breakers.get("a") and breakers.get("a") is not breakers.get("b")
     breakers.get("a").trip()
@@ -195,3 +205,44 @@ def test_a_half_open_probe_that_finds_no_blocks_still_closes_the_breaker(
         assert _read(client, keys(8, tenant="tenant-b")[:2])[1] == [None, None]
         assert client.breaker.state is BreakerState.CLOSED
         assert _read(client, h.keys)[1] == [Tier.DRAM] * 4
+
+
+def test_a_last_resort_read_waits_out_a_holder_that_answers_late_despite_its_open_breaker(
+    holders: list[ProxiedHolder], engine: TransferEngine
+) -> None:
+    """The holder is paused a little longer than base_s: the plain read times out (it says
+    so: ``timed_out``) and opens the breaker; a read with ``patience_s`` is not skipped for
+    that, and gets the blocks once a timer resumes the holder. Paused for good, the patient
+    read costs its patience and says it timed out."""
+    h = holders[0]
+    breakers = PeerBreakers(BUDGET)
+    patience_s = 3.0
+    with _client(h, engine, breakers) as client:
+        assert _read(client, h.keys)[1] == [Tier.DRAM] * 4  # connections are up
+        h.pause()
+        resume = threading.Timer(BUDGET.base_s + 0.5, h.pause, (False,))
+        resume.start()
+        try:
+            with pytest.raises(RemoteReadError) as plain:
+                _read(client, h.keys)
+            assert plain.value.timed_out and not plain.value.skipped
+            assert client.breaker.state is BreakerState.OPEN
+            with pytest.raises(RemoteReadError) as skipped:
+                _read(client, h.keys)  # the breaker skips a plain read
+            assert skipped.value.skipped and not skipped.value.timed_out
+            bufs = [np.zeros(NBYTES, dtype=np.uint8) for _ in h.keys]
+            t0 = time.monotonic()
+            assert client.batch_get_into(h.keys, bufs, patience_s=patience_s) == [Tier.DRAM] * 4
+            assert time.monotonic() - t0 < patience_s
+            assert client.breaker.state is BreakerState.CLOSED  # it answered
+        finally:
+            resume.cancel()
+            resume.join()
+        client.wait_released()
+        h.pause()
+        t0 = time.monotonic()
+        with pytest.raises(RemoteReadError) as late:
+            client.batch_get_into(h.keys, bufs, patience_s=patience_s)
+        took = time.monotonic() - t0
+        assert late.value.timed_out
+        assert patience_s - 0.05 <= took < patience_s + SLACK_S, took

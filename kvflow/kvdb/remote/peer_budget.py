@@ -12,6 +12,13 @@ timed out opens it at once (a hung peer), other failures count towards its
 next replica or recomputes), after ``open_s`` one call goes through as the half-open probe.
 A paused peer then costs one deadline (``base_s`` plus its bytes), once per ``open_s``.
 
+A timeout is not an answer, though: a holder on a loaded host may take longer than ``base_s``
+and still hold the data. A caller for which a miss is an answer (a store's ``get``: b"" tells
+its client the object is gone) tries the holders that timed out once more, with the longer
+``last_resort_s`` and whatever their breakers say (``kvflow.integrations.member.Misses``), when
+no replica answered; a holder whose last-resort try timed out too is not given another one for
+a while, so a peer paused for good costs one ``last_resort_s``, not one per read.
+
 The router's node calls have their own budget (``stages/api/node_guard.NodeCallBudget``);
 the breaker is ``kvflow.replication.CircuitBreaker``.
 """
@@ -34,6 +41,9 @@ class PeerCallBudget:
         stream batch; a Lease, which may promote N bytes from the holder's SSD) gets
         N / bytes_per_s more.
     ceiling_s: no deadline is longer (>= base_s).
+    last_resort_s: the deadline of the one more try a caller that must not report a false
+        miss gives holders that timed out when no replica answered (a byte-sized deadline
+        still applies when longer; ceiling_s caps it).
     breaker: each peer's circuit breaker (a timeout opens it at once; ``failure_threshold``
         other failures in a row do).
     """
@@ -41,6 +51,7 @@ class PeerCallBudget:
     base_s: float = 0.5
     bytes_per_s: float = float(64 << 20)
     ceiling_s: float = 30.0
+    last_resort_s: float = 5.0
     breaker: BreakerConfig = field(
         default_factory=lambda: BreakerConfig(failure_threshold=2, open_s=1.0, max_open_s=8.0)
     )
@@ -66,6 +77,13 @@ class PeerCallBudget:
         if nbytes < 0:
             raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
         return min(self.ceiling_s, self.base_s + nbytes / self.bytes_per_s)
+
+    def patient_deadline_s(self, nbytes: int, patience_s: float) -> float:
+        """``deadline_s(nbytes)``, or ``patience_s`` (a last-resort try's, 0 = none) when
+        longer; at most ceiling_s. ValueError for negative bytes or patience."""
+        if not (math.isfinite(patience_s) and patience_s >= 0):
+            raise ValueError(f"patience_s: must be >= 0, got {patience_s!r}")
+        return min(self.ceiling_s, max(self.deadline_s(nbytes), patience_s))
 
 
 class PeerBreakers:

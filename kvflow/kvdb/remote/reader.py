@@ -23,6 +23,10 @@ process's shared one from ``PeerBreakers``): a Lease or read that timed out open
 other failures count. While it is open ``batch_get_into`` raises ``RemoteReadError`` at once
 without calling the holder (``stats().skipped``), so a paused holder costs one deadline per
 ``open_s``, not one per read. A failed checksum is the data's fault, not the holder's.
+A ``RemoteReadError`` says whether the holder timed out (``timed_out``) or was skipped for its
+open breaker (``skipped``): then it did not *answer*, and a caller for which a miss is an answer
+may try it once more with ``patience_s`` (the budget's ``last_resort_s``): every deadline of
+that call is at least that long, and the breaker does not skip it (it still hears the outcome).
 
 Thread-safety: every method is thread-safe; staged reads of concurrent calls are serialised by
 one lock (direct reads are not).
@@ -130,9 +134,11 @@ class RemoteClient:
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            self._failed(timed_out=code == grpc.StatusCode.DEADLINE_EXCEEDED)
+            timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            self._failed(timed_out=timed_out)
             raise RemoteReadError(
-                f"{what} to {self.peer} failed after at most {timeout_s:.2f}s: {code}: {details}"
+                f"{what} to {self.peer} failed after at most {timeout_s:.2f}s: {code}: {details}",
+                timed_out=timed_out,
             ) from exc
         self.breaker.success()
         return reply
@@ -144,16 +150,17 @@ class RemoteClient:
         elif self.breaker.failure():
             logger.warning("holder %s keeps failing; skipping it for a while", self.peer)
 
-    def lease(self, keys: Sequence[bytes], nbytes: int = 0) -> RemoteLease:
+    def lease(self, keys: Sequence[bytes], nbytes: int = 0, patience_s: float = 0.0) -> RemoteLease:
         """Lease the leading ``keys`` the holder has (see the module doc), within the
-        deadline of ``nbytes`` (the bytes asked for; the holder may promote them from SSD).
-        Raises InvalidKeyError (bad key, nothing sent) or RemoteReadError."""
+        deadline of ``nbytes`` (the bytes asked for; the holder may promote them from SSD),
+        or ``patience_s`` when longer (a last-resort try). Raises InvalidKeyError (bad key,
+        nothing sent) or RemoteReadError."""
         checked = [check_key(k) for k in keys]
         reply = self._call(
             self._stub.Lease,
             pb2.LeaseRequest(shard=self.shard, keys=checked),
             "Lease",
-            self.budget.deadline_s(nbytes),
+            self.budget.patient_deadline_s(nbytes, patience_s),
         )
         with self._lock:
             self._counts["leases"] += 1
@@ -225,10 +232,13 @@ class RemoteClient:
                 self._targets[segment] = handle
         return handle
 
-    def read_into(self, lease: RemoteLease, bufs: Sequence[Any]) -> list[Tier | None]:
+    def read_into(
+        self, lease: RemoteLease, bufs: Sequence[Any], patience_s: float = 0.0
+    ) -> list[Tier | None]:
         """Copy the lease's blocks into ``bufs`` (one per block, in order, each exactly the
         block's length; ValueSizeError otherwise, before anything moves) with one transfer
-        batch, verifying every checksum, within the deadline of the leased bytes. Returns per
+        batch, verifying every checksum, within the deadline of the leased bytes (or
+        ``patience_s`` when longer). Returns per
         block the holder's tier, or None. Reports to the breaker: a transfer that timed out
         (or a segment that could not be opened) opens it, other transfer failures count."""
         if len(bufs) != len(lease.blocks):
@@ -252,7 +262,8 @@ class RemoteClient:
         places = [self._memory.locate(dst) for dst in dsts]
         staged = [i for i, place in enumerate(places) if place is None]
         ok = [False] * len(dsts)
-        health = _Health(self.budget.deadline_s(sum(b.length for b in lease.blocks)))
+        nbytes = sum(b.length for b in lease.blocks)
+        health = _Health(self.budget.patient_deadline_s(nbytes, patience_s))
         if staged:
             with self._memory.staging_lock:
                 self._read_rounds(lease, target, dsts, places, staged, ok, health)
@@ -400,30 +411,35 @@ class RemoteClient:
             )
         return out
 
-    def batch_get_into(self, keys: Sequence[bytes], bufs: Sequence[Any]) -> list[Tier | None]:
+    def batch_get_into(
+        self, keys: Sequence[bytes], bufs: Sequence[Any], patience_s: float = 0.0
+    ) -> list[Tier | None]:
         """Lease, read, verify, release (asynchronously): per key the tier the holder had it
-        in, or None (not held past the leading run, transfer or checksum failure)."""
+        in, or None (not held past the leading run, transfer or checksum failure).
+        ``patience_s`` > 0: a last-resort try (module doc): not skipped for an open breaker,
+        every deadline at least that long."""
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
         self._check_open()
         if not keys:
             return []
         checked = [check_key(k) for k in keys]  # bad input fails before the breaker is asked
-        if not self.breaker.allow():
+        if not patience_s and not self.breaker.allow():
             with self._lock:
                 self._counts["skipped"] += 1
             raise RemoteReadError(
-                f"holder {self.peer}: circuit open (it timed out or failed recently)"
+                f"holder {self.peer}: circuit open (it timed out or failed recently)",
+                skipped=True,
             )
         try:
-            lease = self.lease(checked, nbytes=sum(_nbytes(b) for b in bufs))
+            lease = self.lease(checked, sum(_nbytes(b) for b in bufs), patience_s)
         except RemoteReadError:
             raise  # reported to the breaker by _call
         except BaseException:
             self.breaker.failure()  # an allowed probe must report; the call did not complete
             raise
         try:
-            got = self.read_into(lease, bufs[: len(lease.blocks)])
+            got = self.read_into(lease, bufs[: len(lease.blocks)], patience_s)
         finally:
             self.release_async(lease)  # the data is verified: do not wait for the unpin
         missing = len(keys) - len(got)
