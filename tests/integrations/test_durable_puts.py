@@ -6,6 +6,8 @@ SIGKILL; a one-replica metadata group in this process, and this process as the r
   N-1 holders at random moments; afterwards every acknowledged value reads back byte-exact
   and every attempted but unacknowledged one is absent or complete.
 - the Mooncake promise (issue 24): ``get`` after the writer and N-1 holders are SIGKILLed.
+- ... and when the last copy's holder is only slow (SIGSTOP a little longer than the peer
+  call's ``base_s``, as a loaded host can be): ``get`` waits it out, within a bounded patience.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvflow.integrations.mooncake import MooncakeDistributedStore
+from kvflow.kvdb import PeerCallBudget
 from kvflow.replication import MetadataConfig, MetadataGroup
 from kvflow.replication.service import create_meta_server
 from kvflow.security import SECRET_FILE_ENV, generate_secret_file
@@ -119,9 +123,10 @@ def procs(meta: str) -> Iterator[Procs]:
         p.stop_all()
 
 
-def _reader(meta: str) -> MooncakeDistributedStore:
+def _reader(meta: str, **overrides: Any) -> MooncakeDistributedStore:
     store = MooncakeDistributedStore()
-    assert store.setup(member_config(meta, f"reader-{os.getpid()}", holds=False)) == 0
+    config = member_config(meta, f"reader-{os.getpid()}", holds=False) | overrides
+    assert store.setup(config) == 0
     return store
 
 
@@ -279,4 +284,62 @@ def test_get_after_the_writer_and_n_minus_1_holders_are_sigkilled(
         procs.kill(victim)
         assert [reader.get(k) for k in keys] == [value_of(seed, k) for k in keys]
     finally:
+        reader.close()
+
+
+def _timed_get(reader: MooncakeDistributedStore, key: str) -> tuple[float, bytes]:
+    t0 = time.monotonic()
+    value = reader.get(key)
+    return time.monotonic() - t0, value
+
+
+def test_get_waits_out_a_slow_last_holder_and_gives_up_on_a_paused_one(
+    procs: Procs, meta: str
+) -> None:
+    """The loaded-host failure without the load: two holders, a client writer puts with
+    ``replica_num=2``, the writer and h1 are SIGKILLed and h0, the last holder, is paused
+    (SIGSTOP) for a little longer than a peer call's ``base_s``; a timer resumes it. Its Lease
+    times out, h1 refuses: ``get`` must still return the value (the last-resort try waits up
+    to ``last_resort_s``), not b"" (for a Mooncake client: the object is gone).
+
+    Paused for good, h0 costs a get one plain deadline plus one ``last_resort_s`` and the
+    answer is b""; the next get does not wait ``last_resort_s`` again (h0 gets no other last
+    resort until it answers)."""
+    seed, n = 11, 3
+    budget = PeerCallBudget()  # what the reader's peer calls use
+    hs = [procs.start(durable_procs.holder, f"h{i}", True) for i in range(2)]
+    procs.ready(hs)
+    w = procs.start(durable_procs.writer, "w", False, seed, "s", n, 2, False)
+    procs.ready([w])
+    got = []
+    while not got or got[-1] != ("done",):
+        assert w.conn.poll(READY_S), got[-3:]
+        got.append(w.conn.recv())
+    keys = [m[1] for m in got if m[0] == "ack"]
+    assert len(keys) == n, got
+    # the reader counts a silent peer as live for long: h0 is paused, not dead
+    reader = _reader(procs.meta, kvflow_peer_dead_after_s=120.0)
+    h0 = procs.children["h0"].proc.pid
+    resume = threading.Timer(budget.base_s + 0.7, os.kill, (h0, signal.SIGCONT))
+    try:
+        assert all(r == {"h0", "h1"} for r in _holders_of(reader, keys))
+        procs.kill("w")
+        procs.kill("h1")
+        os.kill(h0, signal.SIGSTOP)
+        resume.start()
+        took, value = _timed_get(reader, keys[0])
+        assert value == value_of(seed, keys[0]), f"a miss after {took:.2f}s"
+        assert budget.base_s <= took < budget.base_s + budget.last_resort_s, took
+        resume.join()
+
+        os.kill(h0, signal.SIGSTOP)  # for good
+        took, value = _timed_get(reader, keys[1])
+        assert value == b""
+        assert budget.last_resort_s <= took < 2 * budget.base_s + budget.last_resort_s + 3.0
+        took, value = _timed_get(reader, keys[2])
+        assert value == b""
+        assert took < budget.last_resort_s, took  # no second last-resort wait
+    finally:
+        resume.cancel()
+        os.kill(h0, signal.SIGCONT)
         reader.close()
