@@ -327,18 +327,22 @@ def test_get_waits_out_a_slow_last_holder_and_gives_up_on_a_paused_one(
         procs.kill("h1")
         os.kill(h0, signal.SIGSTOP)
         resume.start()
-        took, value = _timed_get(reader, keys[0])
-        assert value == value_of(seed, keys[0]), f"a miss after {took:.2f}s"
-        assert budget.base_s <= took < budget.base_s + budget.last_resort_s, took
+        slow, value = _timed_get(reader, keys[0])
+        assert value == value_of(seed, keys[0]), f"a miss after {slow:.2f}s"
+        assert budget.base_s <= slow < budget.base_s + budget.last_resort_s, slow
         resume.join()
 
         os.kill(h0, signal.SIGSTOP)  # for good
         took, value = _timed_get(reader, keys[1])
         assert value == b""
         assert budget.last_resort_s <= took < 2 * budget.base_s + budget.last_resort_s + 3.0
-        took, value = _timed_get(reader, keys[2])
+        took2, value = _timed_get(reader, keys[2])
         assert value == b""
-        assert took < budget.last_resort_s, took  # no second last-resort wait
+        assert took2 < budget.last_resort_s, took2  # no second last-resort wait
+        logger.warning(
+            "slow last holder: the get took %.2fs; paused for good: %.2fs, then %.2fs",
+            slow, took, took2,
+        )  # fmt: skip
     finally:
         resume.cancel()
         os.kill(h0, signal.SIGCONT)
