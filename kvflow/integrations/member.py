@@ -61,7 +61,7 @@ METADATA_READY_S = 30.0
 
 class Misses(Enum):
     """What a miss means to the member's caller: the one place that decides how hard a read
-    tries before it reports one (docs/durability.md, "Reading a replica").
+    tries before it reports one (docs/durability.md, "A holder that is slow, not dead").
 
     RECOMPUTE: a miss costs a recompute (a serving engine's prefix reuse): a holder that does
         not answer within its deadline (``PeerCallBudget.base_s`` plus its bytes) is skipped
@@ -109,6 +109,8 @@ class ClusterMember:
         clock: Callable[[], float] = time.time,
         misses: Misses = Misses.RECOMPUTE,
     ) -> None:
+        if not isinstance(misses, Misses):
+            raise ValueError(f"misses: must be a Misses, got {misses!r}")
         self.config = config
         self.misses = misses
         self.namespace = namespace
