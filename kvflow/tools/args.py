@@ -46,6 +46,13 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
     )
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument(
+        "--mixed-chunk",
+        type=int,
+        help="prefill tokens of a step that also decodes (an engine that does both: "
+        "--colocate); smaller bounds running streams' time between tokens; default: "
+        "--prefill-chunk",
+    )
+    p.add_argument(
         "--dram-mb",
         type=int,
         help="DRAM tier per shard, MiB; default: 1/32 of the free memory, 64-256 (printed)",
@@ -70,6 +77,7 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "num_pages": plan.num_pages,
         "staging_pages": plan.staging_pages,
         "prefill_chunk": args.prefill_chunk,
+        "mixed_chunk": args.mixed_chunk,
         "dram_capacity_bytes": plan.dram_bytes,
         "ssd_capacity_bytes": plan.ssd_bytes,
         "storage_engine": args.storage_engine,

@@ -46,6 +46,9 @@ class EngineConfig:
         num_pages: pages in the pool; the pool is allocated once at open.
         prefill_chunk: at most this many prompt tokens are computed per `step()`
             (chunked prefill), summed over all requests in prefill.
+        mixed_chunk: the prefill budget of a step that also decodes (None: prefill_chunk);
+            smaller bounds running streams' time between tokens while prompts prefill
+            (scheduler.py).
         max_model_len: longest sequence (prompt + output) in tokens; None takes the
             model's `max_position_embeddings`.
         max_batch: at most this many requests in one decode step.
@@ -62,6 +65,7 @@ class EngineConfig:
     block_size: int = 64
     num_pages: int = 256
     prefill_chunk: int = 512
+    mixed_chunk: int | None = None
     max_model_len: int | None = None
     max_batch: int = 32
     device: str = "cpu"
@@ -75,6 +79,8 @@ class EngineConfig:
         _positive("block_size", self.block_size)
         _positive("num_pages", self.num_pages)
         _positive("prefill_chunk", self.prefill_chunk)
+        if self.mixed_chunk is not None:
+            _positive("mixed_chunk", self.mixed_chunk)
         _positive("max_batch", self.max_batch)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)

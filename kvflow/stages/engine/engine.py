@@ -348,13 +348,16 @@ class Engine:
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: prefill chunks (at most prefill_chunk prompt tokens in
-        all) and one decode step for up to max_batch running requests, run as one forward
-        pass (config.mixed_forward) or one per chunk plus one for the decode batch (always
-        when a chunk asks for prompt logprobs). Returns one output
-        per request that made progress or finished (including aborts since the last step)."""
+        all, mixed_chunk when requests decode) and one decode step for up to max_batch
+        running requests, run as one forward pass (config.mixed_forward) or one per chunk
+        plus one for the decode batch (always when a chunk asks for prompt logprobs).
+        Returns one output per request that made progress or finished (including aborts
+        since the last step)."""
         outputs, self._pending = self._pending, []
         cfg = self.config
-        plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch)
+        plan = plan_step(
+            list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, cfg.mixed_chunk
+        )
         self._steps += 1
         if self._one_forward(plan.prefill, plan.decode):
             chunk_logits, decode_logits = self._runner.mixed(plan.prefill, plan.decode)

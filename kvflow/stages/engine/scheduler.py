@@ -4,6 +4,10 @@ Pure: it reads sequence counters and returns a plan; the engine executes it. Pre
 first-come first-served within a token budget of `prefill_chunk` per step (chunked prefill);
 decode takes up to `max_batch` sequences, least recently decoded first, so a batch larger
 than the cap rotates fairly. Requests join and leave the decode batch between steps.
+
+While requests decode in the same engine (a colocated server), a step's prefill budget is
+`mixed_budget` instead: the step's time is every running stream's time between tokens, so a
+smaller chunk bounds it, and a lone prompt still gets the full chunk (and every core).
 """
 
 from __future__ import annotations
@@ -26,18 +30,31 @@ class StepPlan:
         return not self.prefill and not self.decode
 
 
-def plan_step(seqs: Iterable[Sequence], prefill_budget: int, max_batch: int) -> StepPlan:
-    """Plan one step over the live sequences (given in arrival order)."""
+def plan_step(
+    seqs: Iterable[Sequence],
+    prefill_budget: int,
+    max_batch: int,
+    mixed_budget: int | None = None,
+) -> StepPlan:
+    """Plan one step over the live sequences (given in arrival order). ``mixed_budget``:
+    the prefill budget of a step that also decodes (None: ``prefill_budget``)."""
     prefill: list[tuple[Sequence, int]] = []
+    waiting: list[Sequence] = []
     decoding: list[Sequence] = []
-    budget = prefill_budget
     for seq in seqs:
         phase = seq.phase
-        if phase is Phase.PREFILL and budget > 0:
-            n = min(seq.remaining, budget)
-            prefill.append((seq, n))
-            budget -= n
+        if phase is Phase.PREFILL:
+            waiting.append(seq)
         elif phase is Phase.DECODE:
             decoding.append(seq)
+    budget = prefill_budget
+    if decoding and mixed_budget is not None:
+        budget = min(budget, mixed_budget)
+    for seq in waiting:
+        if budget <= 0:
+            break
+        n = min(seq.remaining, budget)
+        prefill.append((seq, n))
+        budget -= n
     decoding.sort(key=lambda s: (s.last_decode_step, s.arrival))
     return StepPlan(prefill=tuple(prefill), decode=tuple(decoding[:max_batch]))

@@ -69,6 +69,7 @@ def open_engine(
             block_size=config.block_size,
             num_pages=config.num_pages,
             prefill_chunk=config.prefill_chunk,
+            mixed_chunk=config.mixed_chunk,
             max_batch=config.max_batch,
             seed=config.seed,
         ),

@@ -77,6 +77,8 @@ class EngineStoreConfig:
         dtype: engine dtype (``DTYPES``; int8/int4: weight-only quantized decoder linears,
             bf16 activations and KV); block_size: tokens per KV page and cached block.
         num_pages: KV pages per engine; prefill_chunk: tokens per prefill step.
+        mixed_chunk: prefill tokens of a step that also decodes (an engine that does both,
+            ``--colocate``); None: ``prefill_chunk``.
         max_batch: decode batch cap per engine.
         staging_pages: page slots of each staging area (decode: streamed KV lands there;
             prefill: reuse-load reads cached blocks there).
@@ -91,6 +93,7 @@ class EngineStoreConfig:
     block_size: int = 64
     num_pages: int = 512
     prefill_chunk: int = 512
+    mixed_chunk: int | None = None
     max_batch: int = 32
     staging_pages: int = 512
     dram_capacity_bytes: int = 1 << 30
@@ -109,6 +112,8 @@ class EngineStoreConfig:
             "ssd_capacity_bytes",
         ):
             _positive_int(name, getattr(self, name))
+        if self.mixed_chunk is not None:
+            _positive_int("mixed_chunk", self.mixed_chunk)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.storage_engine not in STORAGE_ENGINES:

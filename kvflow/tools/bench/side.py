@@ -202,8 +202,36 @@ async def first_served(target: Target, deadline_s: float) -> float:
             await asyncio.sleep(0.25)
 
 
+ROW_GROUPS = ("single", "clients", "long", "shared", "burst")
+"""``--rows`` choices: the single-request rows (TTFT and decode), then each concurrency row."""
+
+
 async def rows(args: argparse.Namespace, target: Target, texts: Texts, run: Run) -> None:
-    """Every row but start-up, in the table's order, against ``target``."""
+    """Every row of ``args.rows`` but start-up, in the table's order, against ``target``."""
+    chosen = set(args.rows)
+    if "single" in chosen:
+        await _single_rows(args, target, texts, run)
+    if "clients" in chosen:
+        await _level(args, target, texts, run, "clients", args.client_prompt_tokens)
+    if "long" in chosen:
+        await _level(args, target, texts, run, "long", args.long_tokens, per_client=1)
+    if "shared" in chosen:
+        prefix = texts.text("shared-prefix", args.system_tokens) + " "
+        await _prime(target, run, prefix + texts.text("shared-prime", args.tail_tokens))
+        await _level(args, target, texts, run, "shared", args.tail_tokens, prefix=prefix)
+    if "burst" in chosen:
+        burst = [
+            [texts.text(f"burst-{c}-{r}", args.burst_tokens) for r in range(args.burst_requests)]
+            for c in range(args.burst)
+        ]
+        level = await closed_loop(target, burst, args.burst_max_tokens, "burst", GREEDY)
+        run.keep_level("burst", level, _names(burst))
+        done = level.summary()["served"] == level.summary()["requests"]
+        run.values["burst_all_done_s"] = level.wall_s if done else None
+
+
+async def _single_rows(args: argparse.Namespace, target: Target, texts: Texts, run: Run) -> None:
+    """The one-request-at-a-time rows: cold and prefix-hit TTFT, a system prompt, decode."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=1800)
@@ -238,19 +266,6 @@ async def rows(args: argparse.Namespace, target: Target, texts: Texts, run: Run)
         run.values["ttft_system_s"] = statistics.median(times) if times else None
         d = await one("decode", texts.text("decode", 48), args.decode_max_tokens)
         run.values["decode_tok_s"] = 1 / d.tpot_s if d.status == "200" and d.tpot_s else None
-    await _level(args, target, texts, run, "clients", args.client_prompt_tokens)
-    await _level(args, target, texts, run, "long", args.long_tokens, per_client=1)
-    prefix = texts.text("shared-prefix", args.system_tokens) + " "
-    await _prime(target, run, prefix + texts.text("shared-prime", args.tail_tokens))
-    await _level(args, target, texts, run, "shared", args.tail_tokens, prefix=prefix)
-    burst = [
-        [texts.text(f"burst-{c}-{r}", args.burst_tokens) for r in range(args.burst_requests)]
-        for c in range(args.burst)
-    ]
-    level = await closed_loop(target, burst, args.burst_max_tokens, "burst", GREEDY)
-    run.keep_level("burst", level, _names(burst))
-    done = level.summary()["served"] == level.summary()["requests"]
-    run.values["burst_all_done_s"] = level.wall_s if done else None
 
 
 async def _prime(target: Target, run: Run, prompt: str) -> None:
@@ -319,7 +334,13 @@ def run_kvflow(args: argparse.Namespace, model: Path, data_dir: Path, texts: Tex
         stop_embedded(server.proc)
 
 
-def run_other(args: argparse.Namespace, log_dir: Path, texts: Texts) -> Run:
+def run_other(args: argparse.Namespace, log_dir: Path, texts: Texts, model: Path) -> Run:
+    if args.compare_server_args is not None:  # kvflow again, with other serve flags
+        server = start_embedded(model, log_dir, args.compare_server_args.split())
+        try:
+            return measure(args, server, texts, kvflow=True)
+        finally:
+            stop_embedded(server.proc)
     return against_other(args, log_dir, lambda server: measure(args, server, texts, kvflow=False))
 
 
@@ -418,6 +439,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--server-args", default="", help="more `kvflow serve` flags, one string")
     add_compare_arguments(p)
+    p.add_argument(
+        "--compare-server-args",
+        help="instead of another server: kvflow again with these `kvflow serve` flags (one "
+        "string, may be empty) as the other column, for an A/B of two configurations",
+    )
+    p.add_argument(
+        "--rows",
+        type=_cli.names_of("row", ROW_GROUPS),
+        default=list(ROW_GROUPS),
+        help=f"which rows, comma-separated, of {','.join(ROW_GROUPS)} (start-up is always "
+        "measured); default: all",
+    )
     p.add_argument("--rounds", type=int, default=1, help="round i: seed+i, the order swapped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold-tokens", type=int, default=512, help="the cold short prompt")
@@ -452,6 +485,10 @@ register, main = _cli.entry_points("bench-side", __doc__, add_arguments)
 def run_bench(args: argparse.Namespace) -> int:
     if _cli.compare_flags_wrong("bench-side", args):
         return 2
+    if args.compare_server_args is not None and args.compare_url:
+        print("bench-side: --compare-server-args and --compare-url exclude each other",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.rounds < 1:
         print("bench-side: --rounds must be at least 1", file=sys.stderr)
         return 2
@@ -468,7 +505,8 @@ def run_bench(args: argparse.Namespace) -> int:
         for i in range(args.rounds):
             seed = args.seed + i
             texts = Texts(model, seed)
-            order = ["kvflow", "other"] if args.compare_url else ["kvflow"]
+            two = args.compare_url or args.compare_server_args is not None
+            order = ["kvflow", "other"] if two else ["kvflow"]
             order = order if i % 2 == 0 else order[::-1]
             result: dict[str, Any] = {"seed": seed, "order": order}
             for who in order:
@@ -477,7 +515,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     run = (
                         run_kvflow(args, model, where, texts)
                         if who == "kvflow"
-                        else run_other(args, where, texts)
+                        else run_other(args, where, texts, model)
                     )
                 except RuntimeError as e:  # the other's numbers are still reported
                     error = f"{who}: {e}: {log_tail(where / 'compare.log')}"
@@ -488,7 +526,10 @@ def run_bench(args: argparse.Namespace) -> int:
                     "values": run.values, "failed": run.failed, "prefix_cache": run.prefix_cache,
                     "prompt_tokens": run.prompt_tokens, "texts": run.texts,
                 }  # fmt: skip
-                logger.warning("round %d: %s measured", i + 1, who)
+                logger.warning(  # the numbers so far, should a later run not finish
+                    "round %d: %s measured: %s", i + 1, who,
+                    ", ".join(f"{k} {_num(v)}" for k, v in run.values.items() if v is not None),
+                )  # fmt: skip
             if "kvflow" in result and "other" in result:
                 a, b = (Run(texts=result[w]["texts"]) for w in ("kvflow", "other"))
                 result["greedy"] = greedy_match(a, b)

@@ -91,3 +91,20 @@ def test_prompt_logprobs_chunks_run_on_their_own(
     outs = {o.request_id: o for o in engine.step()}
     assert calls == ["prefill", "decode"]
     assert len(outs["p"].prompt_logprobs) == 16
+
+
+def test_a_smaller_chunk_beside_streams_changes_no_token(llama_dir: Path) -> None:
+    """mixed_chunk (the prefill budget of a step that also decodes) splits the prompts into
+    more, smaller chunks while ``a`` decodes; every greedy token stays the same, and the
+    prompts are computed in chunks of at most mixed_chunk tokens while ``a`` runs."""
+    engine = open_engine(llama_dir, prefill_chunk=16, mixed_chunk=4)
+    got = _run(engine)
+    full = _run(open_engine(llama_dir, prefill_chunk=16))
+    assert got.keys() == full.keys() == {"a", "b", "c"}
+    for rid, tokens in full.items():
+        assert [t for t, _ in got[rid]] == [t for t, _ in tokens], rid
+    engine.add_request("d", [5, 9, 13], SamplingParams(max_tokens=8))
+    engine.step()
+    engine.add_request("p", list(range(3, 40)), SamplingParams(max_tokens=2))
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["p"].num_computed_tokens == 4 and len(outs["d"].new_token_ids) == 1

@@ -141,3 +141,19 @@ def test_decode_is_never_starved_by_a_long_prompt() -> None:
         assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 256)]
         assert {s.request_id for s in plan.decode} == {"d0", "d1", "d2"}
         long.num_computed += 256
+
+
+def test_mixed_budget_applies_only_while_requests_decode() -> None:
+    """With a decode batch the prefill gets ``mixed_budget`` tokens (the streams wait for the
+    step); alone, a prompt gets the whole ``prefill_budget``, and when the last stream
+    leaves, the full budget is back."""
+    long, short = _seq("long", 1000, 0, 0), _seq("short", 100, 0, 1)
+    running = _seq("d", 10, 9, 2)
+    plan = plan_step([long, short, running], prefill_budget=512, max_batch=8, mixed_budget=128)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 128)]
+    assert [s.request_id for s in plan.decode] == ["d"]
+    plan = plan_step([long, short], prefill_budget=512, max_batch=8, mixed_budget=128)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 512)]
+    # a mixed budget larger than the step's budget changes nothing
+    plan = plan_step([long, running], prefill_budget=256, max_batch=8, mixed_budget=4096)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 256)]
