@@ -82,10 +82,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument(
         "--colocate",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="(embedded) prefill instance i and decode instance i share one engine: one copy "
         "of the weights, every core, prefill chunks mixed into decode steps (needs "
-        "--prefill = --decode); see docs/performance.md",
+        "--prefill = --decode); default: colocated on a machine of at most 2 cores, else "
+        "disaggregated; see docs/performance.md",
     )
     p.add_argument("--policy", default="cache-aware", choices=policy_names())
     p.add_argument("--ttft-slo-ms", type=float, help="reject requests predicted to miss it")
@@ -202,13 +203,15 @@ def _routing(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace, plan: Any) -> Any:
+    from kvflow.stages.runtime.threads import cores
+    from kvflow.stages.serve.colocation import embedded_colocate
     from kvflow.stages.serve.config import ServeConfig
 
     return ServeConfig(
         model_dir=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
-        colocate=args.colocate,
+        colocate=embedded_colocate(args.colocate, args.prefill, args.decode, cores()),
         served_model_name=args.served_model_name,
         **engine_store_values(args, plan),
         **_routing(args),

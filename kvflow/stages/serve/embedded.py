@@ -44,6 +44,7 @@ from kvflow.stages.serve.build import (
     open_shard,
 )
 from kvflow.stages.serve.closers import Closers
+from kvflow.stages.serve.colocation import mixed_chunk
 from kvflow.stages.serve.config import ServeConfig
 from kvflow.stages.serve.metrics import ServingMetrics, shard_hit_rates
 from kvflow.stages.serve.ports import free_port
@@ -164,7 +165,11 @@ class EmbeddedCluster:
         c = self.config
         threads = self._threads["prefill"]
         # colocated: one engine holds both pools' pages (what the two engines would hold)
-        engine_config = replace(c, num_pages=2 * c.num_pages) if c.colocate else c
+        engine_config = (
+            replace(c, num_pages=2 * c.num_pages, mixed_chunk=mixed_chunk(True, c.mixed_chunk))
+            if c.colocate
+            else c
+        )
         worker = open_engine(self.model_dir, engine_config, instance_id, self._closers, threads)
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers)

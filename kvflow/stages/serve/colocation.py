@@ -1,0 +1,51 @@
+"""Whether the embedded server runs one engine per prefill/decode pair: one place decides.
+
+Disaggregated (the design's main path, and every cluster): a prefill and a decode engine,
+each with its own weights and worker thread. In one process on a small machine the two
+compete for the same few cores: the decode engine steps at a small batch beside a
+compute-bound prefill, reading every weight once a step on a core the prefill wanted.
+
+Colocated (``--colocate``): one engine per pair, every core, each step one forward pass over
+the prefill chunks and the decode batch (segments.py), so the weights are read once for both
+and no thread waits on another engine's. While requests decode, a step's prefill budget is
+``COLOCATED_MIXED_CHUNK`` tokens (the running streams wait for each step); a prompt alone
+gets the full ``--prefill-chunk``.
+
+The rule (measured on a 2-core machine, docs/performance.md "Concurrency"): the embedded
+server colocates by default when it may run on at most ``SMALL_MACHINE_CORES`` cores and
+has as many prefill as decode instances; ``--colocate`` / ``--no-colocate`` decide outright.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+SMALL_MACHINE_CORES = 2
+COLOCATED_MIXED_CHUNK = 256
+
+
+def embedded_colocate(
+    requested: bool | None, num_prefill: int, num_decode: int, ncores: int
+) -> bool:
+    """Whether an embedded server of ``num_prefill`` + ``num_decode`` instances on ``ncores``
+    cores colocates; ``requested`` (the flag) decides when given."""
+    if requested is not None:
+        return requested
+    chosen = ncores <= SMALL_MACHINE_CORES and num_prefill == num_decode
+    logger.info(
+        "embedded server: %s (%d cores; --colocate / --no-colocate decide outright)",
+        "colocated: one engine per prefill/decode pair" if chosen else "disaggregated",
+        ncores,
+    )
+    return chosen
+
+
+def mixed_chunk(colocate: bool, given: int | None) -> int | None:
+    """The prefill budget of a step that also decodes: as given, else
+    ``COLOCATED_MIXED_CHUNK`` for a colocated engine (a disaggregated engine never mixes a
+    prompt into a decode step, so None: its ``prefill_chunk``)."""
+    if given is not None:
+        return given
+    return COLOCATED_MIXED_CHUNK if colocate else None
