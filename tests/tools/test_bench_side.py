@@ -37,6 +37,42 @@ def test_compare_cmd_needs_a_url(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--compare-cmd needs --compare-url" in capsys.readouterr().err
 
 
+def test_rows_must_be_known(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench-side", "--rows", "burst,nope"]) == 2
+    assert "--rows nope: not one of single,clients,long,shared,burst" in capsys.readouterr().err
+
+
+def test_compare_server_args_exclude_a_compare_url(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench-side", "--compare-server-args=--colocate", "--compare-url", "http://x:1"]
+    assert cli.main([*argv, "--compare-model-name", "m"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_kvflow_configurations_on_chosen_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--compare-server-args: the other column is kvflow again with other flags (here
+    disaggregated against colocated), only the --rows asked for are measured, and the two
+    modes' greedy texts are the same request by request."""
+    from kvflow.stages.engine import write_demo_model
+
+    model = write_demo_model(tmp_path / "tiny", preset="tiny", seed=0)
+    argv = [
+        "bench-side", "--model", str(model), *SMALL, "--rows", "clients,burst",
+        "--server-args=--no-colocate", "--compare-server-args=--colocate --mixed-chunk 16",
+    ]  # fmt: skip
+    doc, _ = _run(argv, tmp_path / "side.json", capsys)
+    (r,) = doc["rounds"]
+    assert r["order"] == ["kvflow", "other"]
+    measured = {"startup_s", "clients_tok_s", "clients_ttft_p99_s", "burst_all_done_s"}
+    for who in ("kvflow", "other"):
+        assert set(r[who]["values"]) == measured and not r[who]["failed"]
+        assert all(v is not None and v > 0 for v in r[who]["values"].values())
+    assert r["greedy"]["compared"] == 2 * 1 + 4 * 2  # clients x 1, burst x 2 requests
+    assert r["greedy"]["identical"] == r["greedy"]["compared"]
+
+
 def test_texts_are_sized_in_tokens_and_share_no_prefix(tmp_path: Path) -> None:
     from kvflow.stages.engine import write_demo_model
 
