@@ -96,7 +96,8 @@ def attend_in_parts(
     o2, l2 = o2.reshape(heads, t, d), l2.reshape(heads, t)
     top = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
-    return (o1 * w1 + o2 * w2) / (w1 + w2)
+    # L is float32 whatever q's dtype: merge in float32, answer in q's dtype (bf16 stays bf16)
+    return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
 
 
 def blocked_causal(

@@ -54,6 +54,17 @@ def test_blocked_causal_equals_one_masked_attention(start: int, t: int, block: i
     assert float((got - _masked(q, k, v, start)).abs().max()) < 1e-5
 
 
+@pytest.mark.skipif(not parts_apply(torch.device("cpu"), None, 1), reason="no flash CPU op")
+def test_blocked_causal_keeps_bf16() -> None:
+    """The merge is computed in float32 (the log-sum-exp is), the answer is in q's dtype: a
+    bf16 model's next linear must get bf16."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(n, 4, 32, generator=gen) for n in (20, 60, 60))
+    got = blocked_causal(*(x.transpose(0, 1).to(torch.bfloat16) for x in (q, k, v)), 40, 8)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - _masked(q, k, v, 40)).abs().max()) < 5e-2
+
+
 def test_parts_only_without_a_window_that_hides_earlier_tokens() -> None:
     cpu = torch.device("cpu")
     assert not parts_apply(cpu, 8, 32)
