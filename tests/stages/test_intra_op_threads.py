@@ -172,9 +172,11 @@ def test_embedded_server_engine_threads(tmp_path: Path, monkeypatch: pytest.Monk
             def count(worker: object) -> int:
                 return worker.call(lambda _e: torch.get_num_threads()).result(60)  # type: ignore[attr-defined]
 
-            # 4 cores: the prefill engine all 4, the decode engine its share of 2 engines.
+            # 4 cores: the prefill engine all 4; the decode engine its share of 2 engines while
+            # the prefill computes, else all 4 (its steps here began with the prefill done).
             assert [count(i.worker) for i in cluster.prefill.values()] == [4]
-            assert [count(i.worker) for i in cluster.decode.values()] == [2]
+            assert [count(i.worker) for i in cluster.decode.values()] == [4]
+            assert [i.worker.threads.share for i in cluster.decode.values()] == [2]
         finally:
             server.close()
         assert _fresh_thread_count() == 3  # restored: new threads start from it again
