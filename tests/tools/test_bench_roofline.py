@@ -46,10 +46,10 @@ def test_roofline_quick_two_linear_backends(
     out = tmp_path / "roofline.json"
     argv = ["--quick", "--linears", "onednn,aten", "--model", str(model), "--json", str(out)]
     assert roofline.main(argv) == 0
-    assert capsys.readouterr().out.count("unfused-float32-") == 2
+    assert capsys.readouterr().out.count("fused-float32-") == 2
     doc = json.loads(out.read_text())
-    assert set(doc["runs"]) == {"unfused-float32-onednn", "unfused-float32-aten"}
-    one, aten = doc["runs"]["unfused-float32-onednn"], doc["runs"]["unfused-float32-aten"]
+    assert set(doc["runs"]) == {"fused-float32-onednn", "fused-float32-aten"}
+    one, aten = doc["runs"]["fused-float32-onednn"], doc["runs"]["fused-float32-aten"]
     assert one["weight_bytes"] == aten["weight_bytes"] > 0  # the same weights, no copy
     assert all(r["decode"][0]["tok_s"] > 0 for r in (one, aten))
     assert "KVFLOW_LINEAR" not in os.environ  # restored after each engine
@@ -76,10 +76,10 @@ def test_roofline_quick_quantized(tmp_path: Path, capsys: pytest.CaptureFixture[
     out = tmp_path / "roofline.json"
     argv = ["--quick", "--dtype", "bfloat16,int8,int4", "--model", str(model)]
     assert roofline.main([*argv, "--json", str(out)]) == 0
-    assert capsys.readouterr().out.count("unfused-int4: p64=") == 1
+    assert capsys.readouterr().out.count("fused-int4: p64=") == 1
     runs = json.loads(out.read_text())["runs"]
     assert all(r["decode"][0]["ceiling_share"] > 0 for r in runs.values())
     # The decoder's linears shrink (int8: 1 byte per weight + a scale per row; int4: half a
     # byte + a scale and zero per 32), the tied bf16 embedding table does not.
-    b16, i8, i4 = (runs[f"unfused-{d}"]["weight_bytes"] for d in ("bfloat16", "int8", "int4"))
+    b16, i8, i4 = (runs[f"fused-{d}"]["weight_bytes"] for d in ("bfloat16", "int8", "int4"))
     assert b16 > i8 > i4 > 0

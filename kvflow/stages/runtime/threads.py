@@ -14,23 +14,83 @@ The policy, measured on a 2-core machine (docs/performance.md, "Threads"):
   decode at small batch is bound by memory bandwidth, which one core of two already draws
   (batch 1 was no slower on 1 thread than on 2), and its share leaves the prefill's cores.
 
+A decode engine's share applies only while a prefill engine of the process is inside a step:
+before each of its steps the decode engine checks (``PrefillSteps``, which every prefill
+worker of the process marks around its steps) and, while no prefill engine computes, uses
+every core (``alone``; a batch-1 decode step ran 1.3x faster on 2 threads than on 1 here,
+docs/performance.md). ``KVFLOW_DECODE_THREADS=share`` keeps the share at all times.
+
 A colocated embedded server (``--colocate``) has one engine per prefill/decode pair; it gets
 the prefill's share (``engine_threads("prefill", pairs, 0)``): every core for one pair.
 
-``KVFLOW_INTRA_OP_THREADS`` sets every engine's count outright; with ``OMP_NUM_THREADS``
-set, engines keep torch's count (the operator decided). A process with one engine (a node)
-leaves torch's default: every core.
+``KVFLOW_INTRA_OP_THREADS`` sets every engine's count outright (fixed, no adapting); with
+``OMP_NUM_THREADS`` set, engines keep torch's count (the operator decided). A process with
+one engine (a node) leaves torch's default: every core.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 ENV_OVERRIDE = "KVFLOW_INTRA_OP_THREADS"
+ENV_DECODE = "KVFLOW_DECODE_THREADS"
+DECODE_MODES = ("adaptive", "share")
 ROLES = ("prefill", "decode")
+
+
+class PrefillSteps:
+    """How many prefill engines of a process are inside a step now. Prefill workers mark
+    their steps (``with steps.stepping():``); decode workers read ``busy`` before each step.
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        with self._lock:
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+
+    @property
+    def busy(self) -> bool:
+        """Whether some prefill engine is inside a step (a plain read: it decides one step's
+        thread count, and a step that begins meanwhile is seen at the next one)."""
+        return self._inside > 0
+
+
+@dataclass(frozen=True)
+class EngineThreads:
+    """One engine's intra-op threads, decided by its worker before each step: ``share``
+    while ``watches`` reports a prefill engine inside a step (or always, without
+    ``watches``), else ``alone``. ``marks``: the engine is a prefill engine whose steps it
+    reports there."""
+
+    share: int
+    alone: int | None = None
+    watches: PrefillSteps | None = None
+    marks: PrefillSteps | None = None
+
+    def __post_init__(self) -> None:
+        if self.share < 1 or (self.alone is not None and self.alone < 1):
+            raise ValueError(f"thread counts must be >= 1, got {self.share}/{self.alone}")
+
+    def for_step(self) -> int:
+        if self.alone is None or self.watches is None or self.watches.busy:
+            return self.share
+        return self.alone
 
 
 def cores() -> int:
@@ -80,3 +140,37 @@ def engine_threads(role: str, prefill: int, decode: int) -> int | None:
         cores(),
     )
     return n
+
+
+def decode_mode() -> str:
+    """`KVFLOW_DECODE_THREADS` (default "adaptive"): "share" keeps a decode engine at its
+    share of the cores even while no prefill engine computes."""
+    value = os.environ.get(ENV_DECODE, "adaptive")
+    if value not in DECODE_MODES:
+        raise ValueError(f"{ENV_DECODE} must be one of {DECODE_MODES}, got {value!r}")
+    return value
+
+
+def embedded_threads(prefill: int, decode: int, colocate: bool) -> dict[str, EngineThreads | None]:
+    """Each role's engine threads in an embedded server of `prefill` + `decode` engines
+    (one engine per pair when `colocate`); None: torch's count. While no prefill engine is
+    inside a step, decode engines share every core (``decode_mode``), unless the
+    environment fixed the counts."""
+    if colocate:
+        n = engine_threads("prefill", prefill, 0)
+        fixed = None if n is None else EngineThreads(n)
+        return {role: fixed for role in ROLES}
+    counts = {role: engine_threads(role, prefill, decode) for role in ROLES}
+    if counts["decode"] is None or counts["prefill"] is None:
+        return {role: None for role in ROLES}
+    if _override() is not None or decode_mode() == "share":
+        return {role: EngineThreads(counts[role] or 1) for role in ROLES}
+    alone = max(1, cores() // decode)  # decode engines share the cores a prefill leaves
+    if alone <= counts["decode"]:
+        return {role: EngineThreads(counts[role] or 1) for role in ROLES}
+    steps = PrefillSteps()
+    logger.info("decode engine: %d intra-op threads while no prefill engine computes", alone)
+    return {
+        "prefill": EngineThreads(counts["prefill"], marks=steps),
+        "decode": EngineThreads(counts["decode"], alone=alone, watches=steps),
+    }

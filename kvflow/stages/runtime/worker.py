@@ -14,12 +14,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from kvflow.stages.engine import Engine, RequestOutput, SamplingParams, UnknownRequestError
+from kvflow.stages.runtime.threads import EngineThreads
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +61,17 @@ class EngineWorker:
         name: str,
         engine: Engine,
         idle_wait_s: float = 0.01,
-        intra_op_threads: int | None = None,
+        intra_op_threads: int | EngineThreads | None = None,
     ) -> None:
         """``intra_op_threads``: torch's intra-op threads for this engine's forward passes
-        (set on the worker thread; ``runtime/threads.py`` decides); None leaves torch's."""
+        (set on the worker thread before each step; ``runtime/threads.py`` decides); an int
+        is a fixed count; None leaves torch's."""
         self.name = name
         self.engine = engine
-        self.intra_op_threads = intra_op_threads
+        if isinstance(intra_op_threads, int):
+            intra_op_threads = EngineThreads(intra_op_threads)
+        self.threads = intra_op_threads
+        self._thread_count: int | None = None  # what this thread's torch is set to
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sinks: dict[str, WorkItem] = {}
@@ -185,9 +191,21 @@ class EngineWorker:
             except queue.Empty:
                 return
 
+    def _set_threads(self) -> None:
+        """Set this thread's intra-op count for the next step (only when it changes)."""
+        if self.threads is None:
+            return
+        n = self.threads.for_step()
+        if n != self._thread_count:
+            torch.set_num_threads(n)  # this thread's parallel regions
+            self._thread_count = n
+
+    def _stepping(self) -> AbstractContextManager[None]:
+        marks = self.threads.marks if self.threads is not None else None
+        return nullcontext() if marks is None else marks.stepping()
+
     def _loop(self) -> None:
-        if self.intra_op_threads is not None:
-            torch.set_num_threads(self.intra_op_threads)  # this thread's parallel regions
+        self._set_threads()
         logger.info(
             "worker=%s engine loop started (%d intra-op threads)",
             self.name,
@@ -198,7 +216,9 @@ class EngineWorker:
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
-                outputs = self.engine.step()
+                self._set_threads()
+                with self._stepping():
+                    outputs = self.engine.step()
             except Exception as exc:
                 logger.exception("worker=%s engine step failed; failing its requests", self.name)
                 self._fail_all(exc)

@@ -21,6 +21,7 @@ from kvflow.router import (
 )
 from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
 from kvflow.stages.hash import DEFAULT_TENANT, namespace_for
+from kvflow.stages.runtime.threads import EngineThreads
 from kvflow.stages.runtime.worker import EngineWorker
 from kvflow.stages.serve.closers import Closers
 from kvflow.stages.serve.config import EngineStoreConfig, RoutingConfig
@@ -58,7 +59,7 @@ def open_engine(
     config: EngineStoreConfig,
     instance_id: str,
     closers: Closers,
-    intra_op_threads: int | None = None,
+    intra_op_threads: int | EngineThreads | None = None,
 ) -> EngineWorker:
     """An engine on ``model_dir`` behind its started worker thread (stopped by ``closers``),
     whose forward passes use ``intra_op_threads`` (None: torch's count)."""

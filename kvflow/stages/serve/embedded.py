@@ -33,7 +33,7 @@ from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, poo
 from kvflow.stages.runtime.prefix_index import ShardPrefixIndex
 from kvflow.stages.runtime.replicator import Replicator
 from kvflow.stages.runtime.staging import StagingArea
-from kvflow.stages.runtime.threads import ROLES, engine_threads
+from kvflow.stages.runtime.threads import embedded_threads
 from kvflow.stages.runtime.worker import EngineWorker
 from kvflow.stages.serve.build import (
     build_admission,
@@ -82,10 +82,8 @@ class EmbeddedCluster:
     # -- building ---------------------------------------------------------------------------
     def _build(self, metadata_port: int | None) -> None:
         c = self.config
-        if c.colocate:  # one engine per prefill/decode pair: the prefill's share of cores
-            self._threads = {k: engine_threads("prefill", c.num_prefill, 0) for k in ROLES}
-        else:
-            self._threads = {k: engine_threads(k, c.num_prefill, c.num_decode) for k in ROLES}
+        # colocated: one engine per prefill/decode pair, with the prefill's share of cores
+        self._threads = embedded_threads(c.num_prefill, c.num_decode, c.colocate)
         before = torch.get_num_threads()  # the engine threads' settings reach new threads'
         self._closers.add(lambda: torch.set_num_threads(before))  # default: restored at close
         self.transfer = TransferEngine(TransferConfig())

@@ -15,8 +15,9 @@ Measures, best of `--repeat`:
 
 `--dtype float32,bfloat16,int8,int4` runs an engine per dtype (int8/int4: weight-only
 quantized decoder linears with bf16 activations, whose matmul rate is measured in bf16 and
-whose ceiling counts the int8/int4 weights and their scales); `--fused` loads the model
-with q/k/v and gate/up fused (not the engine's default), and `--compare` runs both layouts;
+whose ceiling counts the int8/int4 weights and their scales); the model loads with
+q/k/v and gate/up fused (the engine's default; `--fused` says so), `--unfused` loads the
+separate projections, and `--compare` runs both layouts;
 `--linears onednn,aten` runs an engine per linear backend (`KVFLOW_LINEAR`,
 onednn_linear.py). With more than one engine they run alternating, A B ... B A, in one
 invocation, each row the better of its two passes. Seeded; one summary line; `--json PATH`
@@ -259,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="best of this many timings")
     p.add_argument("--seed", type=int, default=0)
     layout = p.add_mutually_exclusive_group()
-    layout.add_argument("--fused", action="store_true", help="q/k/v and gate/up fused")
+    layout.add_argument("--fused", action="store_true", help="q/k/v and gate/up fused (default)")
+    layout.add_argument("--unfused", action="store_true", help="separate q/k/v and gate/up")
     layout.add_argument("--compare", action="store_true", help="fused and unfused, alternating")
     p.add_argument("--quick", action="store_true", help="short sequences, one repeat")
     p.add_argument("--json", type=Path, help="write full results here")
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         layouts = {"fused": True, "unfused": False}
         if not args.compare:
-            layouts = {"fused": True} if args.fused else {"unfused": False}
+            layouts = {"unfused": False} if args.unfused else {"fused": True}
         backends: list[str | None] = args.linears or [None]
         engines = {
             f"{name}-{dtype}" + (f"-{lin}" if lin else ""): open_engine(

@@ -22,6 +22,7 @@ from kvflow.stages.engine.spec import load_spec
 from kvflow.stages.serve.config import DTYPES
 from kvflow.tools.args import add_engine_store_flags
 from kvflow.tools.bench.precision import compare, equivalence_prompt
+from kvflow.tools.bench.roofline import open_engine as open_bench_engine
 from tests.stages.engine.conftest import open_engine
 
 QUANT = (Int8Linear, Int4Linear)
@@ -62,8 +63,10 @@ def test_quantized_linear_within_half_a_step(bits: int) -> None:
 
 
 def _dequantized_twin(cand_dir: Path, cand: nn.Module) -> nn.Module:
-    """A float32 engine's model whose decoder linears hold `cand`'s dequantized weights."""
-    ref = open_engine(cand_dir, prefill_chunk=16)
+    """A float32 engine's model whose decoder linears hold `cand`'s dequantized weights (in the
+    quantized engines' layout: separate projections)."""
+    config = EngineConfig(block_size=8, num_pages=64, prefill_chunk=16, return_logits=True)
+    ref = open_bench_engine(cand_dir, config, fuse=False)
     for (name, module), (_, twin) in zip(
         cand.model.layers.named_modules(), ref.model.model.layers.named_modules(), strict=True
     ):
