@@ -6,7 +6,10 @@ the best rounding). Activations, the bias and the output stay in `compute` (bflo
 engine's int8/int4): only the weight is stored low-bit and dequantized inside the kernel.
 
 - `Int8Linear`: `q = round(w / s)` in [-127, 127] with `s = max|w_row| / 127` per output row;
-  `y = x @ (q * s).T` by `torch._weight_int8pack_mm(x, q[N, K], s[N])`.
+  `y = x @ (q * s).T` by `torch._weight_int8pack_mm(x, q[N, K], s[N])` for a few rows (a
+  decode step: the kernel reads a quarter of float32's bytes). From `DEQUANT_ROWS` rows on (a
+  prefill chunk) the weight is dequantized to the compute dtype for that call and multiplied
+  by `F.linear` instead: at 512 rows the int8 kernel ran 2.7x slower than that here.
 - `Int4Linear`: per row and group of `group_size` input columns, `s = (max - min) / 15`,
   `q = round((w - min) / s)` in [0, 15], stored as `(q - 8) * s + zero` with
   `zero = min + 8 s` — the layout `torch._weight_int4pack_mm_for_cpu` reads (scales and zeros
@@ -20,6 +23,7 @@ and for the error bound: every element is within half a step (`s / 2`) of the fl
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvflow.stages.engine.linear_swap import swap_linears
@@ -28,6 +32,9 @@ from kvflow.stages.engine.precision import Precision
 _INT8_OP = "_weight_int8pack_mm"
 _INT4_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
 _TINY = 1e-8  # the smallest scale: an all-zero row or a constant group quantizes exactly
+DEQUANT_ROWS = 32
+"""From this many rows on, `Int8Linear` dequantizes its weight for the call (a prefill chunk);
+below, the int8 kernel (a decode batch)."""
 
 
 def missing_kernel(bits: int, device: torch.device) -> str | None:
@@ -62,6 +69,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", _bias(linear, compute), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= DEQUANT_ROWS:
+            weight = self.packed.to(x.dtype) * self.scales.to(x.dtype)[:, None]
+            return F.linear(x, weight, self.bias)
         y = torch._weight_int8pack_mm(x.contiguous(), self.packed, self.scales)
         return y if self.bias is None else y + self.bias
 

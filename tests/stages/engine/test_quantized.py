@@ -17,7 +17,12 @@ from kvflow.stages.engine import EngineConfig, ModelLoadError, SamplingParams
 from kvflow.stages.engine.loader import load_weights
 from kvflow.stages.engine.onednn_linear import OneDNNDenseLinear
 from kvflow.stages.engine.precision import PRECISIONS, precision
-from kvflow.stages.engine.quant_linear import Int4Linear, Int8Linear, missing_kernel
+from kvflow.stages.engine.quant_linear import (
+    DEQUANT_ROWS,
+    Int4Linear,
+    Int8Linear,
+    missing_kernel,
+)
 from kvflow.stages.engine.spec import load_spec
 from kvflow.stages.serve.config import DTYPES
 from kvflow.tools.args import add_engine_store_flags
@@ -60,6 +65,24 @@ def test_quantized_linear_within_half_a_step(bits: int) -> None:
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
     expected = x @ deq.T + linear.bias.detach()
     assert torch.allclose(q(x), expected, atol=1e-4), float((q(x) - expected).abs().max())
+
+
+def test_int8_prefill_rows_dequantize_and_agree_with_the_kernel() -> None:
+    """A prefill chunk (>= DEQUANT_ROWS rows) multiplies the dequantized weight, a decode
+    batch runs the int8 kernel: both give x @ W_deq.T, row for row, in float32 and in bf16."""
+    linear = _linear(96, 128, seed=3)
+    x = torch.randn(DEQUANT_ROWS + 8, 128, generator=torch.Generator().manual_seed(2))
+    for compute, atol in ((torch.float32, 1e-4), (torch.bfloat16, 6e-2)):
+        q = Int8Linear(linear, compute)
+        xc = x.to(compute)
+        expected = xc.float() @ q.dequantized().T + linear.bias.detach()
+        whole = q(xc)  # the dequantizing path
+        rows = torch.cat([q(xc[i : i + 4]) for i in range(0, len(xc), 4)])  # the kernel
+        assert whole.dtype == rows.dtype == compute
+        for got in (whole, rows):
+            assert torch.allclose(got.float(), expected, atol=atol), float(
+                (got.float() - expected).abs().max()
+            )
 
 
 def _dequantized_twin(cand_dir: Path, cand: nn.Module) -> nn.Module:
