@@ -8,8 +8,9 @@ engine's int8/int4): only the weight is stored low-bit and dequantized inside th
 - `Int8Linear`: `q = round(w / s)` in [-127, 127] with `s = max|w_row| / 127` per output row;
   `y = x @ (q * s).T` by `torch._weight_int8pack_mm(x, q[N, K], s[N])` for a few rows (a
   decode step: the kernel reads a quarter of float32's bytes). From `DEQUANT_ROWS` rows on (a
-  prefill chunk) the weight is dequantized to the compute dtype for that call and multiplied
-  by `F.linear` instead: at 512 rows the int8 kernel ran 2.7x slower than that here.
+  prefill chunk) `F.linear` multiplies by `q` converted to the compute dtype for that call
+  (exact: |q| <= 127) and the output columns are scaled: at 512 rows the int8 kernel ran
+  2.7x slower than that here.
 - `Int4Linear`: per row and group of `group_size` input columns, `s = (max - min) / 15`,
   `q = round((w - min) / s)` in [0, 15], stored as `(q - 8) * s + zero` with
   `zero = min + 8 s` — the layout `torch._weight_int4pack_mm_for_cpu` reads (scales and zeros
@@ -69,10 +70,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", _bias(linear, compute), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DEQUANT_ROWS:
-            weight = self.packed.to(x.dtype) * self.scales.to(x.dtype)[:, None]
-            return F.linear(x, weight, self.bias)
-        y = torch._weight_int8pack_mm(x.contiguous(), self.packed, self.scales)
+        if x.shape[0] >= DEQUANT_ROWS:  # q is exact in bf16; the row scale goes on the output
+            y = F.linear(x, self.packed.to(x.dtype)) * self.scales
+        else:
+            y = torch._weight_int8pack_mm(x.contiguous(), self.packed, self.scales)
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> torch.Tensor:
