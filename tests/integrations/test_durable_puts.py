@@ -249,6 +249,17 @@ def test_kv_oracle_acknowledged_puts_survive_writer_and_holder_kills(
 # ------------------------------------------------------------------ the Mooncake promise
 
 
+def _acked_keys(w: Child, n: int) -> list[str]:
+    """The keys writer ``w`` reports acknowledged, once it says it is done: all ``n`` of them."""
+    got: list[tuple[Any, ...]] = []
+    while not got or got[-1] != ("done",):
+        assert w.conn.poll(READY_S), got[-3:]
+        got.append(w.conn.recv())
+    keys = [m[1] for m in got if m[0] == "ack"]
+    assert len(keys) == n, got
+    return keys
+
+
 @pytest.mark.parametrize(
     ("writer_holds", "replicas"),
     [(False, 2), (True, 3)],
@@ -266,12 +277,7 @@ def test_get_after_the_writer_and_n_minus_1_holders_are_sigkilled(
     procs.ready(hs)
     w = procs.start(durable_procs.writer, "w", writer_holds, seed, "k", n, replicas, writer_holds)
     procs.ready([w])
-    got = []
-    while not got or got[-1] != ("done",):
-        assert w.conn.poll(READY_S), got[-3:]
-        got.append(w.conn.recv())
-    keys = [m[1] for m in got if m[0] == "ack"]
-    assert len(keys) == n, got
+    keys = _acked_keys(w, n)
     reader = _reader(procs.meta)
     try:
         rows = _holders_of(reader, keys)
@@ -311,12 +317,7 @@ def test_get_waits_out_a_slow_last_holder_and_gives_up_on_a_paused_one(
     procs.ready(hs)
     w = procs.start(durable_procs.writer, "w", False, seed, "s", n, 2, False)
     procs.ready([w])
-    got = []
-    while not got or got[-1] != ("done",):
-        assert w.conn.poll(READY_S), got[-3:]
-        got.append(w.conn.recv())
-    keys = [m[1] for m in got if m[0] == "ack"]
-    assert len(keys) == n, got
+    keys = _acked_keys(w, n)
     # the reader counts a silent peer as live for long: h0 is paused, not dead
     reader = _reader(procs.meta, kvflow_peer_dead_after_s=120.0)
     h0 = procs.children["h0"].proc.pid
