@@ -8,7 +8,11 @@
   512, so a 512-token causal attention computed every masked score; in blocks the masked
   half is skipped (docs/performance.md). Elsewhere: one masked attention.
 - `PagedDecode`: one token for each of several requests; each request's pages are gathered
-  into a padded batch and masked by its own length.
+  into a padded batch and masked by its own length. When every request of the batch starts
+  with the same pages (a prefix the engine shares by key), those are attended once for all
+  of the batch's queries (one flash attention whose rows are every request's query heads of
+  a KV head) and merged with each request's own part by log-sum-exp ("cascade" attention):
+  the shared K/V is read once a layer instead of once a request.
 - `ContiguousKV`: the plain reference path: one sequence, one contiguous K/V per layer.
 
 All use `scaled_dot_product_attention` with grouped-query attention (`enable_gqa`), and an
@@ -190,9 +194,16 @@ class PagedDecode:
         rows = torch.arange(page_table.shape[0], device=page_table.device)
         self.slot_pages = page_table[rows, positions // bs]
         self.slot_offsets = positions % bs
-        k_pos = torch.arange(page_table.shape[1] * bs, device=page_table.device)
+        self.shared = shared_prefix_pages(page_table, positions, bs, window)
+        if self.shared:
+            self.shared_ids = page_table[0, : self.shared]
+            self.page_table = page_table[:, self.shared :]
+        k_pos = torch.arange(self.shared * bs, page_table.shape[1] * bs, device=page_table.device)
         mask = visible_mask(positions[:, None], k_pos[None, :], window)
         self.mask = mask[:, None, None, :]  # [B, 1, 1, ctx]
+        if self.shared:  # the flash kernel takes an additive mask
+            additive = torch.zeros(self.mask.shape, dtype=pool.dtype, device=page_table.device)
+            self.mask = additive.masked_fill(~self.mask, float("-inf"))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pool.tensor
@@ -202,8 +213,42 @@ class PagedDecode:
         # Grouped-query attention without expanding K/V: the query heads that share a KV head
         # are that head's queries (head h reads KV head h // group, as in Hugging Face).
         qg = q.reshape(b, kvh, -1, d)  # [B, kvh, group, d]
+        if self.shared:
+            return self._cascade(layer, qg, ctx).reshape(b, -1)
         out = _sdpa(qg, ctx[0], ctx[1], self.mask)  # [B, kvh, group, d]
         return out.reshape(b, -1)
+
+    def _cascade(self, layer: int, qg: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """Attention over the shared pages once for every row, then over each row's own
+        pages, merged by their log-sum-exp (as `attend_in_parts`): the shared K/V is read
+        once a layer, not once a row. qg [B, kvh, group, d]; ctx: the rows' own pages."""
+        assert _flash_cpu is not None
+        b, kvh, group, d = qg.shape
+        shared = gather_context(self.pool.tensor, layer, self.shared_ids)  # [2, kvh, S, d]
+        qs = qg.transpose(0, 1).reshape(1, kvh, b * group, d)
+        o1, l1 = _flash_cpu(qs, shared[0].unsqueeze(0), shared[1].unsqueeze(0))[:2]
+        o1 = o1.reshape(kvh, b, group, d).transpose(0, 1)
+        l1 = l1.reshape(kvh, b, group).transpose(0, 1)
+        o2, l2 = _flash_cpu(qg, ctx[0], ctx[1], attn_mask=self.mask)[:2]
+        top = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
+        return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(qg.dtype)
+
+
+def shared_prefix_pages(
+    page_table: torch.Tensor, positions: torch.Tensor, block_size: int, window: int | None
+) -> int:
+    """How many leading pages every row of a decode batch holds (the same page ids: a
+    prefix shared by key, engine.py), each of them wholly visible to every row; 0 for one
+    row, without the CPU flash kernel, or with a sliding window that may hide them."""
+    if page_table.shape[0] < 2 or _flash_cpu is None or page_table.device.type != "cpu":
+        return 0
+    same = (page_table == page_table[0]).all(0).tolist()
+    n = next((i for i, s in enumerate(same) if not s), len(same))
+    n = min(n, int(positions.min()) // block_size)
+    if window is not None and n and int(positions.max()) - window >= 0:
+        return 0
+    return n
 
 
 class ContiguousKV:
