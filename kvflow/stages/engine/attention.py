@@ -180,7 +180,10 @@ class PagedPrefill:
 
 class PagedDecode:
     """One new token for each of B requests. `page_table` [B, max_pages] lists each request's
-    pages (padded with any valid page id); `positions` [B] is each new token's position."""
+    pages (padded with any valid page id); `positions` [B] is each new token's position.
+
+    Requests that start with the same pages (shared by key, engine.py) form a group; each
+    group's shared pages are attended once for all of its rows (`_cascade`)."""
 
     def __init__(
         self,
@@ -190,19 +193,31 @@ class PagedDecode:
         window: int | None,
     ) -> None:
         bs = pool.layout.block_size
+        dev = page_table.device
         self.pool, self.page_table = pool, page_table
-        rows = torch.arange(page_table.shape[0], device=page_table.device)
+        rows = torch.arange(page_table.shape[0], device=dev)
         self.slot_pages = page_table[rows, positions // bs]
         self.slot_offsets = positions % bs
-        self.shared = shared_prefix_pages(page_table, positions, bs, window)
-        if self.shared:
-            self.shared_ids = page_table[0, : self.shared]
-            self.page_table = page_table[:, self.shared :]
-        k_pos = torch.arange(self.shared * bs, page_table.shape[1] * bs, device=page_table.device)
-        mask = visible_mask(positions[:, None], k_pos[None, :], window)
+        table, pos = page_table.tolist(), positions.tolist()
+        groups = shared_groups(table, pos, bs, window) if dev.type == "cpu" else []
+        # each group: its rows and its shared pages
+        self.groups = [
+            (torch.tensor(members, device=dev), page_table[members[0], :n]) for members, n in groups
+        ]
+        start = [0] * len(table)  # per row: its first page past the shared ones
+        for members, n in groups:
+            for r in members:
+                start[r] = n
+        lo = min(start)
+        if groups:  # each row's own pages, padded (masked) to one width
+            own = [t[s:] + [t[0]] * (s - lo) for t, s in zip(table, start, strict=True)]
+            self.page_table = torch.tensor(own, dtype=page_table.dtype, device=dev)
+        width = (page_table.shape[1] - lo) * bs
+        k_pos = torch.tensor(start, device=dev)[:, None] * bs + torch.arange(width, device=dev)
+        mask = visible_mask(positions[:, None], k_pos, window)
         self.mask = mask[:, None, None, :]  # [B, 1, 1, ctx]
-        if self.shared:  # the flash kernel takes an additive mask
-            additive = torch.zeros(self.mask.shape, dtype=pool.dtype, device=page_table.device)
+        if groups:  # the flash kernel takes an additive mask
+            additive = torch.zeros(self.mask.shape, dtype=pool.dtype, device=dev)
             self.mask = additive.masked_fill(~self.mask, float("-inf"))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -213,42 +228,57 @@ class PagedDecode:
         # Grouped-query attention without expanding K/V: the query heads that share a KV head
         # are that head's queries (head h reads KV head h // group, as in Hugging Face).
         qg = q.reshape(b, kvh, -1, d)  # [B, kvh, group, d]
-        if self.shared:
+        if self.groups:
             return self._cascade(layer, qg, ctx).reshape(b, -1)
         out = _sdpa(qg, ctx[0], ctx[1], self.mask)  # [B, kvh, group, d]
         return out.reshape(b, -1)
 
     def _cascade(self, layer: int, qg: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-        """Attention over the shared pages once for every row, then over each row's own
-        pages, merged by their log-sum-exp (as `attend_in_parts`): the shared K/V is read
-        once a layer, not once a row. qg [B, kvh, group, d]; ctx: the rows' own pages."""
+        """Each row over its own pages; each group's rows over its shared pages in one flash
+        attention (its rows' query heads of a KV head are that head's rows); the two parts
+        merged by their log-sum-exp (as `attend_in_parts`). The shared K/V is read once a
+        layer, not once a row. qg [B, kvh, group, d]; ctx: the rows' own pages."""
         assert _flash_cpu is not None
-        b, kvh, group, d = qg.shape
-        shared = gather_context(self.pool.tensor, layer, self.shared_ids)  # [2, kvh, S, d]
-        qs = qg.transpose(0, 1).reshape(1, kvh, b * group, d)
-        o1, l1 = _flash_cpu(qs, shared[0].unsqueeze(0), shared[1].unsqueeze(0))[:2]
-        o1 = o1.reshape(kvh, b, group, d).transpose(0, 1)
-        l1 = l1.reshape(kvh, b, group).transpose(0, 1)
+        _, kvh, group, d = qg.shape
         o2, l2 = _flash_cpu(qg, ctx[0], ctx[1], attn_mask=self.mask)[:2]
-        top = torch.maximum(l1, l2)
+        o1 = torch.zeros_like(o2)
+        l1 = torch.full_like(l2, float("-inf"))  # rows of no group: no shared part
+        for members, ids in self.groups:
+            n = members.shape[0]
+            shared = gather_context(self.pool.tensor, layer, ids)  # [2, kvh, S, d]
+            qs = qg[members].transpose(0, 1).reshape(1, kvh, n * group, d)
+            o, lse = _flash_cpu(qs, shared[0].unsqueeze(0), shared[1].unsqueeze(0))[:2]
+            o1[members] = o.reshape(kvh, n, group, d).transpose(0, 1)
+            l1[members] = lse.reshape(kvh, n, group).transpose(0, 1)
+        top = torch.maximum(l1, l2)  # l2 is finite: a row always sees its own new token
         w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
         return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(qg.dtype)
 
 
-def shared_prefix_pages(
-    page_table: torch.Tensor, positions: torch.Tensor, block_size: int, window: int | None
-) -> int:
-    """How many leading pages every row of a decode batch holds (the same page ids: a
-    prefix shared by key, engine.py), each of them wholly visible to every row; 0 for one
-    row, without the CPU flash kernel, or with a sliding window that may hide them."""
-    if page_table.shape[0] < 2 or _flash_cpu is None or page_table.device.type != "cpu":
-        return 0
-    same = (page_table == page_table[0]).all(0).tolist()
-    n = next((i for i, s in enumerate(same) if not s), len(same))
-    n = min(n, int(positions.min()) // block_size)
-    if window is not None and n and int(positions.max()) - window >= 0:
-        return 0
-    return n
+def shared_groups(
+    table: list[list[int]], positions: list[int], block_size: int, window: int | None
+) -> list[tuple[list[int], int]]:
+    """The groups of a decode batch (rows, shared pages): two or more rows whose first pages
+    are the same ids (a prefix shared by key, engine.py), each of those pages wholly visible
+    to every row of the group. None without the CPU flash kernel; none where a sliding
+    window may hide the group's first tokens."""
+    if _flash_cpu is None:
+        return []
+    by_first: dict[int, list[int]] = {}
+    for r, row in enumerate(table):
+        by_first.setdefault(row[0], []).append(r)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        if window is not None and max(positions[r] for r in members) >= window:
+            continue
+        first = table[members[0]]
+        n = min(positions[r] for r in members) // block_size  # full pages before every row's
+        n = next((i for i in range(n) if any(table[r][i] != first[i] for r in members)), n)
+        if n:
+            groups.append((members, n))
+    return groups
 
 
 class ContiguousKV:

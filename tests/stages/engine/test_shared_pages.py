@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflow.stages.engine import Engine, InvalidRequestError, SamplingParams
-from kvflow.stages.engine.attention import PagedDecode, gather_context, shared_prefix_pages
+from kvflow.stages.engine.attention import PagedDecode, gather_context, shared_groups
 from tests.stages.engine.conftest import open_engine
 
 BS = 8
@@ -140,25 +140,29 @@ def test_more_keys_than_full_blocks_is_refused(llama_dir: Path) -> None:
 
 
 def test_cascade_decode_equals_one_attention(llama_dir: Path) -> None:
-    """PagedDecode over a batch whose rows start with the same pages: the two-part attention
-    gives the one-part answer."""
+    """PagedDecode over a batch of two groups that start with the same pages and a row of
+    its own: the two-part attention gives the one-part answer for every row."""
     engine = open_engine(llama_dir, num_pages=16)
     pool = engine._pool  # the attention backend is built on the pool
     gen = torch.Generator().manual_seed(5)
     pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=gen))
-    table = torch.tensor([[0, 1, 2, 3], [0, 1, 4, 5], [0, 1, 6, 7]])
-    positions = torch.tensor([3 * BS + 2, 2 * BS + 5, 4 * BS - 1])
-    assert shared_prefix_pages(table, positions, BS, None) == 2
+    rows = [[0, 1, 2, 3], [0, 1, 4, 5], [8, 9, 10, 10], [8, 11, 12, 13], [14, 15, 14, 14]]
+    table = torch.tensor(rows)
+    positions = torch.tensor([3 * BS + 2, 2 * BS + 5, 2 * BS + 1, 4 * BS - 1, BS + 3])
+    groups = shared_groups(rows, positions.tolist(), BS, None)
+    assert groups == [([0, 1], 2), ([2, 3], 1)]
+    assert shared_groups(rows, positions.tolist(), BS, window=3 * BS) == []
     spec = engine.spec
     heads, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q = torch.randn(3, heads, d, generator=gen)
-    k, v = torch.randn(3, kvh, d, generator=gen), torch.randn(3, kvh, d, generator=gen)
+    b = len(rows)
+    q = torch.randn(b, heads, d, generator=gen)
+    k, v = torch.randn(b, kvh, d, generator=gen), torch.randn(b, kvh, d, generator=gen)
     out = PagedDecode(pool, table, positions, None).attend(0, q, k, v)
     ctx = gather_context(pool.tensor, 0, table)  # k/v were written by attend
-    for row in range(3):
+    for row in range(b):
         n = int(positions[row]) + 1
         qg = q[row].reshape(kvh, heads // kvh, d)
         ref = torch.nn.functional.scaled_dot_product_attention(
-            qg, ctx[0, row, :, :n], ctx[1, row, :, :n]
+            qg, ctx[0, row, :, :n], ctx[1, row, :, :n], enable_gqa=True
         )
         assert torch.allclose(out[row], ref.reshape(-1), atol=1e-5)
