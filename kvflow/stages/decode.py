@@ -87,6 +87,7 @@ class DecodeStage(Stage):
                 num_prefix_tokens=state.prompt_len,
                 retain_pages=True,  # released once its new blocks are stored
                 verify_pages=False,  # copies of pages the prefill engine computed
+                block_keys=state.block_keys,  # the prompt's: pages shared by key
                 num_output_tokens=1,  # the first token: a grammar continues after it
                 on_admitted=on_admitted,
             )

@@ -75,6 +75,7 @@ class PrefillStage(Stage):
             num_prefix_tokens=state.num_cached_tokens,
             retain_pages=True,
             verify_pages=False,  # kvdb verified each block's checksum
+            block_keys=state.block_keys,  # the namespace's chained keys: pages shared by key
             on_admitted=on_admitted,
         )
         state.booking.start_prefill(time.monotonic())

@@ -8,7 +8,11 @@
   512, so a 512-token causal attention computed every masked score; in blocks the masked
   half is skipped (docs/performance.md). Elsewhere: one masked attention.
 - `PagedDecode`: one token for each of several requests; each request's pages are gathered
-  into a padded batch and masked by its own length.
+  into a padded batch and masked by its own length. When every request of the batch starts
+  with the same pages (a prefix the engine shares by key), those are attended once for all
+  of the batch's queries (one flash attention whose rows are every request's query heads of
+  a KV head) and merged with each request's own part by log-sum-exp ("cascade" attention):
+  the shared K/V is read once a layer instead of once a request.
 - `ContiguousKV`: the plain reference path: one sequence, one contiguous K/V per layer.
 
 All use `scaled_dot_product_attention` with grouped-query attention (`enable_gqa`), and an
@@ -176,7 +180,11 @@ class PagedPrefill:
 
 class PagedDecode:
     """One new token for each of B requests. `page_table` [B, max_pages] lists each request's
-    pages (padded with any valid page id); `positions` [B] is each new token's position."""
+    pages (padded with any valid page id); `positions` [B] is each new token's position.
+
+    Requests that start with the same pages (shared by key, engine.py) form a group; each
+    group's shared pages are attended once for all of its rows (`_cascade`), and only the
+    rest of their pages is gathered row by row. Rows of no group attend as one batch."""
 
     def __init__(
         self,
@@ -186,24 +194,123 @@ class PagedDecode:
         window: int | None,
     ) -> None:
         bs = pool.layout.block_size
-        self.pool, self.page_table = pool, page_table
-        rows = torch.arange(page_table.shape[0], device=page_table.device)
+        dev = page_table.device
+        self.pool, self.window = pool, window
+        rows = torch.arange(page_table.shape[0], device=dev)
         self.slot_pages = page_table[rows, positions // bs]
         self.slot_offsets = positions % bs
-        k_pos = torch.arange(page_table.shape[1] * bs, device=page_table.device)
-        mask = visible_mask(positions[:, None], k_pos[None, :], window)
-        self.mask = mask[:, None, None, :]  # [B, 1, 1, ctx]
+        table, pos = page_table.tolist(), positions.tolist()
+        groups = shared_groups(table, pos, bs, window) if dev.type == "cpu" else []
+        # each group: its rows (indices into the cascade rows) and its shared pages
+        start = {r: n for members, n in groups for r in members}  # a row's first own page
+        cascade = sorted(start)
+        plain = [r for r in range(len(table)) if r not in start]
+        self.cascade_rows = torch.tensor(cascade, dtype=torch.int64, device=dev)
+        self.plain_rows = torch.tensor(plain, dtype=torch.int64, device=dev)
+        index = {r: i for i, r in enumerate(cascade)}
+        self.groups = [
+            (torch.tensor([index[r] for r in members], device=dev), page_table[members[0], :n])
+            for members, n in groups
+        ]
+        self.cascade = self._part(table, pos, cascade, [start.get(r, 0) for r in cascade], bs)
+        self.plain = self._part(table, pos, plain, [0] * len(plain), bs)
+        if self.cascade is not None:  # the flash kernel takes an additive mask
+            ids, mask = self.cascade
+            additive = torch.zeros(mask.shape, dtype=pool.dtype, device=dev)
+            self.cascade = ids, additive.masked_fill(~mask, float("-inf"))
+
+    def _part(
+        self, table: list[list[int]], pos: list[int], rows: list[int], start: list[int], bs: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(page table, visibility mask [n, 1, 1, ctx]) of ``rows``, each from its page
+        ``start``: only the pages up to a row's position, padded (masked) to one width."""
+        if not rows:
+            return None
+        dev = self.pool.tensor.device
+        ends = [pos[r] // bs + 1 for r in rows]
+        width = max(e - s for e, s in zip(ends, start, strict=True))
+        own = [
+            table[r][s:e] + [table[r][0]] * (width - (e - s))
+            for r, s, e in zip(rows, start, ends, strict=True)
+        ]
+        first = torch.tensor(start, device=dev)[:, None] * bs
+        k_pos = first + torch.arange(width * bs, device=dev)
+        q_pos = torch.tensor([pos[r] for r in rows], device=dev)[:, None]
+        mask = visible_mask(q_pos, k_pos, self.window)
+        return torch.tensor(own, dtype=torch.int64, device=dev), mask[:, None, None, :]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pool.tensor
         pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
-        ctx = gather_context(pool, layer, self.page_table)  # [2, B, kvh, pages * bs, d]
-        _, b, kvh, _, d = ctx.shape
+        b, kvh, d = q.shape[0], k.shape[1], q.shape[2]
         # Grouped-query attention without expanding K/V: the query heads that share a KV head
         # are that head's queries (head h reads KV head h // group, as in Hugging Face).
         qg = q.reshape(b, kvh, -1, d)  # [B, kvh, group, d]
-        out = _sdpa(qg, ctx[0], ctx[1], self.mask)  # [B, kvh, group, d]
+        if self.cascade is None:
+            assert self.plain is not None
+            return self._plain(layer, qg, *self.plain).reshape(b, -1)
+        if self.plain is None:
+            return self._cascade(layer, qg, *self.cascade).reshape(b, -1)
+        out = torch.empty_like(qg)
+        out[self.cascade_rows] = self._cascade(layer, qg[self.cascade_rows], *self.cascade)
+        out[self.plain_rows] = self._plain(layer, qg[self.plain_rows], *self.plain)
         return out.reshape(b, -1)
+
+    def _plain(
+        self, layer: int, qg: torch.Tensor, table: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        ctx = gather_context(self.pool.tensor, layer, table)  # [2, n, kvh, pages * bs, d]
+        return _sdpa(qg, ctx[0], ctx[1], mask)  # [n, kvh, group, d]
+
+    def _cascade(
+        self, layer: int, qg: torch.Tensor, table: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row over its own pages; each group's rows over its shared pages in one flash
+        attention (its rows' query heads of a KV head are that head's rows); the two parts
+        merged by their log-sum-exp (as `attend_in_parts`). The shared K/V is read once a
+        layer, not once a row. qg [n, kvh, group, d]: the rows of the groups."""
+        assert _flash_cpu is not None
+        _, kvh, group, d = qg.shape
+        ctx = gather_context(self.pool.tensor, layer, table)  # the rows' own pages
+        o2, l2 = _flash_cpu(qg, ctx[0], ctx[1], attn_mask=mask)[:2]
+        o1 = torch.empty_like(o2)
+        l1 = torch.empty_like(l2)
+        for members, ids in self.groups:
+            n = members.shape[0]
+            shared = gather_context(self.pool.tensor, layer, ids)  # [2, kvh, S, d]
+            qs = qg[members].transpose(0, 1).reshape(1, kvh, n * group, d)
+            o, lse = _flash_cpu(qs, shared[0].unsqueeze(0), shared[1].unsqueeze(0))[:2]
+            o1[members] = o.reshape(kvh, n, group, d).transpose(0, 1)
+            l1[members] = lse.reshape(kvh, n, group).transpose(0, 1)
+        top = torch.maximum(l1, l2)  # both finite: a row sees its own new token and the prefix
+        w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
+        return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(qg.dtype)
+
+
+def shared_groups(
+    table: list[list[int]], positions: list[int], block_size: int, window: int | None
+) -> list[tuple[list[int], int]]:
+    """The groups of a decode batch (rows, shared pages): two or more rows whose first pages
+    are the same ids (a prefix shared by key, engine.py), each of those pages wholly visible
+    to every row of the group. None without the CPU flash kernel; none where a sliding
+    window may hide the group's first tokens."""
+    if _flash_cpu is None:
+        return []
+    by_first: dict[int, list[int]] = {}
+    for r, row in enumerate(table):
+        by_first.setdefault(row[0], []).append(r)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        if window is not None and max(positions[r] for r in members) >= window:
+            continue
+        first = table[members[0]]
+        n = min(positions[r] for r in members) // block_size  # full pages before every row's
+        n = next((i for i in range(n) if any(table[r][i] != first[i] for r in members)), n)
+        if n:
+            groups.append((members, n))
+    return groups
 
 
 class ContiguousKV:

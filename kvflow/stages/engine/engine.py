@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -78,6 +79,10 @@ class Engine:
         self._runner = ModelRunner(model, self._pool, self.device)
         self.model = model
         self._seqs: dict[str, Sequence] = {}  # live and retained-finished, in arrival order
+        # Pages that hold a keyed full prompt block (``add_request(block_keys=...)``): a
+        # request with the same key holds the same page instead of a copy of its own.
+        self._by_key: dict[Hashable, int] = {}
+        self._page_key: dict[int, Hashable] = {}
         self._pending: list[RequestOutput] = []  # aborts reported by the next step
         self._arrivals = 0
         self._steps = 0
@@ -191,6 +196,7 @@ class Engine:
         retain_pages: bool = False,
         verify_pages: bool = True,
         num_output_tokens: int = 0,
+        block_keys: Seq[Hashable] = (),
     ) -> None:
         """Queue a request. Its first `num_prefix_tokens` tokens already have their KV in
         `prefix_pages` (page i holds tokens [i*B, (i+1)*B); the last page may be partial);
@@ -201,6 +207,15 @@ class Engine:
         ``num_output_tokens``: the last that many of `token_ids` were already generated (a
         disaggregated decode continues after the prefill instance's first token): a grammar
         (``sampling.grammar``) starts after them.
+
+        ``block_keys``: keys of the first full blocks of `token_ids` (key i names the tokens
+        [0, (i+1)*B) and the KV they give, e.g. a chained block hash); at most
+        ``len(token_ids) // block_size``. Requests that give the same key share the pool page
+        of that block while one of them holds it: an imported block whose key a live page
+        holds is not copied (the request holds that page), and a computed or imported one is
+        offered to later requests. Shared pages are never written (a request writes only
+        past its prefix), and a decode batch whose requests start with the same pages attends
+        to them once (attention.py).
 
         Raises InvalidRequestError (duplicate id, empty or out-of-vocabulary tokens, prompt
         longer than max_model_len, bad num_prefix_tokens), PageLayoutError (wrong page count,
@@ -218,8 +233,19 @@ class Engine:
         kv_tokens = min(len(tokens) + sampling.max_tokens - 1, longest)
         generator = self._generator(request_id, sampling)  # may raise: before any page is taken
         constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
-        page_ids = self._pool.allocate(-(-kv_tokens // bs))
-        self._pool.write_pages(page_ids[: len(pages)], pages)
+        keys = self._check_keys(request_id, tokens, block_keys)
+        # Full imported blocks a live page already holds: shared, not copied.
+        held = [self._by_key.get(k) for k in keys[: n_prefix // bs]]
+        new_ids = iter(self._pool.allocate(-(-kv_tokens // bs) - sum(p is not None for p in held)))
+        page_ids = [p if p is not None else next(new_ids) for p in held]
+        page_ids.extend(new_ids)
+        for i, (pid, page) in enumerate(zip(page_ids, pages, strict=False)):
+            if i < len(held) and held[i] is not None:
+                self._pool.share(pid)
+            else:
+                self._pool.write_pages([pid], [page])
+                if i < len(held):
+                    self._offer(keys[i], pid)
         self._seqs[request_id] = Sequence(
             request_id=request_id,
             token_ids=tokens,
@@ -233,6 +259,7 @@ class Engine:
             arrival=self._arrivals,
             generator=generator,
             constraint=constraint,
+            block_keys=keys,
         )
         self._arrivals += 1
         logger.debug("req=%s added: %d tokens, %d imported", request_id, len(tokens), n_prefix)
@@ -274,6 +301,38 @@ class Engine:
                 f"tokens, got {len(pages)}"
             )
         return n_prefix
+
+    def _check_keys(
+        self, request_id: str, tokens: list[int], keys: Seq[Hashable]
+    ) -> tuple[Hashable, ...]:
+        keys = tuple(keys)
+        full = len(tokens) // self.config.block_size
+        if len(keys) > full:
+            raise InvalidRequestError(
+                f"request {request_id!r}: {len(keys)} block keys, but its {len(tokens)} tokens "
+                f"fill only {full} blocks of {self.config.block_size}"
+            )
+        for i, k in enumerate(keys):
+            if not isinstance(k, Hashable):
+                raise InvalidRequestError(f"request {request_id!r}: block key {i} is unhashable")
+        return keys
+
+    def _offer(self, key: Hashable, page_id: int) -> None:
+        """Let later requests with ``key`` share ``page_id`` (unless a page holds it already)."""
+        if key not in self._by_key:
+            self._by_key[key] = page_id
+            self._page_key[page_id] = key
+
+    def _free_pages(self, pages: list[int]) -> None:
+        for pid in self._pool.free(pages):
+            key = self._page_key.pop(pid, None)
+            if key is not None:
+                del self._by_key[key]
+
+    @property
+    def num_shared_pages(self) -> int:
+        """Pages that more than one request holds (prompt blocks shared by key)."""
+        return sum(1 for pid in self._page_key if self._pool.holders(pid) > 1)
 
     def _constraint(
         self, request_id: str, sampling: SamplingParams, tokens: list[int], num_output: int
@@ -337,12 +396,12 @@ class Engine:
         seq = self._get(request_id)
         if seq.finish_reason is None:
             raise InvalidRequestError(f"request {request_id!r} is still running; abort it first")
-        self._pool.free(seq.pages)
+        self._free_pages(seq.pages)
         del self._seqs[request_id]
 
     def _finish(self, seq: Sequence) -> None:
         if not seq.retain_pages:
-            self._pool.free(seq.pages)
+            self._free_pages(seq.pages)
             del self._seqs[seq.request_id]
 
     # ----------------------------------------------------------------- stepping
@@ -408,6 +467,9 @@ class Engine:
     ) -> RequestOutput:
         bs = self.config.block_size
         completed = tuple(range(start // bs, seq.num_computed // bs))
+        for b in completed:
+            if b < len(seq.block_keys):
+                self._offer(seq.block_keys[b], seq.pages[b])
         new: list[int] = []
         lps: tuple[TokenLogprob, ...] = ()
         if logits is not None:

@@ -64,7 +64,7 @@ class PagePool:
         self.dtype = dtype
         self.tensor = lazy_zeros((num_pages, *layout.page_shape), dtype, device)
         self._free: deque[int] = deque(range(num_pages))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # allocated page -> holders (requests sharing it)
 
     @property
     def num_pages(self) -> int:
@@ -83,21 +83,42 @@ class PagePool:
         if n > len(self._free):
             raise OutOfPagesError(n, len(self._free))
         pages = [self._free.popleft() for _ in range(n)]
-        self._used.update(pages)
+        for p in pages:
+            self._refs[p] = 1
         return pages
 
-    def free(self, pages: Iterable[int]) -> None:
-        """Return pages to the pool. Their contents are left as they are (not zeroed).
+    def share(self, page_id: int) -> None:
+        """One more holder of an allocated page (a request reading a block another computed
+        or imported); the page returns to the pool when its last holder frees it."""
+        if page_id not in self._refs:
+            raise ValueError(f"page {page_id} is not allocated")
+        self._refs[page_id] += 1
+
+    def holders(self, page_id: int) -> int:
+        """How many holders an allocated page has (0: free)."""
+        return self._refs.get(page_id, 0)
+
+    def free(self, pages: Iterable[int]) -> list[int]:
+        """Drop one holder of each page; pages without holders return to the pool (returned,
+        in order). Their contents are left as they are (not zeroed).
 
         Freed pages go to the front of the free list, so the next allocation reuses them: the
         pool's memory is mapped lazily (`lazy_zeros`), and pages already written cost no page
         faults, so a steady load keeps touching the pages it has made resident."""
-        returned = list(pages)
-        for i, p in enumerate(returned):
-            if p not in self._used or p in returned[:i]:
+        dropped = list(pages)
+        counts: dict[int, int] = {}
+        for p in dropped:
+            counts[p] = counts.get(p, 0) + 1
+            if counts[p] > self._refs.get(p, 0):
                 raise ValueError(f"page {p} is not allocated")  # and none is returned
-        self._used.difference_update(returned)
+        returned = []
+        for p in dropped:
+            self._refs[p] -= 1
+            if not self._refs[p]:
+                del self._refs[p]
+                returned.append(p)
         self._free.extendleft(reversed(returned))
+        return returned
 
     def page(self, page_id: int) -> torch.Tensor:
         """A view of one page (contiguous); valid while the page stays allocated."""

@@ -8,6 +8,7 @@ sampled token, or the last prompt token after an imported prefix) it is in decod
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ class Sequence:
     last_decode_step: int = -1
     page_table: torch.Tensor | None = field(default=None, repr=False)
     constraint: Constraint | None = field(default=None, repr=False)
+    block_keys: tuple[Hashable, ...] = field(default=(), repr=False)  # of full prompt blocks
 
     @property
     def remaining(self) -> int:

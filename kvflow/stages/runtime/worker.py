@@ -46,6 +46,7 @@ class WorkItem:
     retain_pages: bool = False
     verify_pages: bool = True
     num_output_tokens: int = 0
+    block_keys: Sequence[Any] = ()  # of full prompt blocks: pages shared by key (engine.py)
     on_admitted: Callable[[Engine], None] | None = field(default=None)
 
 
@@ -158,6 +159,7 @@ class EngineWorker:
                 retain_pages=item.retain_pages,
                 verify_pages=item.verify_pages,
                 num_output_tokens=item.num_output_tokens,
+                block_keys=item.block_keys,
             )
         except Exception as exc:
             _safe_call(item.on_error, exc)
