@@ -191,6 +191,7 @@ class Engine:
         retain_pages: bool = False,
         verify_pages: bool = True,
         num_output_tokens: int = 0,
+        adopt_from: str | None = None,
     ) -> None:
         """Queue a request. Its first `num_prefix_tokens` tokens already have their KV in
         `prefix_pages` (page i holds tokens [i*B, (i+1)*B); the last page may be partial);
@@ -201,6 +202,11 @@ class Engine:
         ``num_output_tokens``: the last that many of `token_ids` were already generated (a
         disaggregated decode continues after the prefill instance's first token): a grammar
         (``sampling.grammar``) starts after them.
+        ``adopt_from``: instead of `prefix_pages`, the first `num_prefix_tokens` tokens' KV is
+        in the pages of that finished, retained request of this engine (the same tokens): they
+        become this request's pages in place, with no copy, and the other request is
+        forgotten (its pages past the prefix are freed). A colocated server's decode takes
+        over its prefill's KV this way.
 
         Raises InvalidRequestError (duplicate id, empty or out-of-vocabulary tokens, prompt
         longer than max_model_len, bad num_prefix_tokens), PageLayoutError (wrong page count,
@@ -210,16 +216,47 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling)}")
         tokens = self._check_tokens(request_id, token_ids)
+        adopted = self._check_adopt(adopt_from, tokens, num_prefix_tokens, prefix_pages)
+        if adopted is not None:
+            self._add_adopting(
+                request_id,
+                tokens,
+                sampling,
+                adopted,
+                num_prefix_tokens,
+                retain_pages,
+                num_output_tokens,
+            )
+            return
         n_prefix = self._check_prefix(tokens, prefix_pages, num_prefix_tokens)
         pages = [self._pool.check_page(i, p, verify_pages) for i, p in enumerate(prefix_pages)]
-        bs = self.config.block_size
-        # KV is computed for the prompt and every generated token but the last.
-        longest = max(len(tokens), self.max_model_len - 1)
-        kv_tokens = min(len(tokens) + sampling.max_tokens - 1, longest)
         generator = self._generator(request_id, sampling)  # may raise: before any page is taken
         constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
-        page_ids = self._pool.allocate(-(-kv_tokens // bs))
+        page_ids = self._pool.allocate(self._pages_for(tokens, sampling))
         self._pool.write_pages(page_ids[: len(pages)], pages)
+        self._queue(
+            request_id, tokens, sampling, page_ids, n_prefix, retain_pages, generator, constraint
+        )
+        logger.debug("req=%s added: %d tokens, %d imported", request_id, len(tokens), n_prefix)
+
+    def _pages_for(self, tokens: list[int], sampling: SamplingParams) -> int:
+        """Pages for the whole request: KV is computed for the prompt and every generated
+        token but the last."""
+        longest = max(len(tokens), self.max_model_len - 1)
+        kv_tokens = min(len(tokens) + sampling.max_tokens - 1, longest)
+        return -(-kv_tokens // self.config.block_size)
+
+    def _queue(
+        self,
+        request_id: str,
+        tokens: list[int],
+        sampling: SamplingParams,
+        page_ids: list[int],
+        n_prefix: int,
+        retain_pages: bool,
+        generator: torch.Generator | None,
+        constraint: Constraint | None,
+    ) -> None:
         self._seqs[request_id] = Sequence(
             request_id=request_id,
             token_ids=tokens,
@@ -235,7 +272,56 @@ class Engine:
             constraint=constraint,
         )
         self._arrivals += 1
-        logger.debug("req=%s added: %d tokens, %d imported", request_id, len(tokens), n_prefix)
+
+    def _check_adopt(
+        self, source_id: str | None, tokens: list[int], n_prefix: int, prefix_pages: Seq[PageData]
+    ) -> Sequence | None:
+        """The finished retained request whose pages ``tokens``' first ``n_prefix`` tokens
+        take over (None: no adoption)."""
+        if source_id is None:
+            return None
+        if prefix_pages:
+            raise InvalidRequestError("adopt_from and prefix_pages exclude each other")
+        self._check_prefix(tokens, None, n_prefix)
+        source = self._seqs.get(source_id)
+        if source is None or source.finish_reason is None or not source.retain_pages:
+            raise InvalidRequestError(
+                f"adopt_from {source_id!r}: no finished request with retained pages by that id"
+            )
+        if source.num_computed < n_prefix or source.token_ids[:n_prefix] != tokens[:n_prefix]:
+            raise InvalidRequestError(
+                f"adopt_from {source_id!r}: its KV does not hold these {n_prefix} prefix tokens"
+            )
+        return source
+
+    def _add_adopting(
+        self,
+        request_id: str,
+        tokens: list[int],
+        sampling: SamplingParams,
+        source: Sequence,
+        n_prefix: int,
+        retain_pages: bool,
+        num_output_tokens: int,
+    ) -> None:
+        generator = self._generator(request_id, sampling)
+        constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
+        keep = -(-n_prefix // self.config.block_size)
+        extra = self._pool.allocate(max(0, self._pages_for(tokens, sampling) - keep))
+        # nothing can fail past here: the source's pages change owner
+        self._pool.free(source.pages[keep:])
+        del self._seqs[source.request_id]
+        pages = [*source.pages[:keep], *extra]
+        self._queue(
+            request_id, tokens, sampling, pages, n_prefix, retain_pages, generator, constraint
+        )
+        logger.debug(
+            "req=%s added: %d tokens, %d adopted from %s",
+            request_id,
+            len(tokens),
+            n_prefix,
+            source.request_id,
+        )
 
     def _check_tokens(self, request_id: str, token_ids: Seq[int]) -> list[int]:
         if not isinstance(request_id, str) or not request_id:
@@ -259,7 +345,8 @@ class Engine:
             )
         return tokens
 
-    def _check_prefix(self, tokens: list[int], pages: Seq[PageData], n_prefix: int) -> int:
+    def _check_prefix(self, tokens: list[int], pages: Seq[PageData] | None, n_prefix: int) -> int:
+        """``pages``: the imported pages, whose count is checked (None: adopted pages)."""
         if isinstance(n_prefix, bool) or not isinstance(n_prefix, int):
             raise InvalidRequestError(f"num_prefix_tokens must be an int, got {n_prefix!r}")
         if not 0 <= n_prefix < len(tokens):
@@ -268,7 +355,7 @@ class Engine:
                 "token must remain to compute"
             )
         needed = -(-n_prefix // self.config.block_size)
-        if len(pages) != needed:
+        if pages is not None and len(pages) != needed:
             raise PageLayoutError(
                 f"{n_prefix} prefix tokens need {needed} pages of {self.config.block_size} "
                 f"tokens, got {len(pages)}"

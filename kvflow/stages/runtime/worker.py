@@ -33,8 +33,10 @@ ErrorSink = Callable[[BaseException], None]
 
 @dataclass
 class WorkItem:
-    """One request for the engine. ``prefix_pages`` are copied into the pool on admission;
-    ``on_admitted(engine)`` then runs on the engine thread (so it may export pages)."""
+    """One request for the engine. ``prefix_pages`` are copied into the pool on admission,
+    or ``adopt_from`` names a finished retained request of the same engine whose pages it
+    takes over in place (``Engine.add_request``); ``on_admitted(engine)`` then runs on the
+    engine thread (so it may export pages)."""
 
     request_id: str
     token_ids: Sequence[int]
@@ -46,6 +48,7 @@ class WorkItem:
     retain_pages: bool = False
     verify_pages: bool = True
     num_output_tokens: int = 0
+    adopt_from: str | None = None
     on_admitted: Callable[[Engine], None] | None = field(default=None)
 
 
@@ -158,6 +161,7 @@ class EngineWorker:
                 retain_pages=item.retain_pages,
                 verify_pages=item.verify_pages,
                 num_output_tokens=item.num_output_tokens,
+                adopt_from=item.adopt_from,
             )
         except Exception as exc:
             _safe_call(item.on_error, exc)
