@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -39,9 +40,10 @@ from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.engine.pages import KVLayout, PageData, PagePool
 from kvflow.stages.engine.runner import ModelRunner
 from kvflow.stages.engine.sampler import prompt_logprobs, sample, token_logprobs
-from kvflow.stages.engine.scheduler import plan_step
+from kvflow.stages.engine.scheduler import StepPlan, plan_step
 from kvflow.stages.engine.sequence import FinishReason, RequestOutput, Sequence, TokenLogprob
 from kvflow.stages.engine.spec import ModelSpec, load_spec
+from kvflow.stages.engine.step_budget import StepBudget
 from kvflow.stages.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,15 @@ class Engine:
         self._steps = 0
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+        # config.tbt_target_ms: the mixed step's prompt budget from measured step times
+        self.step_budget = (
+            None
+            if config.tbt_target_ms is None
+            else StepBudget(
+                config.tbt_target_ms / 1000.0, config.mixed_chunk or config.prefill_chunk
+            )
+        )
+        self.clock = time.perf_counter  # what steps are timed with (for step_budget)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -435,17 +446,27 @@ class Engine:
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: prefill chunks (at most prefill_chunk prompt tokens in
-        all, mixed_chunk when requests decode) and one decode step for up to max_batch
-        running requests, run as one forward pass (config.mixed_forward) or one per chunk
-        plus one for the decode batch (always when a chunk asks for prompt logprobs).
+        all; when requests decode, mixed_chunk, or with tbt_target_ms the step budget's
+        tokens) and one decode step for up to max_batch running requests, run as one
+        forward pass (config.mixed_forward) or one per chunk plus one for the decode batch
+        (always when a chunk asks for prompt logprobs).
         Returns one output per request that made progress or finished (including aborts
         since the last step)."""
         outputs, self._pending = self._pending, []
         cfg = self.config
-        plan = plan_step(
-            list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, cfg.mixed_chunk
-        )
+        budget = self.step_budget
+        started = self.clock()
+        mixed = cfg.mixed_chunk if budget is None else budget.tokens()
+        plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, mixed)
         self._steps += 1
+        self._run(plan, outputs)
+        if budget is not None:
+            prompt_tokens = sum(n for _, n in plan.prefill)
+            budget.observe(prompt_tokens, len(plan.decode), self.clock() - started)
+        return outputs
+
+    def _run(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        """Execute a step's plan, appending its requests' outputs."""
         if self._one_forward(plan.prefill, plan.decode):
             chunk_logits, decode_logits = self._runner.mixed(plan.prefill, plan.decode)
             for (seq, n), logits in zip(plan.prefill, chunk_logits, strict=True):
@@ -462,7 +483,6 @@ class Engine:
                 seq.num_computed += 1
                 seq.last_decode_step = self._steps
                 outputs.append(self._advance(seq, start, decode_logits[row : row + 1]))
-        return outputs
 
     def _one_forward(self, chunks: Seq[tuple[Sequence, int]], decode: Seq[Sequence]) -> bool:
         """Whether a step's work runs as one forward pass: more than one part (chunks, the
