@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 SMALL_MACHINE_CORES = 2
 COLOCATED_MIXED_CHUNK = 256
-COLOCATED_TBT_TARGET_MS = 150.0
+COLOCATED_TBT_TARGET_MS = 200.0
 
 
 def embedded_colocate(
