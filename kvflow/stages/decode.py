@@ -3,7 +3,8 @@
 The decode engine is given the prompt plus the first token (sampled by the prefill), with the
 prompt's KV imported from the staging slots that ``stream`` filled: it computes the one new
 token's KV and goes on decoding. The staging slots are returned as soon as the engine has
-copied them into its own pool.
+copied them into its own pool. Colocated (``state.colocated``, one engine for both), the
+decode request adopts the prefill request's pages in place instead: no staging, no copy.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class DecodeStage(Stage):
             state.finish_reason = state.finish_reason or "length"
             state.release_staging()
             state.finished_at = time.monotonic()
+            if state.colocated:  # nobody adopts the prefill's pages
+                await asyncio.wrap_future(inst.worker.drop(state.engine_request_id))
             return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Any] = asyncio.Queue()
@@ -71,8 +74,12 @@ class DecodeStage(Stage):
         def on_error(exc: BaseException) -> None:
             loop.call_soon_threadsafe(events.put_nowait, exc)
 
-        assert state.staging is not None
         engine_rid = f"{ctx.request_id}/decode"
+        if state.colocated:  # the prefill's pages, in place (its request is forgotten)
+            prefix_pages, adopt_from = [], state.engine_request_id
+        else:
+            assert state.staging is not None
+            prefix_pages, adopt_from = inst.staging.pages(state.staging, num_pages), None
         inst.worker.submit(
             WorkItem(
                 request_id=engine_rid,
@@ -83,12 +90,13 @@ class DecodeStage(Stage):
                 ),
                 sink=sink,
                 on_error=on_error,
-                prefix_pages=inst.staging.pages(state.staging, num_pages),
+                prefix_pages=prefix_pages,
                 num_prefix_tokens=state.prompt_len,
                 retain_pages=True,  # released once its new blocks are stored
                 verify_pages=False,  # copies of pages the prefill engine computed
                 block_keys=state.block_keys,  # the prompt's: pages shared by key
                 num_output_tokens=1,  # the first token: a grammar continues after it
+                adopt_from=adopt_from,
                 on_admitted=on_admitted,
             )
         )

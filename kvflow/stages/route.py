@@ -102,8 +102,10 @@ class RouteStage(Stage):
 
     ``block_size`` given (the embedded server, where the decode instance is in this
     process): also leases the decode instance's staging slots for the prompt's pages and sets
-    ``state.stream_target`` to them. None (a router): the remote-generate stage reserves them
-    on the decode node. Cleanup releases the booking and any staging slots still held."""
+    ``state.stream_target`` to them (not when the two instances share one engine:
+    ``state.colocated``, the decode adopts the prefill's pages). None (a router): the
+    remote-generate stage reserves them on the decode node. Cleanup releases the booking and
+    any staging slots still held."""
 
     name = "route"
 
@@ -136,7 +138,7 @@ class RouteStage(Stage):
             self._on_wait,
             self._on_reject,
         )
-        if self._block_size is not None:
+        if self._block_size is not None and not state.colocated:
             lease_local_staging(state, self._block_size)
         ctx.set_attrs(
             prefill=result.prefill_id,

@@ -174,6 +174,17 @@ class GenerateState:
     def prompt_len(self) -> int:
         return 0 if self.prompt_ids is None else len(self.prompt_ids)
 
+    @property
+    def colocated(self) -> bool:
+        """Whether the request's prefill and decode instances share one engine (a colocated
+        embedded server): then the decode adopts the prefill's pages in place, and nothing is
+        staged or streamed. The one place that decides it."""
+        return (
+            self.prefill is not None
+            and self.decode is not None
+            and self.prefill.worker is self.decode.worker
+        )
+
     def release_staging(self) -> None:
         """Give the decode staging slots back (idempotent): once the decode engine has
         imported them, or when the request ends without getting there."""

@@ -1,5 +1,8 @@
 """stream: move the request's KV pages to its decode instance while the prefill still runs.
 
+Colocated (``state.colocated``: the prefill and decode instances share one engine), nothing
+moves: the decode adopts the prefill's pages in place, and this stage only waits for them.
+
 Writes into ``state.stream_target``, which the route stage (embedded: the decode instance's
 staging slots in this process) or the node's Prefill call (the decode node's reserved slots)
 set before. Consumes ``state.block_queue`` (filled by the background prefill stage) and
@@ -66,6 +69,9 @@ class StreamStage(Stage):
         state: GenerateState = ctx.state
         assert state.prefill is not None
         num_pages = -(-state.prompt_len // self._block_size)
+        if state.colocated:
+            await self._stay(ctx, state, num_pages)
+            return
         if state.stream_target is None:
             raise StreamFailed(f"req={ctx.request_id}: no stream target (route or Prefill sets it)")
         if len(state.stream_target.offsets) < num_pages:
@@ -89,6 +95,19 @@ class StreamStage(Stage):
         # Every page is at the decode side: the prefill copy can go.
         await asyncio.wrap_future(state.prefill.worker.drop(state.engine_request_id))
         ctx.set_attrs(pages=state.streamed_blocks, bytes=state.streamed_bytes)
+
+    async def _stay(self, ctx: RequestContext[Any], state: GenerateState, num_pages: int) -> None:
+        """Colocated: the pages stay where the prefill wrote them (the decode adopts them in
+        place, and keeps the prefill's engine request until then); count them as they come."""
+        adopted = 0
+        while True:
+            kind, pages = await state.block_queue.get()
+            if kind == "done":
+                break
+            adopted += len(pages)
+        if adopted != num_pages:
+            raise StreamFailed(f"req={ctx.request_id}: prefilled {adopted} of {num_pages} pages")
+        ctx.set_attrs(pages=0, bytes=0, adopted_pages=adopted)
 
     def _move(self, state: GenerateState, pages: dict[int, torch.Tensor]) -> int:
         assert state.prefill is not None and state.stream_target is not None

@@ -53,6 +53,13 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         "--prefill-chunk",
     )
     p.add_argument(
+        "--tbt-target-ms",
+        type=float,
+        help="size the prompt tokens of a step that also decodes (at most --mixed-chunk) "
+        "to a step of about this many ms, from measured step times (docs/performance.md); "
+        "0: the fixed --mixed-chunk; default: 200 colocated, else none",
+    )
+    p.add_argument(
         "--dram-mb",
         type=int,
         help="DRAM tier per shard, MiB; default: 1/32 of the free memory, 64-256 (printed)",
@@ -78,6 +85,7 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "staging_pages": plan.staging_pages,
         "prefill_chunk": args.prefill_chunk,
         "mixed_chunk": args.mixed_chunk,
+        "tbt_target_ms": args.tbt_target_ms,
         "dram_capacity_bytes": plan.dram_bytes,
         "ssd_capacity_bytes": plan.ssd_bytes,
         "storage_engine": args.storage_engine,

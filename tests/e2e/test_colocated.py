@@ -22,12 +22,17 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_colocated_server_shares_one_engine_and_matches_a_plain_engine(make_server, tiny_model):
+def test_colocated_server_shares_one_engine_and_matches_a_plain_engine(
+    make_server, tiny_model, monkeypatch
+):
     server = make_server(colocate=True, prefill_chunk=32)
     cluster = server.cluster
     prefill, decode = cluster.prefill["prefill-0"], cluster.decode["decode-0"]
     assert prefill.worker is decode.worker  # one engine, one copy of the weights
     assert prefill.worker.engine.num_pages == 2 * server.config.num_pages
+    leases: list[int] = []
+    lease = decode.staging.lease
+    monkeypatch.setattr(decode.staging, "lease", lambda n: leases.append(n) or lease(n))
 
     prompts = [ids(100, seed=1), ids(150, seed=2), ids(20, seed=3), ids(70, seed=4)]
     with ThreadPoolExecutor(len(prompts)) as pool:  # decode and chunked prefill at once
@@ -39,6 +44,9 @@ def test_colocated_server_shares_one_engine_and_matches_a_plain_engine(make_serv
     assert [c[0] for c in cold] == direct  # cached == recomputed == a plain engine
     assert warm.cached_tokens == (100 // BLOCK) * BLOCK
     assert warm_ids == direct[0]
+    one_ids, _, _ = server.generate(prompts[3], max_tokens=1)  # no decode adopts the prefill's
+    assert one_ids == direct[3][:1]
+    assert leases == []  # the decode adopted the prefill's pages: nothing staged or streamed
     assert_no_leaks(server)
 
 

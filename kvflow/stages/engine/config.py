@@ -49,6 +49,9 @@ class EngineConfig:
         mixed_chunk: the prefill budget of a step that also decodes (None: prefill_chunk);
             smaller bounds running streams' time between tokens while prompts prefill
             (scheduler.py).
+        tbt_target_ms: size the prefill budget of a step that also decodes to a step of
+            about this many milliseconds (measured as the engine runs: step_budget.py), at
+            most mixed_chunk (or prefill_chunk); None: the fixed mixed_chunk.
         max_model_len: longest sequence (prompt + output) in tokens; None takes the
             model's `max_position_embeddings`.
         max_batch: at most this many requests in one decode step.
@@ -66,6 +69,7 @@ class EngineConfig:
     num_pages: int = 256
     prefill_chunk: int = 512
     mixed_chunk: int | None = None
+    tbt_target_ms: float | None = None
     max_model_len: int | None = None
     max_batch: int = 32
     device: str = "cpu"
@@ -81,6 +85,15 @@ class EngineConfig:
         _positive("prefill_chunk", self.prefill_chunk)
         if self.mixed_chunk is not None:
             _positive("mixed_chunk", self.mixed_chunk)
+        if self.tbt_target_ms is not None and not (
+            isinstance(self.tbt_target_ms, int | float)
+            and not isinstance(self.tbt_target_ms, bool)
+            and 0 < self.tbt_target_ms < float("inf")
+        ):
+            raise ValueError(
+                f"tbt_target_ms must be a positive number of milliseconds, "
+                f"got {self.tbt_target_ms!r}"
+            )
         _positive("max_batch", self.max_batch)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)

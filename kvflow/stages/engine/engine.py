@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -40,9 +41,10 @@ from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.engine.pages import KVLayout, PageData, PagePool
 from kvflow.stages.engine.runner import ModelRunner
 from kvflow.stages.engine.sampler import prompt_logprobs, sample, token_logprobs
-from kvflow.stages.engine.scheduler import plan_step
+from kvflow.stages.engine.scheduler import StepPlan, plan_step
 from kvflow.stages.engine.sequence import FinishReason, RequestOutput, Sequence, TokenLogprob
 from kvflow.stages.engine.spec import ModelSpec, load_spec
+from kvflow.stages.engine.step_budget import StepBudget
 from kvflow.stages.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,15 @@ class Engine:
         self._steps = 0
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+        # config.tbt_target_ms: the mixed step's prompt budget from measured step times
+        self.step_budget = (
+            None
+            if config.tbt_target_ms is None
+            else StepBudget(
+                config.tbt_target_ms / 1000.0, config.mixed_chunk or config.prefill_chunk
+            )
+        )
+        self.clock = time.perf_counter  # what steps are timed with (for step_budget)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -197,6 +208,7 @@ class Engine:
         verify_pages: bool = True,
         num_output_tokens: int = 0,
         block_keys: Seq[Hashable] = (),
+        adopt_from: str | None = None,
     ) -> None:
         """Queue a request. Its first `num_prefix_tokens` tokens already have their KV in
         `prefix_pages` (page i holds tokens [i*B, (i+1)*B); the last page may be partial);
@@ -207,6 +219,11 @@ class Engine:
         ``num_output_tokens``: the last that many of `token_ids` were already generated (a
         disaggregated decode continues after the prefill instance's first token): a grammar
         (``sampling.grammar``) starts after them.
+        ``adopt_from``: instead of `prefix_pages`, the first `num_prefix_tokens` tokens' KV is
+        in the pages of that finished, retained request of this engine (the same tokens): they
+        become this request's pages in place, with no copy, and the other request is
+        forgotten (its pages past the prefix are freed). A colocated server's decode takes
+        over its prefill's KV this way.
 
         ``block_keys``: keys of the first full blocks of `token_ids` (key i names the tokens
         [0, (i+1)*B) and the KV they give, e.g. a chained block hash); at most
@@ -225,18 +242,29 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling)}")
         tokens = self._check_tokens(request_id, token_ids)
+        adopted = self._check_adopt(adopt_from, tokens, num_prefix_tokens, prefix_pages)
+        if adopted is not None:
+            self._add_adopting(
+                request_id,
+                tokens,
+                sampling,
+                adopted,
+                num_prefix_tokens,
+                retain_pages,
+                num_output_tokens,
+                block_keys,
+            )
+            return
         n_prefix = self._check_prefix(tokens, prefix_pages, num_prefix_tokens)
         pages = [self._pool.check_page(i, p, verify_pages) for i, p in enumerate(prefix_pages)]
-        bs = self.config.block_size
-        # KV is computed for the prompt and every generated token but the last.
-        longest = max(len(tokens), self.max_model_len - 1)
-        kv_tokens = min(len(tokens) + sampling.max_tokens - 1, longest)
         generator = self._generator(request_id, sampling)  # may raise: before any page is taken
         constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
         keys = self._check_keys(request_id, tokens, block_keys)
+        bs = self.config.block_size
         # Full imported blocks a live page already holds: shared, not copied.
         held = [self._by_key.get(k) for k in keys[: n_prefix // bs]]
-        new_ids = iter(self._pool.allocate(-(-kv_tokens // bs) - sum(p is not None for p in held)))
+        n_new = self._pages_for(tokens, sampling) - sum(p is not None for p in held)
+        new_ids = iter(self._pool.allocate(n_new))
         page_ids = [p if p is not None else next(new_ids) for p in held]
         page_ids.extend(new_ids)
         for i, (pid, page) in enumerate(zip(page_ids, pages, strict=False)):
@@ -246,6 +274,38 @@ class Engine:
                 self._pool.write_pages([pid], [page])
                 if i < len(held):
                     self._offer(keys[i], pid)
+        self._queue(
+            request_id,
+            tokens,
+            sampling,
+            page_ids,
+            n_prefix,
+            retain_pages,
+            generator,
+            constraint,
+            keys,
+        )
+        logger.debug("req=%s added: %d tokens, %d imported", request_id, len(tokens), n_prefix)
+
+    def _pages_for(self, tokens: list[int], sampling: SamplingParams) -> int:
+        """Pages for the whole request: KV is computed for the prompt and every generated
+        token but the last."""
+        longest = max(len(tokens), self.max_model_len - 1)
+        kv_tokens = min(len(tokens) + sampling.max_tokens - 1, longest)
+        return -(-kv_tokens // self.config.block_size)
+
+    def _queue(
+        self,
+        request_id: str,
+        tokens: list[int],
+        sampling: SamplingParams,
+        page_ids: list[int],
+        n_prefix: int,
+        retain_pages: bool,
+        generator: torch.Generator | None,
+        constraint: Constraint | None,
+        keys: tuple[Hashable, ...],
+    ) -> None:
         self._seqs[request_id] = Sequence(
             request_id=request_id,
             token_ids=tokens,
@@ -262,7 +322,67 @@ class Engine:
             block_keys=keys,
         )
         self._arrivals += 1
-        logger.debug("req=%s added: %d tokens, %d imported", request_id, len(tokens), n_prefix)
+
+    def _check_adopt(
+        self, source_id: str | None, tokens: list[int], n_prefix: int, prefix_pages: Seq[PageData]
+    ) -> Sequence | None:
+        """The finished retained request whose pages ``tokens``' first ``n_prefix`` tokens
+        take over (None: no adoption)."""
+        if source_id is None:
+            return None
+        if prefix_pages:
+            raise InvalidRequestError("adopt_from and prefix_pages exclude each other")
+        self._check_prefix(tokens, None, n_prefix)
+        source = self._seqs.get(source_id)
+        if source is None or source.finish_reason is None or not source.retain_pages:
+            raise InvalidRequestError(
+                f"adopt_from {source_id!r}: no finished request with retained pages by that id"
+            )
+        if source.num_computed < n_prefix or source.token_ids[:n_prefix] != tokens[:n_prefix]:
+            raise InvalidRequestError(
+                f"adopt_from {source_id!r}: its KV does not hold these {n_prefix} prefix tokens"
+            )
+        return source
+
+    def _add_adopting(
+        self,
+        request_id: str,
+        tokens: list[int],
+        sampling: SamplingParams,
+        source: Sequence,
+        n_prefix: int,
+        retain_pages: bool,
+        num_output_tokens: int,
+        block_keys: Seq[Hashable],
+    ) -> None:
+        generator = self._generator(request_id, sampling)
+        constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
+        keys = self._check_keys(request_id, tokens, block_keys)
+        keep = -(-n_prefix // self.config.block_size)
+        extra = self._pool.allocate(max(0, self._pages_for(tokens, sampling) - keep))
+        # nothing can fail past here: the source's pages change owner
+        self._free_pages(source.pages[keep:])
+        del self._seqs[source.request_id]
+        pages = [*source.pages[:keep], *extra]
+        # the kept pages stay offered under the keys the source gave them (the same tokens)
+        self._queue(
+            request_id,
+            tokens,
+            sampling,
+            pages,
+            n_prefix,
+            retain_pages,
+            generator,
+            constraint,
+            keys,
+        )
+        logger.debug(
+            "req=%s added: %d tokens, %d adopted from %s",
+            request_id,
+            len(tokens),
+            n_prefix,
+            source.request_id,
+        )
 
     def _check_tokens(self, request_id: str, token_ids: Seq[int]) -> list[int]:
         if not isinstance(request_id, str) or not request_id:
@@ -286,7 +406,8 @@ class Engine:
             )
         return tokens
 
-    def _check_prefix(self, tokens: list[int], pages: Seq[PageData], n_prefix: int) -> int:
+    def _check_prefix(self, tokens: list[int], pages: Seq[PageData] | None, n_prefix: int) -> int:
+        """``pages``: the imported pages, whose count is checked (None: adopted pages)."""
         if isinstance(n_prefix, bool) or not isinstance(n_prefix, int):
             raise InvalidRequestError(f"num_prefix_tokens must be an int, got {n_prefix!r}")
         if not 0 <= n_prefix < len(tokens):
@@ -295,7 +416,7 @@ class Engine:
                 "token must remain to compute"
             )
         needed = -(-n_prefix // self.config.block_size)
-        if len(pages) != needed:
+        if pages is not None and len(pages) != needed:
             raise PageLayoutError(
                 f"{n_prefix} prefix tokens need {needed} pages of {self.config.block_size} "
                 f"tokens, got {len(pages)}"
@@ -407,17 +528,27 @@ class Engine:
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: prefill chunks (at most prefill_chunk prompt tokens in
-        all, mixed_chunk when requests decode) and one decode step for up to max_batch
-        running requests, run as one forward pass (config.mixed_forward) or one per chunk
-        plus one for the decode batch (always when a chunk asks for prompt logprobs).
+        all; when requests decode, mixed_chunk, or with tbt_target_ms the step budget's
+        tokens) and one decode step for up to max_batch running requests, run as one
+        forward pass (config.mixed_forward) or one per chunk plus one for the decode batch
+        (always when a chunk asks for prompt logprobs).
         Returns one output per request that made progress or finished (including aborts
         since the last step)."""
         outputs, self._pending = self._pending, []
         cfg = self.config
-        plan = plan_step(
-            list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, cfg.mixed_chunk
-        )
+        budget = self.step_budget
+        started = self.clock()
+        mixed = cfg.mixed_chunk if budget is None else budget.tokens()
+        plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, mixed)
         self._steps += 1
+        self._run(plan, outputs)
+        if budget is not None:
+            prompt_tokens = sum(n for _, n in plan.prefill)
+            budget.observe(prompt_tokens, len(plan.decode), self.clock() - started)
+        return outputs
+
+    def _run(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        """Execute a step's plan, appending its requests' outputs."""
         if self._one_forward(plan.prefill, plan.decode):
             chunk_logits, decode_logits = self._runner.mixed(plan.prefill, plan.decode)
             for (seq, n), logits in zip(plan.prefill, chunk_logits, strict=True):
@@ -434,7 +565,6 @@ class Engine:
                 seq.num_computed += 1
                 seq.last_decode_step = self._steps
                 outputs.append(self._advance(seq, start, decode_logits[row : row + 1]))
-        return outputs
 
     def _one_forward(self, chunks: Seq[tuple[Sequence, int]], decode: Seq[Sequence]) -> bool:
         """Whether a step's work runs as one forward pass: more than one part (chunks, the

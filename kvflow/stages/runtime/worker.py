@@ -33,8 +33,10 @@ ErrorSink = Callable[[BaseException], None]
 
 @dataclass
 class WorkItem:
-    """One request for the engine. ``prefix_pages`` are copied into the pool on admission;
-    ``on_admitted(engine)`` then runs on the engine thread (so it may export pages)."""
+    """One request for the engine. ``prefix_pages`` are copied into the pool on admission,
+    or ``adopt_from`` names a finished retained request of the same engine whose pages it
+    takes over in place (``Engine.add_request``); ``on_admitted(engine)`` then runs on the
+    engine thread (so it may export pages)."""
 
     request_id: str
     token_ids: Sequence[int]
@@ -47,6 +49,7 @@ class WorkItem:
     verify_pages: bool = True
     num_output_tokens: int = 0
     block_keys: Sequence[Any] = ()  # of full prompt blocks: pages shared by key (engine.py)
+    adopt_from: str | None = None
     on_admitted: Callable[[Engine], None] | None = field(default=None)
 
 
@@ -160,6 +163,7 @@ class EngineWorker:
                 verify_pages=item.verify_pages,
                 num_output_tokens=item.num_output_tokens,
                 block_keys=item.block_keys,
+                adopt_from=item.adopt_from,
             )
         except Exception as exc:
             _safe_call(item.on_error, exc)

@@ -71,6 +71,7 @@ def open_engine(
             num_pages=config.num_pages,
             prefill_chunk=config.prefill_chunk,
             mixed_chunk=config.mixed_chunk,
+            tbt_target_ms=config.tbt_target_ms or None,  # 0: none
             max_batch=config.max_batch,
             seed=config.seed,
         ),

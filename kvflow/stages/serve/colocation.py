@@ -8,8 +8,10 @@ compute-bound prefill, reading every weight once a step on a core the prefill wa
 Colocated (``--colocate``): one engine per pair, every core, each step one forward pass over
 the prefill chunks and the decode batch (segments.py), so the weights are read once for both
 and no thread waits on another engine's. While requests decode, a step's prefill budget is
-``COLOCATED_MIXED_CHUNK`` tokens (the running streams wait for each step); a prompt alone
-gets the full ``--prefill-chunk``.
+at most ``COLOCATED_MIXED_CHUNK`` tokens (the running streams wait for each step), sized to a
+step of about ``COLOCATED_TBT_TARGET_MS`` from measured step times (``--tbt-target-ms``;
+engine/step_budget.py); a prompt alone gets the full ``--prefill-chunk``. The decode takes
+over the prefill's KV pages in place (``state.py:GenerateState.colocated``): nothing staged.
 
 The rule (measured on a 2-core machine, docs/performance.md "Concurrency"): the embedded
 server colocates by default when it may run on at most ``SMALL_MACHINE_CORES`` cores and
@@ -24,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 SMALL_MACHINE_CORES = 2
 COLOCATED_MIXED_CHUNK = 256
+COLOCATED_TBT_TARGET_MS = 200.0
 
 
 def embedded_colocate(
@@ -49,3 +52,12 @@ def mixed_chunk(colocate: bool, given: int | None) -> int | None:
     if given is not None:
         return given
     return COLOCATED_MIXED_CHUNK if colocate else None
+
+
+def tbt_target_ms(colocate: bool, given: float | None) -> float | None:
+    """The target step time that sizes a mixed step's prompt budget: as given (0: none, the
+    fixed mixed chunk), else ``COLOCATED_TBT_TARGET_MS`` for a colocated engine (a
+    disaggregated engine never mixes, so None)."""
+    if given is not None:
+        return given or None
+    return COLOCATED_TBT_TARGET_MS if colocate else None

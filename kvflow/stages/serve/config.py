@@ -79,6 +79,9 @@ class EngineStoreConfig:
         num_pages: KV pages per engine; prefill_chunk: tokens per prefill step.
         mixed_chunk: prefill tokens of a step that also decodes (an engine that does both,
             ``--colocate``); None: ``prefill_chunk``.
+        tbt_target_ms: size that budget (at most ``mixed_chunk``) to a step of about this
+            many milliseconds, from measured step times; 0: the fixed ``mixed_chunk``;
+            None: colocated, ``colocation.COLOCATED_TBT_TARGET_MS``, else none.
         max_batch: decode batch cap per engine.
         staging_pages: page slots of each staging area (decode: streamed KV lands there;
             prefill: reuse-load reads cached blocks there).
@@ -94,6 +97,7 @@ class EngineStoreConfig:
     num_pages: int = 512
     prefill_chunk: int = 512
     mixed_chunk: int | None = None
+    tbt_target_ms: float | None = None
     max_batch: int = 32
     staging_pages: int = 512
     dram_capacity_bytes: int = 1 << 30
@@ -114,6 +118,15 @@ class EngineStoreConfig:
             _positive_int(name, getattr(self, name))
         if self.mixed_chunk is not None:
             _positive_int("mixed_chunk", self.mixed_chunk)
+        if self.tbt_target_ms is not None and not (
+            isinstance(self.tbt_target_ms, int | float)
+            and not isinstance(self.tbt_target_ms, bool)
+            and 0 <= self.tbt_target_ms < float("inf")
+        ):
+            raise ValueError(
+                f"tbt_target_ms must be a number of milliseconds >= 0 (0: none), "
+                f"got {self.tbt_target_ms!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.storage_engine not in STORAGE_ENGINES:

@@ -44,7 +44,7 @@ from kvflow.stages.serve.build import (
     open_shard,
 )
 from kvflow.stages.serve.closers import Closers
-from kvflow.stages.serve.colocation import mixed_chunk
+from kvflow.stages.serve.colocation import mixed_chunk, tbt_target_ms
 from kvflow.stages.serve.config import ServeConfig
 from kvflow.stages.serve.metrics import ServingMetrics, shard_hit_rates
 from kvflow.stages.serve.ports import free_port
@@ -164,7 +164,12 @@ class EmbeddedCluster:
         threads = self._threads["prefill"]
         # colocated: one engine holds both pools' pages (what the two engines would hold)
         engine_config = (
-            replace(c, num_pages=2 * c.num_pages, mixed_chunk=mixed_chunk(True, c.mixed_chunk))
+            replace(
+                c,
+                num_pages=2 * c.num_pages,
+                mixed_chunk=mixed_chunk(True, c.mixed_chunk),
+                tbt_target_ms=tbt_target_ms(True, c.tbt_target_ms),
+            )
             if c.colocate
             else c
         )

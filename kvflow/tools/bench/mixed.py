@@ -168,8 +168,9 @@ def engine_round(
 
 
 def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """``--engine``: variants are ``NAME=mixed:on|off,chunk:N`` engine settings, one engine
-    per setting of mixed_forward/prefill_chunk, all with every core."""
+    """``--engine``: variants are ``NAME=mixed:on|off chunk:N mixchunk:N target:MS`` engine
+    settings (mixed_forward, prefill_chunk, mixed_chunk, tbt_target_ms), one engine per
+    variant, all with every core."""
     from kvflow.stages.engine import Engine, EngineConfig
     from kvflow.stages.runtime.threads import cores
 
@@ -183,6 +184,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
             num_pages=256,
             prefill_chunk=int(opts.get("chunk", 512)),
             mixed_forward=opts.get("mixed", "on") == "on",
+            mixed_chunk=int(opts["mixchunk"]) if "mixchunk" in opts else None,
+            tbt_target_ms=float(opts["target"]) if "target" in opts else None,
         )
         engines[name] = Engine.open(model, config)
     for i, name in enumerate(_order(list(variants), args.rounds)):
@@ -285,7 +288,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--engine",
         action="store_true",
         help="one in-process engine instead of a server; --variant NAME=mixed:on|off "
-        "chunk:N (default: mixed=mixed:on separate=mixed:off)",
+        "chunk:N mixchunk:N target:MS (default: mixed=mixed:on separate=mixed:off)",
     )
     p.add_argument("--long-tokens", type=int, default=2000, help="--engine: the long prompt")
     p.add_argument("--rounds", type=int, default=2, help="runs of each variant (alternating)")

@@ -9,9 +9,11 @@ import pytest
 
 from kvflow.stages.serve.colocation import (
     COLOCATED_MIXED_CHUNK,
+    COLOCATED_TBT_TARGET_MS,
     SMALL_MACHINE_CORES,
     embedded_colocate,
     mixed_chunk,
+    tbt_target_ms,
 )
 from kvflow.stages.serve.memory import plan_memory
 from kvflow.tools.cli import build_parser
@@ -37,13 +39,20 @@ def test_mixed_chunk_default_only_for_a_colocated_engine() -> None:
     assert mixed_chunk(True, 64) == 64 and mixed_chunk(False, 64) == 64
 
 
+def test_tbt_target_default_only_for_a_colocated_engine_and_zero_turns_it_off() -> None:
+    assert tbt_target_ms(True, None) == COLOCATED_TBT_TARGET_MS
+    assert tbt_target_ms(False, None) is None
+    assert tbt_target_ms(True, 0.0) is None and tbt_target_ms(False, 0.0) is None
+    assert tbt_target_ms(True, 80.0) == 80.0 and tbt_target_ms(False, 80.0) == 80.0
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"), [(["--colocate"], True), (["--no-colocate"], False)]
 )
 def test_serve_flags_reach_the_config(flags: list[str], expected: bool, tmp_path: Path) -> None:
     args = build_parser("serve").parse_args(
         ["serve", "--model", str(tmp_path), "--data-dir", str(tmp_path), "--mixed-chunk", "96",
-         *flags]
+         "--tbt-target-ms", "120", *flags]
     )  # fmt: skip
     plan = plan_memory(
         num_layers=2, num_kv_heads=1, head_dim=8, max_model_len=256, num_params=1000,
@@ -51,3 +60,9 @@ def test_serve_flags_reach_the_config(flags: list[str], expected: bool, tmp_path
     )  # fmt: skip
     config = config_from_args(args, plan)
     assert config.colocate is expected and config.mixed_chunk == 96
+    assert config.tbt_target_ms == 120.0
+    with pytest.raises(ValueError, match="tbt_target_ms"):
+        config_from_args(build_parser("serve").parse_args(
+            ["serve", "--model", str(tmp_path), "--data-dir", str(tmp_path),
+             "--tbt-target-ms", "-1", *flags]
+        ), plan)  # fmt: skip
