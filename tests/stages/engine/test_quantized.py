@@ -106,7 +106,7 @@ def test_int4_prefill_rows_unpack_and_agree_with_the_kernel() -> None:
                     (got.float() - expected).abs().max()
                 )
             if unpacks:  # the unpacked weight is the kernel's, element for element
-                w = q._weight(compute).float()
+                w = q.weight_t().t().float()
                 assert torch.allclose(w, q.dequantized(), atol=w_atol), float(
                     (w - q.dequantized()).abs().max()
                 )
