@@ -15,6 +15,13 @@ engine's int8/int4): only the weight is stored low-bit and dequantized inside th
   `q = round((w - min) / s)` in [0, 15], stored as `(q - 8) * s + zero` with
   `zero = min + 8 s` — the layout `torch._weight_int4pack_mm_for_cpu` reads (scales and zeros
   `[K / group, N, 2]`, the weight packed by `torch._convert_weight_to_int4pack_for_cpu`).
+  From `DEQUANT_ROWS` rows on (a prefill chunk) the nibbles are unpacked for that call into
+  the compute dtype, `W = q * s + (zero - 8 s)` per group, and `x @ W.T` is one matmul: at
+  512 rows the int4 kernel ran at about half of bf16's rate here (docs/performance.md). No
+  second copy of the weight is kept: the unpacking reads torch's own CPU layout (blocks of
+  64 output rows, per input column 32 bytes: row i in the low nibble, row 32 + i in the
+  high), checked against `q` when the module is built; a weight whose layout does not check
+  (fewer than 64 or a non-multiple of 64 rows) keeps the kernel for every call.
 
 `dequantized()` gives each module's weight as the kernel sees it (float32 `[N, K]`), for tests
 and for the error bound: every element is within half a step (`s / 2`) of the float weight.
@@ -34,8 +41,10 @@ _INT8_OP = "_weight_int8pack_mm"
 _INT4_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
 _TINY = 1e-8  # the smallest scale: an all-zero row or a constant group quantizes exactly
 DEQUANT_ROWS = 32
-"""From this many rows on, `Int8Linear` dequantizes its weight for the call (a prefill chunk);
-below, the int8 kernel (a decode batch)."""
+"""From this many rows on, `Int8Linear` and `Int4Linear` dequantize their weight for the call
+(a prefill chunk); below, the int8 / int4 kernel (a decode batch)."""
+INT4_BLOCK_N = 64
+"""Output rows per block of torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`)."""
 
 
 def missing_kernel(bits: int, device: torch.device) -> str | None:
@@ -106,12 +115,43 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales_zeros.to(compute), persistent=False)
         self.register_buffer("bias", _bias(linear, compute), persistent=False)
+        # the dequantizing path's per-group scale and offset `zero - 8 s` in the packing's
+        # order, [N / 64, K / group, 1, 2, 32] (~2 bytes per 8 weights in bf16), from the
+        # scales and zeros the kernel reads; None: the packing did not check, the kernel
+        # takes every call
+        unpacked = _unpack_int4(packed, n, k)
+        ok = unpacked is not None and torch.equal(unpacked, q.to(torch.uint8))
+        read = self.scales.to(torch.float32)  # [K / group, N, 2]
+        self.register_buffer(
+            "deq_scale", _packing_order(read[..., 0], compute) if ok else None, persistent=False
+        )
+        self.register_buffer(
+            "deq_offset",
+            _packing_order(read[..., 1] - 8.0 * read[..., 0], compute) if ok else None,
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(
-            x.contiguous(), self.packed, self.group_size, self.scales
-        )
+        if x.shape[0] >= DEQUANT_ROWS and self.deq_scale is not None:
+            y = x @ self.weight_t()
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(
+                x.contiguous(), self.packed, self.group_size, self.scales
+            )
         return y if self.bias is None else y + self.bias
+
+    def weight_t(self) -> torch.Tensor:
+        """W.T `[K, N]` in the compute dtype for one call: `q * s + (zero - 8 s)` per group,
+        computed in the packing's order (each block of 64 rows is a `[K, 64]` slab of W.T:
+        the scales are arranged to match, so the multiply-add runs over contiguous memory and
+        one copy puts the slabs side by side)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        assert self.deq_scale is not None and self.deq_offset is not None
+        blocks = self.packed.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
+        nibbles = torch.stack((blocks & 15, blocks >> 4), dim=2)  # [N / 64, K, 2, 32]
+        values = nibbles.view(n // INT4_BLOCK_N, k // g, g, 2, INT4_BLOCK_N // 2)
+        slabs = torch.addcmul(self.deq_offset, values, self.deq_scale)
+        return slabs.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N).transpose(0, 1).reshape(k, n)
 
     def dequantized(self) -> torch.Tensor:
         """Through the kernel itself: the identity's rows times W.T (unpacking is the
@@ -126,6 +166,26 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int4 group={self.group_size}"
         )
+
+
+def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+    """The 4-bit values `[N, K]` (uint8, 0..15) of a weight packed by torch's CPU int4
+    packing, or None where `n` is not a whole number of its blocks."""
+    if n % INT4_BLOCK_N or packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+        return None
+    half = INT4_BLOCK_N // 2
+    blocks = packed.view(n // INT4_BLOCK_N, k, half)
+    nibbles = torch.stack((blocks & 15, blocks >> 4), dim=1)  # [N / 64, 2, K, 32]
+    return nibbles.transpose(2, 3).reshape(n, k)
+
+
+def _packing_order(per_group: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[K / group, N]` per-group values as `[N / 64, K / group, 1, 2, 32]` in `dtype`: the
+    order of `Int4Linear.weight_t`'s unpacked nibbles (row 64 b + 32 h + i at [b, :, :, h, i])."""
+    groups, n = per_group.shape
+    half = INT4_BLOCK_N // 2
+    arranged = per_group.view(groups, n // INT4_BLOCK_N, 2, half).permute(1, 0, 2, 3)
+    return arranged.unsqueeze(2).to(dtype).contiguous()
 
 
 def quantize_linears(module: nn.Module, precision: Precision, compute: torch.dtype) -> int:

@@ -85,6 +85,33 @@ def test_int8_prefill_rows_dequantize_and_agree_with_the_kernel() -> None:
             )
 
 
+def test_int4_prefill_rows_unpack_and_agree_with_the_kernel() -> None:
+    """A prefill chunk (>= DEQUANT_ROWS rows) unpacks the nibbles into the compute dtype and
+    multiplies with F.linear, a decode batch runs the int4 kernel: both give x @ W_deq.T,
+    row for row, in float32 and in bf16. A weight whose rows are not whole blocks of torch's
+    packing (96 rows) keeps the kernel for every call, and still agrees."""
+    x = torch.randn(DEQUANT_ROWS + 8, 128, generator=torch.Generator().manual_seed(2))
+    for rows_out, unpacks in ((128, True), (96, False)):
+        linear = _linear(rows_out, 128, seed=5)
+        for compute, atol, w_atol in ((torch.float32, 1e-4, 1e-6), (torch.bfloat16, 6e-2, 1e-3)):
+            q = Int4Linear(linear, compute, 32)
+            assert (q.deq_scale is not None) is unpacks
+            xc = x.to(compute)
+            expected = xc.float() @ q.dequantized().T + linear.bias.detach()
+            whole = q(xc)  # the unpacking path (where it applies)
+            rows = torch.cat([q(xc[i : i + 4]) for i in range(0, len(xc), 4)])  # the kernel
+            assert whole.dtype == rows.dtype == compute
+            for got in (whole, rows):
+                assert torch.allclose(got.float(), expected, atol=atol), float(
+                    (got.float() - expected).abs().max()
+                )
+            if unpacks:  # the unpacked weight is the kernel's, element for element
+                w = q.weight_t().t().float()
+                assert torch.allclose(w, q.dequantized(), atol=w_atol), float(
+                    (w - q.dequantized()).abs().max()
+                )
+
+
 def _dequantized_twin(cand_dir: Path, cand: nn.Module) -> nn.Module:
     """A float32 engine's model whose decoder linears hold `cand`'s dequantized weights (in the
     quantized engines' layout: separate projections)."""

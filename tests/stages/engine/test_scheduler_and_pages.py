@@ -7,7 +7,7 @@ import torch
 
 from kvflow.stages.engine import OutOfPagesError, PageLayoutError, SamplingParams
 from kvflow.stages.engine.pages import KVLayout, PagePool
-from kvflow.stages.engine.scheduler import plan_step
+from kvflow.stages.engine.scheduler import plan_step, tail_slack
 from kvflow.stages.engine.sequence import Phase, Sequence
 
 
@@ -28,7 +28,7 @@ def _seq(rid: str, n_tokens: int, computed: int, arrival: int, last: int = -1) -
 
 
 def test_prefill_budget_is_shared_in_arrival_order() -> None:
-    a, b, c = _seq("a", 100, 0, 0), _seq("b", 30, 0, 1), _seq("c", 10, 0, 2)
+    a, b, c = _seq("a", 100, 0, 0), _seq("b", 40, 0, 1), _seq("c", 10, 0, 2)
     plan = plan_step([a, b, c], prefill_budget=120, max_batch=4)
     assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 100), ("b", 20)]
     assert plan.decode == ()
@@ -110,10 +110,15 @@ def test_plan_policy_over_random_mixes() -> None:
             seqs.append(_seq(f"s{i}", n, computed, i, last=rng.randrange(-1, 5)))
         budget, cap = rng.randrange(1, 300), rng.randrange(1, 6)
         plan = plan_step(seqs, prefill_budget=budget, max_batch=cap)
-        assert sum(n for _, n in plan.prefill) <= budget
-        assert all(n >= 1 for _, n in plan.prefill)
+        decoding = [s for s in seqs if s.phase is Phase.DECODE]
         prompts = [s for s in seqs if s.phase is Phase.PREFILL]
         planned = {s.request_id: n for s, n in plan.prefill}
+        slack = 0 if decoding else tail_slack(budget)
+        assert sum(planned.values()) <= budget + slack
+        assert all(n >= 1 for _, n in plan.prefill)
+        if sum(planned.values()) > budget:  # only by a last prompt taking all it needs
+            last = plan.prefill[-1][0]
+            assert planned[last.request_id] == last.remaining
         assert [s.request_id for s, _ in plan.prefill] == [
             s.request_id for s in prompts[: len(plan.prefill)]
         ]
@@ -157,3 +162,25 @@ def test_mixed_budget_applies_only_while_requests_decode() -> None:
     # a mixed budget larger than the step's budget changes nothing
     plan = plan_step([long, running], prefill_budget=256, max_batch=8, mixed_budget=4096)
     assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 256)]
+
+
+def test_a_lone_prompt_just_over_the_budget_takes_its_tail_in_one_chunk() -> None:
+    """513 tokens under a 512 budget: one chunk (no second forward pass for one token);
+    past the slack it is split as before; with a stream decoding, the budget is exact."""
+    assert tail_slack(512) == 64
+    just_over = _seq("p", 513, 0, 0)
+    plan = plan_step([just_over], prefill_budget=512, max_batch=8)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("p", 513)]
+    at_slack, past = _seq("a", 576, 0, 0), _seq("b", 577, 0, 0)
+    assert [n for _, n in plan_step([at_slack], 512, 8).prefill] == [576]
+    assert [n for _, n in plan_step([past], 512, 8).prefill] == [512]
+    # the tail of a long prompt: 2000 = 3 x 512 + 464 (under the budget anyway)
+    long = _seq("l", 1560, 1024, 0)
+    assert [n for _, n in plan_step([long], 512, 8).prefill] == [536]
+    running = _seq("d", 10, 9, 1)
+    plan = plan_step([just_over, running], prefill_budget=512, max_batch=8)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("p", 512)]
+    # a later prompt gets no tokens once the budget is spent by the first one's tail
+    other = _seq("o", 50, 0, 1)
+    plan = plan_step([just_over, other], prefill_budget=512, max_batch=8)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("p", 513)]
