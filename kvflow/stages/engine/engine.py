@@ -38,7 +38,7 @@ from kvflow.stages.engine.grammar import Constraint, GrammarCompiler
 from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model import CausalLM
 from kvflow.stages.engine.model_card import ModelCard
-from kvflow.stages.engine.pages import KVLayout, PageData, PagePool
+from kvflow.stages.engine.pages import KVLayout, PageData, PagePool, resident_pages
 from kvflow.stages.engine.runner import ModelRunner
 from kvflow.stages.engine.sampler import prompt_logprobs, sample, token_logprobs
 from kvflow.stages.engine.scheduler import StepPlan, plan_step
@@ -77,7 +77,13 @@ class Engine:
             config.block_size,
             config.precision.compute,
         )
-        self._pool = PagePool(config.num_pages, self.kv_layout, config.torch_dtype, self.device)
+        self._pool = PagePool(
+            config.num_pages,
+            self.kv_layout,
+            config.torch_dtype,
+            self.device,
+            resident=self.resident_pages(config.num_pages),
+        )
         self._runner = ModelRunner(model, self._pool, self.device)
         self.model = model
         self._seqs: dict[str, Sequence] = {}  # live and retained-finished, in arrival order
@@ -173,6 +179,11 @@ class Engine:
     @property
     def num_pages(self) -> int:
         return self._pool.num_pages
+
+    def resident_pages(self, num_pages: int) -> int:
+        """How many of ``num_pages`` lazily mapped pages (the pool's, or a staging area's
+        slots for this engine) to map at start-up: one sequence's (`pages.resident_pages`)."""
+        return resident_pages(num_pages, self.config.block_size, self.max_model_len)
 
     @property
     def num_free_pages(self) -> int:

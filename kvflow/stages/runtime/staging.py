@@ -52,9 +52,11 @@ class StagingArea:
         dtype: torch.dtype,
         transfer: TransferEngine | None = None,
         name: str | None = None,
+        resident: int = 0,
     ) -> None:
         self.instance_id = instance_id
-        self.tensor = lazy_zeros((num_slots, *page_shape), dtype, torch.device("cpu"))
+        # the first `resident` slots are mapped now; leases take them first (LIFO free list)
+        self.tensor = lazy_zeros((num_slots, *page_shape), dtype, torch.device("cpu"), resident)
         self.page_nbytes = int(self.tensor[0].numel() * self.tensor.element_size())
         self.segment_name = name or staging_segment_name(instance_id)
         self.segment: SegmentHandle | None = None

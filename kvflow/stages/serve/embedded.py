@@ -189,6 +189,7 @@ class EmbeddedCluster:
             engine.page_dtype,
             None,
             name=f"{instance_id}/load",
+            resident=engine.resident_pages(c.staging_pages),
         )
         self.prefill[instance_id] = PrefillInstance(instance_id, worker, store, state, load_staging)
 
@@ -202,7 +203,12 @@ class EmbeddedCluster:
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers)
         staging = StagingArea(
-            instance_id, c.staging_pages, engine.page_shape, engine.page_dtype, self.transfer
+            instance_id,
+            c.staging_pages,
+            engine.page_shape,
+            engine.page_dtype,
+            self.transfer,
+            resident=engine.resident_pages(c.staging_pages),
         )
         state = InstanceState(instance_id, "decode")
         self.decode[instance_id] = DecodeInstance(instance_id, worker, state, staging, store)

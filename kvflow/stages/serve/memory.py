@@ -6,7 +6,8 @@ fixed default: ``plan_memory`` sizes each one left unset.
 - KV pages per engine (and the same number of slots in each staging area): enough for one
   sequence of ``min(max_model_len, 4096)`` tokens, more when the KV budget allows — the
   budget is 1/16 of the memory available now, at most 768 MiB per pool — and at most 512.
-  (A pool is zero pages the kernel maps lazily: what is resident is what has been used.)
+  (A pool is zero pages the kernel maps lazily: what is resident is what has been used, and
+  the pages of one such sequence, written at start-up: `engine.pages.resident_pages`.)
 - DRAM tier per shard: 1/32 of the available memory, between 64 MiB and 256 MiB.
 - SSD tier per shard: a quarter of the free disk under the data directory, at most 8 GiB.
 

@@ -145,7 +145,13 @@ class NodeServer:
         pool = engine.pool_tensor
         self.transfer.register_memory(pool_segment_name(c.node_id), pool.view(torch.uint8).numpy())
         load = StagingArea(
-            c.node_id, c.staging_pages, engine.page_shape, engine.page_dtype, None, name="load"
+            c.node_id,
+            c.staging_pages,
+            engine.page_shape,
+            engine.page_dtype,
+            None,
+            name="load",
+            resident=engine.resident_pages(c.staging_pages),
         )
         self.instance: PrefillInstance | DecodeInstance = PrefillInstance(
             c.node_id, self.worker, self.store, self.state, load
@@ -201,6 +207,7 @@ class NodeServer:
             engine.page_dtype,
             self.transfer,
             name=STAGING_SEGMENT,
+            resident=engine.resident_pages(c.staging_pages),
         )
         self.leases = LeaseBook(staging, c.lease_timeout_s)
         self.instance = DecodeInstance(c.node_id, self.worker, self.state, staging, self.store)

@@ -11,6 +11,7 @@ from kvflow.stages.engine.attention import (
     PagedPrefill,
     attend_in_parts,
     blocked_causal,
+    gather_context,
     parts_apply,
 )
 from kvflow.stages.engine.pages import KVLayout, PagePool
@@ -91,3 +92,22 @@ def test_paged_prefill_chunks_equal_masked() -> None:
     got = later.attend(1, q, k[40:], v[40:])
     want = _masked(q, k, v, 40).transpose(0, 1).reshape(12, -1)
     assert float((got - want).abs().max()) < 1e-5
+
+
+def test_gather_context_is_the_pages_in_order() -> None:
+    """The gathered context of one request ([pages]) and of a decode batch ([B, pages]) is,
+    per k/v and head, the pages' slots concatenated in the order given (ids out of order and
+    repeated, as a padded page table has them)."""
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn((9, 3, 2, 2, 4, 5), generator=gen)  # [pages, layers, 2, kvh, bs, d]
+    ids = torch.tensor([7, 2, 5, 2])
+    ctx = gather_context(pool, 1, ids)
+    assert ctx.shape == (2, 2, 16, 5)
+    want = torch.cat([pool[p, 1] for p in ids.tolist()], dim=2)  # [2, kvh, 4 * bs, d]
+    assert torch.equal(ctx, want)
+    table = torch.tensor([[7, 2, 5], [0, 8, 8]])
+    batch = gather_context(pool, 2, table)
+    assert batch.shape == (2, 2, 2, 12, 5)
+    for b in range(2):
+        want = torch.cat([pool[p, 2] for p in table[b].tolist()], dim=2)
+        assert torch.equal(batch[:, b], want)
