@@ -53,7 +53,7 @@ def onednn_applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `use_onednn_linears` is used for a model in `dtype` on `device`."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if linear_backend() != "onednn":
+    if linear_backend() == "aten":
         return False
     if dtype == torch.float32:
         return True

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from kvflow.stages.engine import cpu_gemv
-from kvflow.stages.engine.onednn_linear import ENV_LINEAR, OneDNNDenseLinear, use_onednn_linears
+from kvflow.stages.engine.onednn_linear import (
+    ENV_LINEAR,
+    OneDNNDenseLinear,
+    onednn_applies,
+    use_onednn_linears,
+)
 
 needs_kernel = pytest.mark.skipif(
     sys.platform != "linux"
@@ -55,6 +60,7 @@ def test_gemv_equals_f_linear() -> None:
 @needs_kernel
 def test_dense_linear_sends_decode_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_LINEAR, raising=False)  # the default backend: gemv
+    assert onednn_applies(torch.float32, torch.device("cpu"))  # a loaded model is swapped
     gen = torch.Generator().manual_seed(1)
     linear = torch.nn.Linear(64, 80, bias=True)
     holder = torch.nn.Sequential(linear)
