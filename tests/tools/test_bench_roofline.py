@@ -44,14 +44,17 @@ def test_roofline_quick_two_linear_backends(
     monkeypatch.delenv("KVFLOW_LINEAR", raising=False)
     model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
     out = tmp_path / "roofline.json"
-    argv = ["--quick", "--linears", "onednn,aten", "--model", str(model), "--json", str(out)]
+    argv = ["--quick", "--linears", "gemv,onednn,aten", "--model", str(model), "--json", str(out)]
     assert roofline.main(argv) == 0
-    assert capsys.readouterr().out.count("fused-float32-") == 2
+    assert capsys.readouterr().out.count("fused-float32-") == 3
     doc = json.loads(out.read_text())
-    assert set(doc["runs"]) == {"fused-float32-onednn", "fused-float32-aten"}
-    one, aten = doc["runs"]["fused-float32-onednn"], doc["runs"]["fused-float32-aten"]
-    assert one["weight_bytes"] == aten["weight_bytes"] > 0  # the same weights, no copy
-    assert all(r["decode"][0]["tok_s"] > 0 for r in (one, aten))
+    names = {"fused-float32-gemv", "fused-float32-onednn", "fused-float32-aten"}
+    assert set(doc["runs"]) == names
+    gemv, one = doc["runs"]["fused-float32-gemv"], doc["runs"]["fused-float32-onednn"]
+    aten = doc["runs"]["fused-float32-aten"]
+    # the same weights, no copy
+    assert gemv["weight_bytes"] == one["weight_bytes"] == aten["weight_bytes"] > 0
+    assert all(r["decode"][0]["tok_s"] > 0 for r in (gemv, one, aten))
     assert "KVFLOW_LINEAR" not in os.environ  # restored after each engine
     with pytest.raises(SystemExit):
         roofline.main(["--linears", "onednn,mkl"])

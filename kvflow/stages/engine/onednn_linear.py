@@ -15,10 +15,15 @@ products (512 rows) ran at the same rate. `OneDNNDenseLinear` calls it on the li
 weight (no second copy, the parameter names and the tied embedding stay); its outputs equal
 `F.linear`'s up to float32 summation order (~1e-5 relative).
 
+float32 decode steps (at most `cpu_gemv.MAX_ROWS` rows) go further, to the matrix-vector
+kernel of cpu_gemv.py, which reads the weights at the rate of a plain read (~28 GB/s here
+against oneDNN's ~20); prefill chunks stay on oneDNN.
+
 `onednn_applies(dtype, device)` decides where it is used: on the CPU with oneDNN, float32
 always, bf16 with oneDNN's bf16 support (avx512_bf16 / AMX or the Arm equivalent).
-Everywhere else the model keeps `nn.Linear` (float16, CUDA). `KVFLOW_LINEAR=aten` keeps
-`nn.Linear` everywhere (the A/B switch of `kvflow.tools.bench.roofline --linears`).
+Everywhere else the model keeps `nn.Linear` (float16, CUDA). `KVFLOW_LINEAR` picks the
+backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "gemv" (default) as
+above, "onednn" without the kernel, "aten" keeps `nn.Linear` everywhere.
 """
 
 from __future__ import annotations
@@ -28,15 +33,17 @@ import os
 import torch
 from torch import nn
 
+from kvflow.stages.engine.cpu_gemv import Gemv, gemv_applies, gemv_kernel
 from kvflow.stages.engine.linear_swap import swap_linears
 
 ENV_LINEAR = "KVFLOW_LINEAR"
-LINEAR_BACKENDS = ("onednn", "aten")
+LINEAR_BACKENDS = ("gemv", "onednn", "aten")
 
 
 def linear_backend() -> str:
-    """`KVFLOW_LINEAR` (default "onednn"): "aten" keeps `nn.Linear` for every dtype."""
-    value = os.environ.get(ENV_LINEAR, "onednn")
+    """`KVFLOW_LINEAR` (default "gemv"): "onednn" without the decode kernel, "aten" keeps
+    `nn.Linear` for every dtype."""
+    value = os.environ.get(ENV_LINEAR, "gemv")
     if value not in LINEAR_BACKENDS:
         raise ValueError(f"{ENV_LINEAR} must be one of {LINEAR_BACKENDS}, got {value!r}")
     return value
@@ -46,7 +53,7 @@ def onednn_applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `use_onednn_linears` is used for a model in `dtype` on `device`."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if linear_backend() != "onednn":
+    if linear_backend() == "aten":
         return False
     if dtype == torch.float32:
         return True
@@ -79,29 +86,36 @@ class OneDNNLinear(nn.Module):
 
 class OneDNNDenseLinear(nn.Module):
     """`y = x @ W.T + b` for 2-D float32 `x` through oneDNN's inner product on the linear's
-    own (unprepared) weight, which stays a parameter under its name."""
+    own (unprepared) weight, which stays a parameter under its name; with `gemv` (cpu_gemv.py),
+    a few rows (a decode step) go to that kernel instead."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, gemv: Gemv | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.gemv = gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and gemv_applies(x, self.weight):
+            return self.gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn dense"
+        kind = "onednn dense" + (", gemv" if self.gemv is not None else "")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 def _onednn(linear: nn.Linear) -> nn.Module:
     if linear.weight.dtype == torch.float32:
-        return OneDNNDenseLinear(linear)
+        gemv = gemv_kernel() if linear_backend() == "gemv" else None
+        return OneDNNDenseLinear(linear, gemv)
     return OneDNNLinear(linear)
 
 
 def use_onednn_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` under `model` by its oneDNN form (after loading, fusing and
-    moving): float32 by a `OneDNNDenseLinear` (same parameters), bf16 by a `OneDNNLinear`
+    moving): float32 by a `OneDNNDenseLinear` (same parameters; with the decode kernel under
+    the "gemv" backend), bf16 by a `OneDNNLinear`
     (the state dict's names no longer hold the weights). Returns the count."""
     return swap_linears(model, _onednn)

@@ -1,0 +1,127 @@
+"""The float32 decode matrix-vector kernel (cpu_gemv.py): its products equal F.linear's, the
+oneDNN dense linear sends a decode step's rows to it (and a prefill chunk's not), and it is
+built once into its cache directory."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow.stages.engine import cpu_gemv
+from kvflow.stages.engine.onednn_linear import (
+    ENV_LINEAR,
+    OneDNNDenseLinear,
+    onednn_applies,
+    use_onednn_linears,
+)
+
+needs_kernel = pytest.mark.skipif(
+    sys.platform != "linux"
+    or shutil.which("cc") is None
+    or not torch.backends.mkldnn.is_available(),
+    reason="the kernel is built on Linux with a C compiler, beside oneDNN",
+)
+
+
+@needs_kernel
+def test_gemv_equals_f_linear() -> None:
+    gemv = cpu_gemv.gemv_kernel()
+    assert gemv is not None
+    gen = torch.Generator().manual_seed(0)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            # K: whole 64-blocks, 16-blocks and a masked tail; N below and above the split
+            for n, k in ((40, 96), (100, 33), (960, 576), (576, 1536), (7, 5)):
+                w = torch.randn(n, k, generator=gen)
+                b = torch.randn(n, generator=gen)
+                for rows in (0, 1, 3, cpu_gemv.MAX_ROWS):
+                    x = torch.randn(rows, k, generator=gen)
+                    for bias in (None, b):
+                        got = gemv(x, w, bias)
+                        expected = torch.nn.functional.linear(x, w, bias)
+                        assert got.shape == expected.shape and got.dtype == torch.float32
+                        # float32 products summed in another order: within float32 rounding
+                        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4), (
+                            n,
+                            k,
+                            rows,
+                            (got - expected).abs().max(),
+                        )
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_kernel
+def test_dense_linear_sends_decode_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_LINEAR, raising=False)  # the default backend: gemv
+    assert onednn_applies(torch.float32, torch.device("cpu"))  # a loaded model is swapped
+    gen = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(64, 80, bias=True)
+    holder = torch.nn.Sequential(linear)
+    assert use_onednn_linears(holder) == 1
+    dense = holder[0]
+    assert isinstance(dense, OneDNNDenseLinear) and dense.gemv is not None
+    calls: list[int] = []
+    kernel = dense.gemv
+
+    def counting(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, w, b)
+
+    dense.gemv = counting
+    with torch.inference_mode():
+        for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 64):
+            x = torch.randn(rows, 64, generator=gen)
+            expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+            assert torch.allclose(dense(x), expected, rtol=1e-5, atol=1e-4)
+        # a non-contiguous input goes to oneDNN
+        x = torch.randn(64, 2, generator=gen).t()
+        assert torch.allclose(
+            dense(x),
+            torch.nn.functional.linear(x, linear.weight, linear.bias),
+            rtol=1e-5,
+            atol=1e-4,
+        )
+    assert calls == [1, cpu_gemv.MAX_ROWS]
+    monkeypatch.setenv(ENV_LINEAR, "onednn")  # oneDNN alone: no kernel
+    other = torch.nn.Sequential(torch.nn.Linear(64, 80))
+    use_onednn_linears(other)
+    assert isinstance(other[0], OneDNNDenseLinear) and other[0].gemv is None
+
+
+@needs_kernel
+def test_kernel_built_once_into_its_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_gemv.ENV_DIR, str(tmp_path / "kernels"))
+    assert cpu_gemv.kernel_dir() == tmp_path / "kernels"
+    assert cpu_gemv._load() is not None
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("cpu_gemv-")
+    stamp = built[0].stat().st_mtime_ns
+    assert cpu_gemv._load() is not None  # loaded again, not rebuilt
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()] == [stamp]
+    # one OpenMP runtime in the process: torch's
+    assert len(cpu_gemv._openmp_runtimes()) <= 1
+
+
+def test_no_compiler_keeps_onednn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_gemv.ENV_DIR, str(tmp_path / "kernels"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert cpu_gemv._load() is None
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_gemv_applies_only_to_few_contiguous_float32_rows() -> None:
+    w = torch.zeros(8, 4)
+    assert cpu_gemv.gemv_applies(torch.zeros(1, 4), w)
+    assert cpu_gemv.gemv_applies(torch.zeros(cpu_gemv.MAX_ROWS, 4), w)
+    assert not cpu_gemv.gemv_applies(torch.zeros(cpu_gemv.MAX_ROWS + 1, 4), w)
+    assert not cpu_gemv.gemv_applies(torch.zeros(1, 4, dtype=torch.bfloat16), w)
+    assert not cpu_gemv.gemv_applies(torch.zeros(4, 2).t(), w)
+    assert not cpu_gemv.gemv_applies(torch.zeros(1, 1, 4), w)
+    assert not cpu_gemv.gemv_applies(torch.zeros(1, 4), torch.zeros(4, 8).t())
