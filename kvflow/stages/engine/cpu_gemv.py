@@ -9,10 +9,11 @@ threads: ~28 GB/s, the plain read's rate (BENCHMARKS.md, docs/performance.md).
 The kernel is compiled on first use with the system's C compiler (`cc`, or `$CC`) for this
 CPU (`-march=native`) into a cache directory (`$KVFLOW_KERNEL_DIR`, else
 `$XDG_CACHE_HOME/kvflow/kernels`, else `~/.cache/kvflow/kernels`), named by a hash of the
-source, the flags and the compiler, and loaded with ctypes (the call releases the GIL). It is
-loaded after torch, so its `libgomp.so.1` is the one torch already loaded (one OpenMP runtime,
-torch's thread pool); where another OpenMP runtime would be loaded, or there is no compiler,
-`gemv_kernel()` returns None and the linears keep oneDNN (logged once).
+source, the flags, the compiler and the CPU's model and flags, and loaded with ctypes (the
+call releases the GIL). It is loaded after torch, so its `libgomp.so.1` is the one torch
+already loaded (one OpenMP runtime, torch's thread pool); where another OpenMP runtime would
+be loaded, or there is no compiler, `gemv_kernel()` returns None and the linears keep oneDNN
+(logged once).
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def _build(cc: str, out: Path) -> None:
             os.unlink(tmp)
 
 
+def _cpu_identity() -> bytes:
+    """The CPU's model and feature flags (Linux): `-march=native` builds for this CPU, so a
+    cache directory shared between machines (a network home, a mounted volume) must not hand
+    one CPU's build to another."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return b""
+    wanted = ("model name", "flags")
+    lines = [ln for ln in info.splitlines() if ln.split(":", 1)[0].strip() in wanted]
+    return "\n".join(sorted(set(lines))).encode()
+
+
 def _openmp_runtimes() -> set[str]:
     """Paths of the OpenMP runtimes mapped into this process (Linux)."""
     maps = Path("/proc/self/maps").read_text()
@@ -95,7 +109,8 @@ def _load() -> Gemv | None:
     if cc is None:
         log.info("no C compiler: decode linears stay on oneDNN")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+    named = SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode() + _cpu_identity()
+    key = hashlib.sha256(named).hexdigest()[:16]
     path = kernel_dir() / f"cpu_gemv-{key}.so"
     before = _openmp_runtimes()
     try:
