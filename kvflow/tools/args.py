@@ -57,7 +57,7 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         type=float,
         help="size the prompt tokens of a step that also decodes (at most --mixed-chunk) "
         "to a step of about this many ms, from measured step times (docs/performance.md); "
-        "0: the fixed --mixed-chunk; default: 200 colocated, else none",
+        "default (or 0): none, the fixed --mixed-chunk",
     )
     p.add_argument(
         "--dram-mb",

@@ -8,9 +8,11 @@ compute-bound prefill, reading every weight once a step on a core the prefill wa
 Colocated (``--colocate``): one engine per pair, every core, each step one forward pass over
 the prefill chunks and the decode batch (segments.py), so the weights are read once for both
 and no thread waits on another engine's. While requests decode, a step's prefill budget is
-at most ``COLOCATED_MIXED_CHUNK`` tokens (the running streams wait for each step), sized to a
-step of about ``COLOCATED_TBT_TARGET_MS`` from measured step times (``--tbt-target-ms``;
-engine/step_budget.py); a prompt alone gets the full ``--prefill-chunk``. The decode takes
+at most ``COLOCATED_MIXED_CHUNK`` tokens (the running streams wait for each step), or, with
+``--tbt-target-ms``, as many as fit a step of that time by measured step times
+(engine/step_budget.py; off by default: in the side-by-side benchmark a 200 ms target cost
+the concurrency rows 17-36%, docs/performance.md); a prompt alone gets the full
+``--prefill-chunk``. The decode takes
 over the prefill's KV pages in place (``state.py:GenerateState.colocated``): nothing staged.
 
 The rule (measured on a 2-core machine, docs/performance.md "Concurrency"): the embedded
@@ -26,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 SMALL_MACHINE_CORES = 2
 COLOCATED_MIXED_CHUNK = 256
-COLOCATED_TBT_TARGET_MS = 200.0
 
 
 def embedded_colocate(
@@ -54,10 +55,8 @@ def mixed_chunk(colocate: bool, given: int | None) -> int | None:
     return COLOCATED_MIXED_CHUNK if colocate else None
 
 
-def tbt_target_ms(colocate: bool, given: float | None) -> float | None:
-    """The target step time that sizes a mixed step's prompt budget: as given (0: none, the
-    fixed mixed chunk), else ``COLOCATED_TBT_TARGET_MS`` for a colocated engine (a
-    disaggregated engine never mixes, so None)."""
-    if given is not None:
-        return given or None
-    return COLOCATED_TBT_TARGET_MS if colocate else None
+def tbt_target_ms(given: float | None) -> float | None:
+    """The target step time that sizes a mixed step's prompt budget: as given; None or 0:
+    none, the fixed mixed chunk (the default, colocated or not: measured, a target trades the
+    throughput of every concurrent row for steadier streams beside a long prompt)."""
+    return given or None

@@ -80,8 +80,8 @@ class EngineStoreConfig:
         mixed_chunk: prefill tokens of a step that also decodes (an engine that does both,
             ``--colocate``); None: ``prefill_chunk``.
         tbt_target_ms: size that budget (at most ``mixed_chunk``) to a step of about this
-            many milliseconds, from measured step times; 0: the fixed ``mixed_chunk``;
-            None: colocated, ``colocation.COLOCATED_TBT_TARGET_MS``, else none.
+            many milliseconds, from measured step times; None or 0: the fixed
+            ``mixed_chunk`` (the default).
         max_batch: decode batch cap per engine.
         staging_pages: page slots of each staging area (decode: streamed KV lands there;
             prefill: reuse-load reads cached blocks there).

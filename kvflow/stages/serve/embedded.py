@@ -168,7 +168,7 @@ class EmbeddedCluster:
                 c,
                 num_pages=2 * c.num_pages,
                 mixed_chunk=mixed_chunk(True, c.mixed_chunk),
-                tbt_target_ms=tbt_target_ms(True, c.tbt_target_ms),
+                tbt_target_ms=tbt_target_ms(c.tbt_target_ms),
             )
             if c.colocate
             else c
