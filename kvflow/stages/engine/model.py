@@ -44,6 +44,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 == self.weight.dtype:  # one op, bit-identical (tested)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -70,15 +72,16 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        if self.qkv_proj is not None:
-            qs, kvs = self.num_heads * d, self.num_kv_heads * d
-            q2, k2, v2 = self.qkv_proj(x).split((qs, kvs, kvs), dim=-1)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None:  # q and k rotate as one [T, heads + kv_heads, d] block
+            qk2, v2 = self.qkv_proj(x).split(((heads + kv_heads) * d, kv_heads * d), dim=-1)
+            qk = apply_rotary(qk2.view(t, heads + kv_heads, d), cos, sin)
+            q, k = qk.split((heads, kv_heads), dim=1)
         else:
             q2, k2, v2 = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q2.view(t, self.num_heads, d)
-        k = k2.view(t, self.num_kv_heads, d)
-        v = v2.view(t, self.num_kv_heads, d)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = apply_rotary(q2.view(t, heads, d), cos, sin)
+            k = apply_rotary(k2.view(t, kv_heads, d), cos, sin)
+        v = v2.view(t, kv_heads, d)
         return self.o_proj(kv.attend(self.layer, q, k, v))
 
 

@@ -23,7 +23,11 @@ against oneDNN's ~20); prefill chunks stay on oneDNN.
 always, bf16 with oneDNN's bf16 support (avx512_bf16 / AMX or the Arm equivalent).
 Everywhere else the model keeps `nn.Linear` (float16, CUDA). `KVFLOW_LINEAR` picks the
 backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "gemv" (default) as
-above, "onednn" without the kernel, "aten" keeps `nn.Linear` everywhere.
+above, "onednn" without the kernel, "aten" keeps `nn.Linear` everywhere, and "prepacked" as
+"gemv" with a second, oneDNN-prepared copy of each float32 weight for the prefill's rows
+(`_reorder_linear_weight`, what vLLM's CPU backend does for float32). Its outputs are the same
+bits; it costs a second copy of the float32 linear weights (+~425 MB for SmolLM2-135M), and
+measured ~5-15% faster prefill matmuls here (BENCHMARKS.md), so it is opt-in.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from kvflow.stages.engine.cpu_gemv import Gemv, gemv_applies, gemv_kernel
 from kvflow.stages.engine.linear_swap import swap_linears
 
 ENV_LINEAR = "KVFLOW_LINEAR"
-LINEAR_BACKENDS = ("gemv", "onednn", "aten")
+LINEAR_BACKENDS = ("gemv", "onednn", "aten", "prepacked")
+PACK_ROWS = 512
+"""The rows oneDNN is told to expect when it prepares a float32 weight (the prefill chunk)."""
 
 
 def linear_backend() -> str:
@@ -89,27 +95,36 @@ class OneDNNDenseLinear(nn.Module):
     own (unprepared) weight, which stays a parameter under its name; with `gemv` (cpu_gemv.py),
     a few rows (a decode step) go to that kernel instead."""
 
-    def __init__(self, linear: nn.Linear, gemv: Gemv | None = None) -> None:
+    def __init__(self, linear: nn.Linear, gemv: Gemv | None = None, prepack: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.gemv = gemv
+        packed = None
+        if prepack:  # a second copy, in oneDNN's blocked layout, for the prefill's rows
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
+        self.prefill_weight: torch.Tensor | None
+        self.register_buffer("prefill_weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and gemv_applies(x, self.weight):
             return self.gemv(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        weight = self.weight if self.prefill_weight is None else self.prefill_weight
+        return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         kind = "onednn dense" + (", gemv" if self.gemv is not None else "")
+        kind += ", prepacked" if self.prefill_weight is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
-def _onednn(linear: nn.Linear) -> nn.Module:
+def _onednn(linear: nn.Linear, unpacked: frozenset[int]) -> nn.Module:
     if linear.weight.dtype == torch.float32:
-        gemv = gemv_kernel() if linear_backend() == "gemv" else None
-        return OneDNNDenseLinear(linear, gemv)
+        backend = linear_backend()
+        gemv = gemv_kernel() if backend in ("gemv", "prepacked") else None
+        prepack = backend == "prepacked" and id(linear) not in unpacked
+        return OneDNNDenseLinear(linear, gemv, prepack)
     return OneDNNLinear(linear)
 
 
@@ -118,4 +133,7 @@ def use_onednn_linears(model: nn.Module) -> int:
     moving): float32 by a `OneDNNDenseLinear` (same parameters; with the decode kernel under
     the "gemv" backend), bf16 by a `OneDNNLinear`
     (the state dict's names no longer hold the weights). Returns the count."""
-    return swap_linears(model, _onednn)
+    # the lm_head computes one row of a prompt (its last): no prepared copy of the vocabulary
+    lm_head = getattr(model, "lm_head", None)
+    unpacked = frozenset([id(lm_head)] if isinstance(lm_head, nn.Linear) else [])
+    return swap_linears(model, lambda linear: _onednn(linear, unpacked))

@@ -47,14 +47,21 @@ class Rotary:
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [T] -> (cos, sin), each [T, 1, head_dim] in `dtype`."""
+        """positions int64 [T] -> (cos, signed sin), each [T, 1, head_dim] in `dtype`; the
+        signed sin is the sin with its first half negated (what `apply_rotary` takes)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = emb.sin()
+        sin[:, : sin.shape[-1] // 2].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by (cos, sin) [T, 1, head_dim]; returns a new tensor."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by (cos, signed sin) [T, 1, head_dim] (`Rotary.cos_sin`);
+    returns a new tensor.
+
+    Transformers computes x * cos + cat(-x2, x1) * sin (x1, x2 the halves of x); here
+    roll(x) = cat(x2, x1) times the sin whose first half is negated: the same products
+    ((-a) * b == a * (-b) exactly), in 4 ops instead of 7 (two slices, a neg, a cat)."""
+    out = x * cos
+    return out.add_(torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin)

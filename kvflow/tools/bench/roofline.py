@@ -254,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--linears",
         type=_linears,
         default=None,
-        help="linear backend(s), comma-separated: onednn, aten (default: the environment's)",
+        help="linear backend(s), comma-separated: "
+        + ", ".join(LINEAR_BACKENDS)
+        + " (default: the environment's)",
     )
     p.add_argument("--bw-mib", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3, help="best of this many timings")

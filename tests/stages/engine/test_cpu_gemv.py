@@ -125,3 +125,37 @@ def test_gemv_applies_only_to_few_contiguous_float32_rows() -> None:
     assert not cpu_gemv.gemv_applies(torch.zeros(4, 2).t(), w)
     assert not cpu_gemv.gemv_applies(torch.zeros(1, 1, 4), w)
     assert not cpu_gemv.gemv_applies(torch.zeros(1, 4), torch.zeros(4, 8).t())
+
+
+@needs_kernel
+def test_prepacked_backend_prefill_rows_on_a_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLOW_LINEAR=prepacked: decode rows on the kernel (dense weight), prefill rows on a
+    oneDNN-prepared copy with the same bits as the dense inner product; the lm_head keeps
+    no copy; a bias is added."""
+    monkeypatch.setenv(ENV_LINEAR, "prepacked")
+    gen = torch.Generator().manual_seed(2)
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 96, bias=True)
+            self.lm_head = torch.nn.Linear(96, 200, bias=False)
+
+    holder = Holder()
+    weight, bias = holder.proj.weight, holder.proj.bias
+    assert use_onednn_linears(holder) == 2
+    proj, head = holder.proj, holder.lm_head
+    assert isinstance(proj, OneDNNDenseLinear) and isinstance(head, OneDNNDenseLinear)
+    assert proj.prefill_weight is not None and proj.gemv is not None
+    assert head.prefill_weight is None
+    assert proj.weight is weight  # the dense parameter stays (decode reads it)
+    with torch.inference_mode():
+        for rows in (1, cpu_gemv.MAX_ROWS + 1, 512):
+            x = torch.randn(rows, 64, generator=gen)
+            dense = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            got = proj(x)
+            if rows > cpu_gemv.MAX_ROWS:
+                assert torch.equal(got, dense)
+            torch.testing.assert_close(
+                got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4
+            )
