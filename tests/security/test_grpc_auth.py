@@ -121,6 +121,27 @@ async def aio_call(channel: aio.Channel, kind: str) -> bytes:
     return b"".join([m async for m in channel.stream_stream(method)(iter([b"x"]), timeout=5)])
 
 
+def _send_raced_the_refusal(error: grpc.RpcError) -> bool:
+    """grpc's aio client reports INTERNAL ("Failed execute_batch: SendMessageOperation") when
+    its request-stream message is written after the server has already ended the call: the
+    real status is lost in grpc itself (grpc.aio._call._write: a failed send is an internal
+    error). Seen once in 15 loaded runs (run 15, 2026-11-26)."""
+    return error.code() == grpc.StatusCode.INTERNAL and "SendMessageOperation" in str(
+        error.debug_error_string()
+    )
+
+
+async def aio_refusal(channel: aio.Channel, kind: str, attempts: int = 5) -> grpc.StatusCode:
+    """The status a refused call ends with. A request-stream call whose send raced the
+    server's refusal (above) is asked again: the server's answer is what is under test."""
+    for _ in range(attempts):
+        with pytest.raises(grpc.RpcError) as info:
+            await aio_call(channel, kind)
+        if not (kind in ("SU", "SS") and _send_raced_the_refusal(info.value)):
+            break
+    return info.value.code()
+
+
 @pytest.mark.parametrize("client", [SECRET, None, OTHER], ids=["secret", "none", "other"])
 def test_aio_server(client: ClusterSecret | None) -> None:
     calls: list[str] = []
@@ -136,9 +157,7 @@ def test_aio_server(client: ClusterSecret | None) -> None:
                 if client is SECRET:
                     assert await aio_call(channel, kind) == b"x"
                 else:
-                    with pytest.raises(grpc.RpcError) as info:
-                        await aio_call(channel, kind)
-                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    assert await aio_refusal(channel, kind) == grpc.StatusCode.UNAUTHENTICATED
         finally:
             await channel.close()
             await server.stop(0)
