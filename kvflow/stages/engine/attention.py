@@ -6,7 +6,10 @@
   in two parts merged by their log-sum-exp: the tokens before the block (every one visible:
   no mask) and the block's own (causal). torch's CPU flash kernel splits keys in blocks of
   512, so a 512-token causal attention computed every masked score; in blocks the masked
-  half is skipped (docs/performance.md). Elsewhere: one masked attention.
+  half is skipped (docs/performance.md). Elsewhere (a GPU), without a sliding window: one
+  attention with torch's lower-right causal bias (`causal_lower_right`), which its flash and
+  memory-efficient kernels take as it is instead of a materialized mask; with a window: one
+  attention under a materialized mask.
 - `PagedDecode`: one token for each of several requests; each request's pages are gathered
   into a padded batch and masked by its own length. When every request of the batch starts
   with the same pages (a prefix the engine shares by key), those are attended once for all
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from kvflow.stages.engine.pages import PagePool
 
@@ -37,16 +42,26 @@ def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -
     return mask
 
 
+GPU_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The attention kernels a CUDA device may pick, in order: every one but cuDNN's, which builds
+a plan for each new key length. Every decode step is a new length: on an H200 with bf16 the
+cuDNN call took 4.8 ms of CPU a layer (decode at batch 1: 23 tokens/s; BENCHMARKS.md)."""
+
+
 def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | CausalBias | None,
     causal: bool = False,
 ) -> torch.Tensor:
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[-3] != k.shape[-3]
-    )
+    gqa = q.shape[-3] != k.shape[-3]
+    if q.device.type == "cuda":
+        with sdpa_kernel(GPU_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 def gather_context(pool: torch.Tensor, layer: int, page_ids: torch.Tensor) -> torch.Tensor:
@@ -154,11 +169,14 @@ class PagedPrefill:
         # The first chunk without a window needs no gather: its own K/V are the context.
         self.fast = start == 0 and (window is None or window >= num_tokens)
         self.blocked = parts_apply(device, window, end)
-        self.mask = None
+        self.mask: torch.Tensor | CausalBias | None = None
         if not self.fast and not self.blocked:
-            self.mask = visible_mask(
-                positions[:, None], torch.arange(end, device=device)[None, :], window
-            )
+            if window is None or window >= end:  # every earlier token visible: causal only
+                self.mask = causal_lower_right(num_tokens, end)
+            else:
+                self.mask = visible_mask(
+                    positions[:, None], torch.arange(end, device=device)[None, :], window
+                )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pool.tensor

@@ -43,8 +43,16 @@ def _run_to_end(engine: Engine) -> None:
         engine.step()
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer read after it counts that work (CUDA runs
+    asynchronously; the CPU needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_prefill(engine: Engine, tokens: list[int], prefix: list[bytes], n_prefix: int) -> float:
     """Seconds from add_request (page import included) to the first sampled token."""
+    _sync(engine.device)
     start = time.perf_counter()
     engine.add_request("bench", tokens, ONE_TOKEN, prefix_pages=prefix, num_prefix_tokens=n_prefix)
     _run_to_end(engine)
@@ -55,6 +63,7 @@ def time_prefill(engine: Engine, tokens: list[int], prefix: list[bytes], n_prefi
 def time_plain_prefill(engine: Engine, tokens: list[int]) -> float:
     """One forward over the whole sequence with a contiguous KV, plus last-token logits."""
     spec = engine.spec
+    _sync(engine.device)
     start = time.perf_counter()
     kv = ContiguousKV(
         spec.num_layers,
@@ -69,6 +78,7 @@ def time_plain_prefill(engine: Engine, tokens: list[int]) -> float:
     ids = torch.tensor(tokens, device=engine.device)
     hidden = engine.model(ids, torch.arange(len(tokens), device=engine.device), kv)
     engine.model.logits(hidden[-1:]).argmax()
+    _sync(engine.device)
     return time.perf_counter() - start
 
 
@@ -89,11 +99,13 @@ def time_plain_decode(engine: Engine, context: int, steps: int) -> float:
     ids = torch.tensor(_tokens(context, spec.vocab_size, 9), device=engine.device)
     hidden = engine.model(ids, torch.arange(context, device=engine.device), kv)
     token = engine.model.logits(hidden[-1:]).argmax(-1)
+    _sync(engine.device)
     start = time.perf_counter()
     for i in range(steps):
         kv.advance(context + i, 1)
         pos = torch.tensor([context + i], device=engine.device)
         token = engine.model.logits(engine.model(token, pos, kv)).argmax(-1)
+    _sync(engine.device)
     return time.perf_counter() - start
 
 
@@ -116,9 +128,11 @@ def time_decode(engine: Engine, batch: int, context: int, steps: int) -> float:
             f"d{i}", prompt, sampling, prefix_pages=pages, num_prefix_tokens=context - 1
         )
     engine.step()  # the last prompt token of every request: the first decode batch
+    _sync(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
+    _sync(engine.device)
     elapsed = time.perf_counter() - start
     _run_to_end(engine)
     return elapsed
@@ -138,6 +152,7 @@ def bench_dtype(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[s
         prefill_chunk=args.prefill_chunk,
         max_batch=max(args.decode_batches),
         seed=args.seed,
+        device=args.device,
     )
     engine = Engine.open(model_dir, config)
     vocab = engine.spec.vocab_size
@@ -175,6 +190,8 @@ def bench_dtype(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[s
     cold = next((r["seconds"] for r in out["reuse"] if r["imported"] == 0), None)
     for r in out["reuse"]:
         r["fraction_of_cold"] = None if cold is None else r["seconds"] / cold
+    time_decode(engine, 1, args.decode_context, 2)  # warm-up: the decode kernels' first use
+    time_plain_decode(engine, args.decode_context, 2)
     for b in args.decode_batches:
         t = time_decode(engine, b, args.decode_context, args.decode_steps)
         out["decode"].append(
@@ -226,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--repeat", type=int, default=1, help="best of this many timings")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help='torch device: "cpu" or "cuda[:N]"')
     p.add_argument(
         "--quick",
         action="store_true",
@@ -248,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvflow-bench-") as tmp:
         model_dir = args.model or write_demo_model(Path(tmp) / args.preset, args.preset, args.seed)
         results = [bench_dtype(model_dir, d, args) for d in args.dtypes.split(",") if d]
-    summary = _summary(args.model.name if args.model else args.preset, results)
+    name = args.model.name if args.model else args.preset
+    summary = _summary(name if args.device == "cpu" else f"{name} on {args.device}", results)
     print(summary)
     if args.json:
         meta = run_meta(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
 
 from kvflow.stages.engine.attention import (
     PagedPrefill,
@@ -92,6 +93,29 @@ def test_paged_prefill_chunks_equal_masked() -> None:
     got = later.attend(1, q, k[40:], v[40:])
     want = _masked(q, k, v, 40).transpose(0, 1).reshape(12, -1)
     assert float((got - want).abs().max()) < 1e-5
+
+
+def test_paged_prefill_lower_right_bias_equals_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the blocked parts do not apply (a GPU), a later chunk attends with torch's
+    lower-right causal bias instead of a materialized mask: same answer, grouped heads too."""
+    import kvflow.stages.engine.attention as attention
+
+    monkeypatch.setattr(attention, "parts_apply", lambda *_: False)
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
+    pool = PagePool(8, layout, torch.float32, torch.device("cpu"))
+    pages = torch.tensor([3, 6, 1, 4])
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(29, 2, 16, generator=gen), torch.randn(29, 2, 16, generator=gen)
+    q = torch.randn(9, 6, 16, generator=gen)
+    PagedPrefill(pool, pages, 0, 20, None).attend(0, torch.randn(20, 6, 16), k[:20], v[:20])
+    later = PagedPrefill(pool, pages, 20, 9, None)
+    assert isinstance(later.mask, CausalBias)
+    got = later.attend(0, q, k[20:], v[20:])
+    want = _masked(q, k, v, 20).transpose(0, 1).reshape(9, -1)
+    assert float((got - want).abs().max()) < 1e-5
+    # a window that hides earlier tokens keeps the materialized mask
+    windowed = PagedPrefill(pool, pages, 20, 9, 4).mask
+    assert isinstance(windowed, torch.Tensor) and not isinstance(windowed, CausalBias)
 
 
 def test_gather_context_is_the_pages_in_order() -> None:
