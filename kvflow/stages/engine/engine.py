@@ -105,6 +105,7 @@ class Engine:
             )
         )
         self.clock = time.perf_counter  # what steps are timed with (for step_budget)
+        self.last_plan: StepPlan | None = None  # the latest step's plan (for step traces)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -552,6 +553,7 @@ class Engine:
         mixed = cfg.mixed_chunk if budget is None else budget.tokens()
         plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, mixed)
         self._steps += 1
+        self.last_plan = plan
         self._run(plan, outputs)
         if budget is not None:
             prompt_tokens = sum(n for _, n in plan.prefill)

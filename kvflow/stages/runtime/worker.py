@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvflow.stages.engine import Engine, RequestOutput, SamplingParams, UnknownRequestError
+from kvflow.stages.runtime.step_trace import StepTrace
 from kvflow.stages.runtime.threads import EngineThreads
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._steps = 0
         self._lock = threading.Lock()
+        self._trace: StepTrace | None = None  # KVFLOW_STEP_TRACE (step_trace.py)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,6 +172,8 @@ class EngineWorker:
             _safe_call(item.on_error, exc)
             return
         self._sinks[item.request_id] = item
+        if self._trace is not None:
+            self._trace.admitted(item.request_id)
         if item.on_admitted is not None:
             _safe_call(item.on_admitted, self.engine)
 
@@ -211,6 +216,15 @@ class EngineWorker:
         return nullcontext() if marks is None else marks.stepping()
 
     def _loop(self) -> None:
+        self._trace = StepTrace.from_env(self.name)
+        try:
+            self._run_loop()
+        finally:
+            if self._trace is not None:
+                self._trace.close()
+
+    def _run_loop(self) -> None:
+        trace = self._trace
         self._set_threads()
         logger.info(
             "worker=%s engine loop started (%d intra-op threads)",
@@ -221,6 +235,8 @@ class EngineWorker:
             self._drain_commands(block=not self.engine.has_unfinished())
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
+            if trace is not None:
+                trace.begin()
             try:
                 self._set_threads()
                 with self._stepping():
@@ -229,6 +245,7 @@ class EngineWorker:
                 logger.exception("worker=%s engine step failed; failing its requests", self.name)
                 self._fail_all(exc)
                 continue
+            stepped, cpu = time.perf_counter(), time.thread_time()
             self._steps += 1
             for out in outputs:
                 item = self._sinks.get(out.request_id)
@@ -243,6 +260,8 @@ class EngineWorker:
                     if not out.finished:
                         self._abort(out.request_id)
                     _safe_call(item.on_error, exc)
+            if trace is not None:
+                trace.end(self.engine.last_plan, stepped, cpu, outputs)
         logger.info("worker=%s engine loop stopped after %d steps", self.name, self._steps)
 
     def _fail_all(self, exc: BaseException) -> None:

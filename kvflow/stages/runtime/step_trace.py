@@ -1,0 +1,105 @@
+"""A per-step trace of an engine worker: what each step computed and where its time went.
+
+Off unless ``KVFLOW_STEP_TRACE=PREFIX`` is set in the server's environment: each worker then
+writes one JSON line per engine step to ``PREFIX.<pid>.<worker>.jsonl`` (line-buffered, so a
+server stopped by a signal leaves every step it finished). ``python -m
+kvflow.tools.bench.steps FILE`` summarizes a trace (docs/performance.md, "Step trace").
+
+A line (``StepRecord``): ``t`` the step's start (``time.perf_counter``), ``gap`` seconds since
+the previous step's outputs were handed on (the worker idle or taking commands), ``step``
+the step's wall seconds, ``cpu`` the engine thread's CPU seconds in it (below ``step``: the
+thread was preempted or blocked), ``sink`` seconds handing the outputs to their sinks,
+``prompt`` the prompt tokens of each prefill chunk, ``decode`` the decode batch, ``tokens``
+the tokens sampled, ``admitted`` the requests admitted since the previous step (id and
+perf_counter time), ``finished`` the requests that finished in this step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO
+
+from kvflow.stages.engine import RequestOutput
+from kvflow.stages.engine.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+ENV = "KVFLOW_STEP_TRACE"
+
+
+@dataclass
+class StepRecord:
+    t: float
+    gap: float
+    step: float
+    cpu: float
+    sink: float
+    prompt: list[int]
+    decode: int
+    tokens: int
+    admitted: list[tuple[str, float]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+class StepTrace:
+    """Writes a worker's steps as JSON lines to ``path``. Used by the worker's one thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._out: IO[str] | None = open(path, "w", buffering=1)  # noqa: SIM115 (closed by close)
+        self._admitted: list[tuple[str, float]] = []
+        self._last_end = time.perf_counter()
+        self._started = self._last_end
+        self._cpu_started = 0.0
+        logger.info("step trace: %s", path)
+
+    @classmethod
+    def from_env(cls, worker: str) -> StepTrace | None:
+        """The trace of worker ``worker`` if ``KVFLOW_STEP_TRACE`` is set, else None."""
+        prefix = os.environ.get(ENV)
+        if not prefix:
+            return None
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in worker)
+        return cls(Path(f"{prefix}.{os.getpid()}.{safe}.jsonl"))
+
+    def admitted(self, request_id: str) -> None:
+        self._admitted.append((request_id, time.perf_counter()))
+
+    def begin(self) -> None:
+        """The engine step starts now (on the engine thread)."""
+        self._started = time.perf_counter()
+        self._cpu_started = time.thread_time()
+
+    def end(
+        self, plan: StepPlan | None, stepped: float, cpu: float, outputs: list[RequestOutput]
+    ) -> None:
+        """The step's outputs were handed on; ``stepped``: perf_counter when ``step()``
+        returned, ``cpu``: thread_time then."""
+        if self._out is None:
+            return
+        now = time.perf_counter()
+        record = StepRecord(
+            t=self._started,
+            gap=self._started - self._last_end,
+            step=stepped - self._started,
+            cpu=cpu - self._cpu_started,
+            sink=now - stepped,
+            prompt=[] if plan is None else [n for _, n in plan.prefill],
+            decode=0 if plan is None else len(plan.decode),
+            tokens=sum(len(o.new_token_ids) for o in outputs),
+            admitted=self._admitted,
+            finished=[o.request_id for o in outputs if o.finished],
+        )
+        self._admitted = []
+        self._last_end = now
+        self._out.write(json.dumps(asdict(record)) + "\n")
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None

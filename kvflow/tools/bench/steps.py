@@ -1,0 +1,126 @@
+"""Summarize an engine worker's step trace (``KVFLOW_STEP_TRACE``, runtime/step_trace.py).
+
+Where a served workload's time went, step by step: wall time against the time inside engine
+steps, the idle gaps between them, handing outputs on; the steps by kind (prompt tokens only,
+decode only, both) with their mean wall time; the decode batch; the prompt tokens per step;
+the engine thread's CPU share inside steps (below 1: preempted by other threads or
+processes); and, for a colocated server, the lag from a request's prefill finishing (its
+first token) to its decode being admitted (request ids ``<id>/prefill`` and ``<id>/decode``).
+One summary line; ``--json PATH`` writes every number.
+
+    KVFLOW_STEP_TRACE=/tmp/trace kvflow serve ...        # one file per worker
+    python -m kvflow.tools.bench.steps /tmp/trace.*.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    """The trace's records, in order (a torn last line is skipped)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _kind(record: dict[str, Any]) -> str:
+    return ("prefill" if record["prompt"] else "") + ("+decode" if record["decode"] else "")
+
+
+def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The numbers of one worker's trace (see the module docstring)."""
+    recs = list(records)
+    if not recs:
+        return {"steps": 0}
+    end = recs[-1]["t"] + recs[-1]["step"] + recs[-1]["sink"]
+    step_s = sum(r["step"] for r in recs)
+    kinds: dict[str, dict[str, float]] = {}
+    for r in recs:
+        k = _kind(r).lstrip("+") or "none"
+        entry = kinds.setdefault(k, {"steps": 0, "seconds": 0.0})
+        entry["steps"] += 1
+        entry["seconds"] += r["step"]
+    for entry in kinds.values():
+        entry["mean_ms"] = 1000 * entry["seconds"] / entry["steps"]
+    batches = [r["decode"] for r in recs if r["decode"]]
+    prompts = [sum(r["prompt"]) for r in recs if r["prompt"]]
+    gaps = [r["gap"] for r in recs[1:]]
+    finished: dict[str, float] = {}
+    lags: list[float] = []
+    for r in recs:
+        for rid, at in r["admitted"]:
+            base, _, role = rid.rpartition("/")
+            if role == "decode" and base in finished:
+                lags.append(at - finished.pop(base))
+        for rid in r["finished"]:
+            base, _, role = rid.rpartition("/")
+            if role == "prefill":
+                finished[base] = r["t"] + r["step"]
+    return {
+        "steps": len(recs),
+        "wall_s": end - recs[0]["t"],
+        "in_steps_s": step_s,
+        "gaps_s": sum(gaps),
+        "gap_p99_s": _quantile(gaps, 0.99),
+        "sink_s": sum(r["sink"] for r in recs),
+        "cpu_share": sum(r["cpu"] for r in recs) / step_s if step_s > 0 else 0.0,
+        "kinds": kinds,
+        "prompt_tokens": sum(prompts),
+        "prompt_per_step_mean": statistics.fmean(prompts) if prompts else 0.0,
+        "decode_rows": sum(batches),
+        "decode_batch_mean": statistics.fmean(batches) if batches else 0.0,
+        "tokens": sum(r["tokens"] for r in recs),
+        "prefill_to_decode_lag_p50_s": _quantile(lags, 0.5) if lags else None,
+        "prefill_to_decode_lag_p90_s": _quantile(lags, 0.9) if lags else None,
+        "handoffs": len(lags),
+    }
+
+
+def line(name: str, s: dict[str, Any]) -> str:
+    if not s["steps"]:
+        return f"bench steps {name}: no steps"
+    kinds = ", ".join(
+        f"{k} {int(v['steps'])}x{v['mean_ms']:.0f}ms" for k, v in sorted(s["kinds"].items())
+    )
+    lag = s["prefill_to_decode_lag_p50_s"]
+    lag_text = "" if lag is None else f", prefill->decode lag p50 {lag:.3f}s"
+    return (
+        f"bench steps {name}: {s['steps']} steps, wall {s['wall_s']:.1f}s = steps "
+        f"{s['in_steps_s']:.1f}s + gaps {s['gaps_s']:.2f}s + sinks {s['sink_s']:.2f}s; "
+        f"cpu share {s['cpu_share']:.2f}; {kinds}; prompt {s['prompt_tokens']} tok "
+        f"({s['prompt_per_step_mean']:.0f}/step), decode batch {s['decode_batch_mean']:.1f}, "
+        f"{s['tokens']} tokens{lag_text}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvflow.tools.bench.steps", description=__doc__)
+    p.add_argument("traces", nargs="+", type=Path, help="KVFLOW_STEP_TRACE files (.jsonl)")
+    p.add_argument("--json", type=Path, help="write every number here")
+    args = p.parse_args(argv)
+    doc = {}
+    for path in args.traces:
+        doc[str(path)] = summary = summarize(load(path))
+        print(line(path.name, summary))
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
