@@ -59,7 +59,7 @@ def test_trace_records_every_step_and_summarizes(
     assert sum(k["steps"] for k in summary["kinds"].values()) == len(records)
     assert "decode" in summary["kinds"]  # the last tokens decode alone
     assert steps.main([str(path), "--json", str(tmp_path / "s.json")]) == 0
-    assert json.loads((tmp_path / "s.json").read_text())[str(path)]["steps"] == len(records)
+    assert json.loads((tmp_path / "s.json").read_text())[str(path)][0]["steps"] == len(records)
 
 
 def test_no_trace_without_the_variable(
@@ -89,3 +89,6 @@ def test_prefill_to_decode_lag_pairs_a_colocated_handoff() -> None:
     assert summary["prefill_to_decode_lag_p50_s"] == pytest.approx(0.25)
     assert summary["kinds"]["prefill"]["steps"] == 3
     assert summary["decode_batch_mean"] == 1.0
+    records[2]["gap"] = 5.0
+    assert [len(p) for p in steps.phases(records, 1.0)] == [2, 2]
+    assert [len(p) for p in steps.phases(records, None)] == [4]

@@ -6,7 +6,8 @@ decode only, both) with their mean wall time; the decode batch; the prompt token
 the engine thread's CPU share inside steps (below 1: preempted by other threads or
 processes); and, for a colocated server, the lag from a request's prefill finishing (its
 first token) to its decode being admitted (request ids ``<id>/prefill`` and ``<id>/decode``).
-One summary line; ``--json PATH`` writes every number.
+One summary line per trace (``--split-gap S``: per phase, a gap of at least S seconds between
+steps starting the next, e.g. a benchmark's rows); ``--json PATH`` writes every number.
 
     KVFLOW_STEP_TRACE=/tmp/trace kvflow serve ...        # one file per worker
     python -m kvflow.tools.bench.steps /tmp/trace.*.jsonl
@@ -33,6 +34,17 @@ def load(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def phases(records: list[dict[str, Any]], split_gap: float | None) -> list[list[dict[str, Any]]]:
+    """``records`` cut where a step began at least ``split_gap`` seconds after the previous
+    one's outputs were handed on (None: one phase)."""
+    cut: list[list[dict[str, Any]]] = []
+    for r in records:
+        if not cut or (split_gap is not None and r["gap"] >= split_gap):
+            cut.append([])
+        cut[-1].append(r)
+    return cut
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
@@ -49,14 +61,19 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         return {"steps": 0}
     end = recs[-1]["t"] + recs[-1]["step"] + recs[-1]["sink"]
     step_s = sum(r["step"] for r in recs)
-    kinds: dict[str, dict[str, float]] = {}
+    by_kind: dict[str, list[dict[str, Any]]] = {}
     for r in recs:
-        k = _kind(r).lstrip("+") or "none"
-        entry = kinds.setdefault(k, {"steps": 0, "seconds": 0.0})
-        entry["steps"] += 1
-        entry["seconds"] += r["step"]
-    for entry in kinds.values():
-        entry["mean_ms"] = 1000 * entry["seconds"] / entry["steps"]
+        by_kind.setdefault(_kind(r).lstrip("+") or "none", []).append(r)
+    kinds = {
+        k: {
+            "steps": len(rs),
+            "seconds": sum(r["step"] for r in rs),
+            "mean_ms": 1000 * statistics.fmean(r["step"] for r in rs),
+            "median_ms": 1000 * statistics.median(r["step"] for r in rs),
+            "cpu_share": sum(r["cpu"] for r in rs) / max(1e-9, sum(r["step"] for r in rs)),
+        }
+        for k, rs in by_kind.items()
+    }
     batches = [r["decode"] for r in recs if r["decode"]]
     prompts = [sum(r["prompt"]) for r in recs if r["prompt"]]
     gaps = [r["gap"] for r in recs[1:]]
@@ -95,7 +112,7 @@ def line(name: str, s: dict[str, Any]) -> str:
     if not s["steps"]:
         return f"bench steps {name}: no steps"
     kinds = ", ".join(
-        f"{k} {int(v['steps'])}x{v['mean_ms']:.0f}ms" for k, v in sorted(s["kinds"].items())
+        f"{k} {int(v['steps'])}x{v['median_ms']:.0f}ms" for k, v in sorted(s["kinds"].items())
     )
     lag = s["prefill_to_decode_lag_p50_s"]
     lag_text = "" if lag is None else f", prefill->decode lag p50 {lag:.3f}s"
@@ -111,12 +128,17 @@ def line(name: str, s: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvflow.tools.bench.steps", description=__doc__)
     p.add_argument("traces", nargs="+", type=Path, help="KVFLOW_STEP_TRACE files (.jsonl)")
+    p.add_argument(
+        "--split-gap", type=float, help="a gap of at least this many seconds starts a phase"
+    )
     p.add_argument("--json", type=Path, help="write every number here")
     args = p.parse_args(argv)
-    doc = {}
+    doc: dict[str, list[dict[str, Any]]] = {}
     for path in args.traces:
-        doc[str(path)] = summary = summarize(load(path))
-        print(line(path.name, summary))
+        doc[str(path)] = []
+        for i, phase in enumerate(phases(load(path), args.split_gap)):
+            doc[str(path)].append(summarize(phase))
+            print(line(f"{path.name}#{i}", doc[str(path)][-1]))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2))
     return 0
