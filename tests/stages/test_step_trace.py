@@ -86,7 +86,9 @@ def test_prefill_to_decode_lag_pairs_a_colocated_handoff() -> None:
     ]
     summary = steps.summarize(records)
     assert summary["handoffs"] == 1
+    assert summary["wall_s"] == pytest.approx(0.5)  # the first start to the last step's end
     assert summary["prefill_to_decode_lag_p50_s"] == pytest.approx(0.25)
+    assert summary["prefill_to_decode_lag_steps_mean"] == 1  # it sat out the step at 0.3
     assert summary["kinds"]["prefill"]["steps"] == 3
     assert summary["decode_batch_mean"] == 1.0
     records[2]["gap"] = 5.0

@@ -5,7 +5,8 @@ steps, the idle gaps between them, handing outputs on; the steps by kind (prompt
 decode only, both) with their mean wall time; the decode batch; the prompt tokens per step;
 the engine thread's CPU share inside steps (below 1: preempted by other threads or
 processes); and, for a colocated server, the lag from a request's prefill finishing (its
-first token) to its decode being admitted (request ids ``<id>/prefill`` and ``<id>/decode``).
+first token) to its decode being admitted (request ids ``<id>/prefill`` and ``<id>/decode``),
+in seconds and in engine steps run meanwhile (steps the request sat out).
 One summary line per trace (``--split-gap S``: per phase, a gap of at least S seconds between
 steps starting the next, e.g. a benchmark's rows); ``--json PATH`` writes every number.
 
@@ -77,17 +78,20 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     batches = [r["decode"] for r in recs if r["decode"]]
     prompts = [sum(r["prompt"]) for r in recs if r["prompt"]]
     gaps = [r["gap"] for r in recs[1:]]
-    finished: dict[str, float] = {}
+    finished: dict[str, tuple[int, float]] = {}
     lags: list[float] = []
-    for r in recs:
+    lag_steps: list[int] = []  # steps run between the prefill's last and the decode's first
+    for i, r in enumerate(recs):
         for rid, at in r["admitted"]:
             base, _, role = rid.rpartition("/")
             if role == "decode" and base in finished:
-                lags.append(at - finished.pop(base))
+                step, ended = finished.pop(base)
+                lags.append(at - ended)
+                lag_steps.append(i - step - 1)
         for rid in r["finished"]:
             base, _, role = rid.rpartition("/")
             if role == "prefill":
-                finished[base] = r["t"] + r["step"]
+                finished[base] = (i, r["t"] + r["step"])
     return {
         "steps": len(recs),
         "wall_s": end - recs[0]["t"],
@@ -104,6 +108,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "tokens": sum(r["tokens"] for r in recs),
         "prefill_to_decode_lag_p50_s": _quantile(lags, 0.5) if lags else None,
         "prefill_to_decode_lag_p90_s": _quantile(lags, 0.9) if lags else None,
+        "prefill_to_decode_lag_steps_mean": statistics.fmean(lag_steps) if lag_steps else None,
         "handoffs": len(lags),
     }
 
@@ -115,7 +120,12 @@ def line(name: str, s: dict[str, Any]) -> str:
         f"{k} {int(v['steps'])}x{v['median_ms']:.0f}ms" for k, v in sorted(s["kinds"].items())
     )
     lag = s["prefill_to_decode_lag_p50_s"]
-    lag_text = "" if lag is None else f", prefill->decode lag p50 {lag:.3f}s"
+    lag_text = (
+        ""
+        if lag is None
+        else f", prefill->decode lag p50 {lag:.3f}s, "
+        f"{s['prefill_to_decode_lag_steps_mean']:.2f} steps"
+    )
     return (
         f"bench steps {name}: {s['steps']} steps, wall {s['wall_s']:.1f}s = steps "
         f"{s['in_steps_s']:.1f}s + gaps {s['gaps_s']:.2f}s + sinks {s['sink_s']:.2f}s; "
