@@ -49,8 +49,9 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         "--mixed-chunk",
         type=int,
         help="prefill tokens of a step that also decodes (an engine that does both: "
-        "--colocate); smaller bounds running streams' time between tokens; default: "
-        "--prefill-chunk",
+        "--colocate); smaller bounds running streams' time between tokens; while more than "
+        "one prompt waits (no --tbt-target-ms) such a step takes up to --prefill-chunk; "
+        "default: 256 colocated, else --prefill-chunk",
     )
     p.add_argument(
         "--tbt-target-ms",

@@ -48,7 +48,8 @@ class EngineConfig:
             (chunked prefill), summed over all requests in prefill.
         mixed_chunk: the prefill budget of a step that also decodes (None: prefill_chunk);
             smaller bounds running streams' time between tokens while prompts prefill
-            (scheduler.py).
+            (scheduler.py). While more than one prompt waits (and no tbt_target_ms), such a
+            step takes up to prefill_chunk instead: a queue of prompts is answered sooner.
         tbt_target_ms: size the prefill budget of a step that also decodes to a step of
             about this many milliseconds (measured as the engine runs: step_budget.py), at
             most mixed_chunk (or prefill_chunk); None: the fixed mixed_chunk.

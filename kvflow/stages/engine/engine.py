@@ -541,9 +541,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: prefill chunks (at most prefill_chunk prompt tokens in
         all; when requests decode, mixed_chunk, or with tbt_target_ms the step budget's
-        tokens) and one decode step for up to max_batch running requests, run as one
-        forward pass (config.mixed_forward) or one per chunk plus one for the decode batch
-        (always when a chunk asks for prompt logprobs).
+        tokens; without a target, prefill_chunk again while more than one prompt waits) and
+        one decode step for up to max_batch running requests, run as one forward pass
+        (config.mixed_forward) or one per chunk plus one for the decode batch (always when a
+        chunk asks for prompt logprobs).
         Returns one output per request that made progress or finished (including aborts
         since the last step)."""
         outputs, self._pending = self._pending, []
@@ -551,7 +552,9 @@ class Engine:
         budget = self.step_budget
         started = self.clock()
         mixed = cfg.mixed_chunk if budget is None else budget.tokens()
-        plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, mixed)
+        # a queue of prompts beside streams: the whole chunk (not with a step-time target)
+        queued = cfg.prefill_chunk if budget is None else None
+        plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, mixed, queued)
         self._steps += 1
         self.last_plan = plan
         self._run(plan, outputs)

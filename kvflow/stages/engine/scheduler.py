@@ -8,6 +8,12 @@ than the cap rotates fairly. Requests join and leave the decode batch between st
 While requests decode in the same engine (a colocated server), a step's prefill budget is
 `mixed_budget` instead: the step's time is every running stream's time between tokens, so a
 smaller chunk bounds it, and a lone prompt still gets the full chunk (and every core).
+While more than one prompt waits (``queued_budget`` given: a fixed mixed budget, not one
+sized by time), the step takes up to ``queued_budget`` prompt tokens even beside streams:
+the prefill work is the same either way, but each step beside streams also computes their
+decode batch, so fewer, larger steps answer a queue of prompts sooner (measured on 2 cores,
+docs/performance.md "A queue of prompts beside running streams"). One long prompt beside
+streams still gets ``mixed_budget``.
 
 No stream waiting, a prompt whose rest exceeds the budget by at most `tail_slack(budget)`
 tokens (1/8 of it) takes the rest in this chunk: a 513-token prompt under a 512-token budget
@@ -47,9 +53,11 @@ def plan_step(
     prefill_budget: int,
     max_batch: int,
     mixed_budget: int | None = None,
+    queued_budget: int | None = None,
 ) -> StepPlan:
     """Plan one step over the live sequences (given in arrival order). ``mixed_budget``:
-    the prefill budget of a step that also decodes (None: ``prefill_budget``)."""
+    the prefill budget of a step that also decodes (None: ``prefill_budget``);
+    ``queued_budget``: instead, while more than one prompt waits (None: ``mixed_budget``)."""
     prefill: list[tuple[Sequence, int]] = []
     waiting: list[Sequence] = []
     decoding: list[Sequence] = []
@@ -61,7 +69,8 @@ def plan_step(
             decoding.append(seq)
     budget = prefill_budget
     if decoding and mixed_budget is not None:
-        budget = min(budget, mixed_budget)
+        queued = queued_budget is not None and len(waiting) > 1
+        budget = min(budget, queued_budget if queued else mixed_budget)
     slack = 0 if decoding else tail_slack(budget)
     for seq in waiting:
         if budget <= 0:

@@ -78,7 +78,8 @@ class EngineStoreConfig:
             bf16 activations and KV); block_size: tokens per KV page and cached block.
         num_pages: KV pages per engine; prefill_chunk: tokens per prefill step.
         mixed_chunk: prefill tokens of a step that also decodes (an engine that does both,
-            ``--colocate``); None: ``prefill_chunk``.
+            ``--colocate``) while one prompt waits (more: ``prefill_chunk``, unless
+            ``tbt_target_ms``); None: ``prefill_chunk``.
         tbt_target_ms: size that budget (at most ``mixed_chunk``) to a step of about this
             many milliseconds, from measured step times; None or 0: the fixed
             ``mixed_chunk`` (the default).

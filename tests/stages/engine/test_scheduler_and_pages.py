@@ -164,6 +164,25 @@ def test_mixed_budget_applies_only_while_requests_decode() -> None:
     assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 256)]
 
 
+def test_a_queue_of_prompts_beside_streams_gets_the_queued_budget() -> None:
+    """Two or more prompts waiting beside a decode batch: ``queued_budget`` tokens (fewer,
+    larger steps for the queue); one prompt alone beside streams: ``mixed_budget``."""
+    a, b, c = _seq("a", 257, 0, 0), _seq("b", 257, 0, 1), _seq("c", 257, 0, 2)
+    running = _seq("d", 10, 9, 3)
+    plan = plan_step([a, b, c, running], 512, 8, mixed_budget=256, queued_budget=512)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 257), ("b", 255)]
+    assert [s.request_id for s in plan.decode] == ["d"]
+    # without a queued budget (a step-time target), the mixed budget as before
+    plan = plan_step([a, b, c, running], 512, 8, mixed_budget=256)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 256)]
+    # one prompt beside streams keeps the mixed budget
+    plan = plan_step([a, running], 512, 8, mixed_budget=256, queued_budget=512)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 256)]
+    # never more than the step's budget
+    plan = plan_step([a, b, running], 300, 8, mixed_budget=256, queued_budget=512)
+    assert sum(n for _, n in plan.prefill) == 300
+
+
 def test_a_lone_prompt_just_over_the_budget_takes_its_tail_in_one_chunk() -> None:
     """513 tokens under a 512 budget: one chunk (no second forward pass for one token);
     past the slack it is split as before; with a stream decoding, the budget is exact."""
