@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvflow.stages.engine.allocator import tune_malloc
 from kvflow.stages.engine.config import EngineConfig, SamplingParams
 from kvflow.stages.engine.errors import (
     InvalidRequestError,
@@ -70,6 +71,8 @@ class Engine:
         self.card = card or ModelCard(name="model", eos_token_ids=spec.eos_token_ids)
         self.max_model_len = config.max_model_len or spec.max_position_embeddings
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":  # freed activations stay mapped (allocator.py)
+            tune_malloc()
         self.kv_layout = KVLayout(
             spec.num_layers,
             spec.num_kv_heads,
