@@ -4,9 +4,6 @@ embedded server's engine threads run with it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -185,84 +182,3 @@ def test_embedded_server_engine_threads(tmp_path: Path, monkeypatch: pytest.Monk
         assert _fresh_thread_count() == 3  # restored: new threads start from it again
     finally:
         torch.set_num_threads(before)
-
-
-def test_single_thread_builder_only_where_engines_set_their_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(threads.ENV_BUILDER, raising=False)
-    fixed = {"prefill": threads.EngineThreads(2), "decode": threads.EngineThreads(2)}
-    before = torch.get_num_threads()
-    out: list[tuple[bool, int]] = []
-
-    def build(policy: dict) -> None:  # on a thread of its own, as torch counts per thread
-        did = threads.single_thread_builder(policy)
-        out.append((did, torch.get_num_threads()))
-
-    try:
-        for policy in (fixed, {"prefill": None, "decode": None}):
-            t = threading.Thread(target=build, args=(policy,))
-            t.start()
-            t.join(60)
-        monkeypatch.setenv(threads.ENV_BUILDER, "torch")
-        assert threads.single_thread_builder(fixed) is False
-    finally:
-        torch.set_num_threads(before)
-    assert out[0] == (True, 1)
-    assert out[1][0] is False  # OMP_NUM_THREADS or no policy: torch's count stays
-    monkeypatch.setenv(threads.ENV_BUILDER, "three")
-    with pytest.raises(ValueError, match="KVFLOW_BUILDER_THREADS must be one of"):
-        threads.builder_mode()
-
-
-# The main thread runs one op on 2 threads (as loading the weights did), then a worker
-# thread runs 300 ops on 2 threads (as an engine's forward does), on 2 cores: the process's
-# voluntary context switches during the worker's ops.
-_TEAMS = """
-import os, resource, sys, threading
-os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # before OpenMP starts
-import torch
-from kvflow.stages.runtime import threads
-if sys.argv[1] == "builder":
-    policy = {"prefill": threads.EngineThreads(2), "decode": threads.EngineThreads(2)}
-    assert threads.single_thread_builder(policy)
-x = torch.ones(1 << 21)
-x.add_(1)  # the building thread's op
-out = []
-def work():
-    torch.set_num_threads(2)
-    x.add_(1)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
-    for _ in range(300):
-        x.add_(1)
-    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before)
-t = threading.Thread(target=work)
-t.start()
-t.join()
-print(out[0])
-"""
-
-
-@pytest.mark.slow  # two interpreters with torch
-@pytest.mark.skipif(
-    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="needs 2 cores and Linux affinity",
-)
-def test_builder_on_one_thread_keeps_engine_threads_spinning() -> None:
-    """GNU OpenMP makes every team sleep at barriers once the teams' threads outnumber the
-    cores; with the builder on one thread the engine worker's team is the only one."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-
-    def sleeps(mode: str) -> int:
-        run = subprocess.run(
-            [sys.executable, "-c", _TEAMS, mode],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        return int(run.stdout.strip().splitlines()[-1])
-
-    assert sleeps("torch") > 100  # a sleep per op, or near it
-    assert sleeps("builder") < 50

@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 ENV_OVERRIDE = "KVFLOW_INTRA_OP_THREADS"
 ENV_DECODE = "KVFLOW_DECODE_THREADS"
 DECODE_MODES = ("adaptive", "share")
-ENV_BUILDER = "KVFLOW_BUILDER_THREADS"
-BUILDER_MODES = ("one", "torch")
 ROLES = ("prefill", "decode")
 
 
@@ -176,32 +174,3 @@ def embedded_threads(prefill: int, decode: int, colocate: bool) -> dict[str, Eng
         "prefill": EngineThreads(counts["prefill"], marks=steps),
         "decode": EngineThreads(counts["decode"], alone=alone, watches=steps),
     }
-
-
-def builder_mode() -> str:
-    """`KVFLOW_BUILDER_THREADS` (default "one"): "torch" keeps torch's count on the thread
-    that builds the engines (see `single_thread_builder`)."""
-    value = os.environ.get(ENV_BUILDER, "one")
-    if value not in BUILDER_MODES:
-        raise ValueError(f"{ENV_BUILDER} must be one of {BUILDER_MODES}, got {value!r}")
-    return value
-
-
-def single_thread_builder(threads: dict[str, EngineThreads | None]) -> bool:
-    """Run the calling thread's torch ops (loading the weights) on one intra-op thread where
-    every engine worker sets its own count (`threads` has no None). Returns whether it did.
-
-    GNU OpenMP (torch's, on Linux) keeps a team of threads for every thread that ever ran a
-    parallel region, for that thread's lifetime, and once the threads of all teams outnumber
-    the cores, every team's threads wait at a barrier by sleeping (futex) instead of
-    spinning. A server that loads its models on the main thread with 2 threads and then
-    computes on an engine worker with 2 had 3 such threads on 2 cores: each op of the
-    forward woke the worker's partner from sleep, ~3,700 sleeps per 512-token prefill
-    against ~1 with one team (docs/performance.md, "Threads"). Loading on one thread leaves
-    the engine workers' teams the only ones."""
-    if builder_mode() == "torch" or any(t is None for t in threads.values()):
-        return False
-    import torch  # here: the policy above is torch-free
-
-    torch.set_num_threads(1)
-    return True

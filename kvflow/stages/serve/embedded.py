@@ -33,7 +33,7 @@ from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance, poo
 from kvflow.stages.runtime.prefix_index import ShardPrefixIndex
 from kvflow.stages.runtime.replicator import Replicator
 from kvflow.stages.runtime.staging import StagingArea
-from kvflow.stages.runtime.threads import embedded_threads, single_thread_builder
+from kvflow.stages.runtime.threads import embedded_threads
 from kvflow.stages.runtime.worker import EngineWorker
 from kvflow.stages.serve.build import (
     build_admission,
@@ -86,7 +86,6 @@ class EmbeddedCluster:
         self._threads = embedded_threads(c.num_prefill, c.num_decode, c.colocate)
         before = torch.get_num_threads()  # the engine threads' settings reach new threads'
         self._closers.add(lambda: torch.set_num_threads(before))  # default: restored at close
-        single_thread_builder(self._threads)  # the engine workers' OpenMP teams the only ones
         self.transfer = TransferEngine(TransferConfig())
         self._closers.add(self.transfer.close)
         self.metadata = MetadataGroup(
