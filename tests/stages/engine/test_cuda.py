@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.stages.engine import Engine, ModelLoadError, RequestOutput, SamplingParams
+from kvflow.stages.engine import Engine, ModelLoadError, SamplingParams
 from kvflow.stages.engine.attention import PagedPrefill
 from kvflow.stages.engine.pages import KVLayout, PagePool
 from kvflow.tools.bench.precision import equivalence_prompt, greedy, teacher_forced_hits
 from tests.stages.engine.conftest import open_engine
 from tests.stages.engine.hf_models import hf_logits, make_hf_model
 from tests.stages.engine.test_hf_equivalence import CASES
+from tests.stages.engine.test_paging import _prompt, _run
 
 DEVICE = os.environ.get("KVFLOW_TEST_DEVICE", "cuda")
 
@@ -34,19 +35,6 @@ pytestmark = [
 ]
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return [int(t) for t in torch.randint(3, 300, (n,), generator=gen)]
-
-
-def _run(engine: Engine) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
-    return outs
 
 
 def _single(
