@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,22 @@ def test_a_port_the_os_gives_again_is_skipped(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(ports, "free_port", lambda host="127.0.0.1": next(offers))
     pick = PortPicker()
     assert [pick(), pick(), pick()] == [5001, 5002, 5003]
+
+
+def test_free_ports_come_from_below_the_ephemeral_range() -> None:
+    low, _ = ports.ephemeral_range()
+    picked = [ports.free_port() for _ in range(50)]
+    assert all(max(1024, low - ports.LISTEN_SPAN) <= p < low for p in picked), (low, picked)
+    assert len(set(picked)) > 1  # drawn, not one fixed port
+    with socket.socket() as sock:  # and each was bindable
+        sock.bind(("127.0.0.1", picked[-1]))
+
+
+def test_ephemeral_range_reads_the_file_or_falls_back(tmp_path: Path) -> None:
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    assert ports.ephemeral_range(f) == (40000, 50000)
+    assert ports.ephemeral_range(tmp_path / "missing") == (32768, 60999)
 
 
 def test_every_port_of_a_cluster_is_distinct(tmp_path: Path) -> None:
