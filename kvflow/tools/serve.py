@@ -294,12 +294,23 @@ def _interruptible_startup() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-async def _until_signal() -> None:
-    """Serve until SIGINT or SIGTERM; the caller's exit stack then stops everything."""
+def _stop_on_signal() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets, from now on. Call it right after start-up
+    (`_interruptible_startup` puts the previous handlers back when it ends) and before the
+    line that says the role serves: a SIGTERM sent on that line (a supervisor, a test, a
+    kubelet) then stops the role cleanly, instead of meeting the default action and killing
+    it (seen in a loaded test run: exit -15, nothing stopped)."""
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
+    return done
+
+
+async def _until_signal(done: asyncio.Event) -> None:
+    """Serve until `done` (`_stop_on_signal`) is set; the caller's exit stack then stops
+    everything."""
+    loop = asyncio.get_running_loop()
     try:
         await done.wait()
     finally:
@@ -381,6 +392,7 @@ async def serve_embedded(
             http_server = await _start_http(cluster, host, http, auth, stack)
             health = _health(frontend_ready(cluster), stack)
             metrics = _metrics(cluster.metrics, host, metrics_port, stack, health)
+        stop = _stop_on_signal()
         print(
             f"kvflow serving {cluster.model_name} ({cluster.model_dir}) on {host}:{bound} "
             f"({config.num_prefill} prefill, {config.num_decode} decode, policy "
@@ -389,7 +401,7 @@ async def serve_embedded(
             + (f"; metrics on {metrics.url}" if metrics else ""),
             flush=True,
         )
-        await _until_signal()
+        await _until_signal(stop)
         await _drain(cluster, health, drain_s)
 
 
@@ -428,13 +440,14 @@ def run_node(args: argparse.Namespace) -> int:
                 await node.start()
                 health = _health(node_ready(node), stack)
                 metrics = _metrics(node.metrics, args.host, args.metrics_port, stack, health)
+            stop = _stop_on_signal()
             print(
                 f"kvflow node {config.node_id} ({config.kind}) on {node.address}, "
                 f"transfer {node.transfer_address}"
                 + (f"; metrics on {metrics.url}" if metrics else ""),
                 flush=True,
             )
-            await _until_signal()
+            await _until_signal(stop)
             health.draining = True  # routers stop sending on their next refresh
 
     return _started("kvflow serve --role node", lambda: asyncio.run(main()))
@@ -482,6 +495,7 @@ def run_router(args: argparse.Namespace) -> int:
                 http_server = await _start_http(router, args.host, http, auth, stack)
                 health = _health(frontend_ready(router), stack)
                 metrics = _metrics(router.metrics, args.host, args.metrics_port, stack, health)
+            stop = _stop_on_signal()
             print(
                 f"kvflow router on {args.host}:{port} ({len(router.prefill)} prefill, "
                 f"{len(router.decode)} decode nodes)"
@@ -489,7 +503,7 @@ def run_router(args: argparse.Namespace) -> int:
                 + (f"; metrics on {metrics.url}" if metrics else ""),
                 flush=True,
             )
-            await _until_signal()
+            await _until_signal(stop)
             await _drain(router, health, args.drain_s)
 
     return _started("kvflow serve --role router", lambda: asyncio.run(main()))

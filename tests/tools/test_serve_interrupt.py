@@ -19,7 +19,24 @@ from pathlib import Path
 import pytest
 
 from kvflow.stages.engine import write_demo_model
-from kvflow.tools.serve import _interruptible_startup
+from kvflow.tools.serve import _interruptible_startup, _stop_on_signal, _until_signal
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_right_after_startup_stops_serving_cleanly(sig: signal.Signals) -> None:
+    """The stop handler is in place the moment start-up ends, before the role says it serves:
+    a signal sent on that line sets the stop event instead of meeting the default action
+    (SIGTERM killed the server, exit -15, in a loaded test run)."""
+
+    async def serve() -> bool:
+        with _interruptible_startup():
+            pass
+        stop = _stop_on_signal()
+        os.kill(os.getpid(), sig)  # at once, as a supervisor reading the serving line would
+        await asyncio.wait_for(_until_signal(stop), timeout=30)
+        return stop.is_set()
+
+    assert asyncio.run(serve())
 
 
 def _signal_soon(sig: signal.Signals, after_s: float = 0.2) -> threading.Timer:
