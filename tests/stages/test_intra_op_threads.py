@@ -177,6 +177,8 @@ def test_embedded_server_engine_threads(tmp_path: Path, monkeypatch: pytest.Monk
             assert [count(i.worker) for i in cluster.prefill.values()] == [4]
             assert [count(i.worker) for i in cluster.decode.values()] == [4]
             assert [i.worker.threads.share for i in cluster.decode.values()] == [2]
+            # the process's other threads build no OpenMP team (engine/openmp.py)
+            assert _fresh_thread_count() == 1
         finally:
             server.close()
         assert _fresh_thread_count() == 3  # restored: new threads start from it again

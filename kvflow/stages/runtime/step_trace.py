@@ -70,10 +70,11 @@ class StepTrace:
     def admitted(self, request_id: str) -> None:
         self._admitted.append((request_id, time.perf_counter()))
 
-    def begin(self) -> None:
-        """The engine step starts now (on the engine thread)."""
-        self._started = time.perf_counter()
-        self._cpu_started = time.thread_time()
+    def begin(self, started: float, cpu_started: float) -> None:
+        """The engine step started at ``started`` (perf_counter) with the engine thread's
+        ``cpu_started`` (thread_time)."""
+        self._started = started
+        self._cpu_started = cpu_started
 
     def end(
         self, plan: StepPlan | None, stepped: float, cpu: float, outputs: list[RequestOutput]

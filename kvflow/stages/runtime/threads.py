@@ -1,8 +1,8 @@
 """How many intra-op threads each engine's forward passes use: one place decides.
 
-Each engine runs its forward passes on its own worker thread (``EngineWorker``), and torch's
-intra-op count is per thread once set there (``torch.set_num_threads`` called on that
-thread; it also becomes the count that threads started later begin with). The embedded
+Each engine runs its forward passes on its own worker thread (``EngineWorker``), which sets
+its own intra-op count (``engine/openmp.py``: the process's other threads default to 1, so
+only engine threads build OpenMP teams, and how those wait is decided there). The embedded
 server runs a prefill and a decode engine in one process; with torch's default (every
 core for every thread) the two, when busy at once, run 2 x cores compute threads.
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvflow.stages.engine import Engine, RequestOutput, SamplingParams, UnknownRequestError
+from kvflow.stages.engine.openmp import SpinControl, default_threads, set_thread_count, waiting
 from kvflow.stages.runtime.step_trace import StepTrace
 from kvflow.stages.runtime.threads import EngineThreads
 
@@ -71,7 +72,8 @@ class EngineWorker:
     ) -> None:
         """``intra_op_threads``: torch's intra-op threads for this engine's forward passes
         (set on the worker thread before each step; ``runtime/threads.py`` decides); an int
-        is a fixed count; None leaves torch's."""
+        is a fixed count; None: the process's default (``openmp.default_threads``). How
+        the threads wait at barriers follows the steps' CPU share (``engine/openmp.py``)."""
         self.name = name
         self.engine = engine
         if isinstance(intra_op_threads, int):
@@ -86,6 +88,7 @@ class EngineWorker:
         self._steps = 0
         self._lock = threading.Lock()
         self._trace: StepTrace | None = None  # KVFLOW_STEP_TRACE (step_trace.py)
+        self._spin: SpinControl | None = None  # made on the engine thread
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -204,11 +207,9 @@ class EngineWorker:
 
     def _set_threads(self) -> None:
         """Set this thread's intra-op count for the next step (only when it changes)."""
-        if self.threads is None:
-            return
-        n = self.threads.for_step()
+        n = default_threads() if self.threads is None else self.threads.for_step()
         if n != self._thread_count:
-            torch.set_num_threads(n)  # this thread's parallel regions
+            set_thread_count(n)  # this thread's parallel regions only
             self._thread_count = n
 
     def _stepping(self) -> AbstractContextManager[None]:
@@ -217,11 +218,15 @@ class EngineWorker:
 
     def _loop(self) -> None:
         self._trace = StepTrace.from_env(self.name)
+        target = waiting()
+        self._spin = None if target is None else SpinControl(target)
         try:
             self._run_loop()
         finally:
             if self._trace is not None:
                 self._trace.close()
+            if self._spin is not None:
+                self._spin.close()
 
     def _run_loop(self) -> None:
         trace = self._trace
@@ -235,10 +240,11 @@ class EngineWorker:
             self._drain_commands(block=not self.engine.has_unfinished())
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
+            self._set_threads()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             if trace is not None:
-                trace.begin()
+                trace.begin(started, cpu_started)
             try:
-                self._set_threads()
                 with self._stepping():
                     outputs = self.engine.step()
             except Exception as exc:
@@ -246,6 +252,8 @@ class EngineWorker:
                 self._fail_all(exc)
                 continue
             stepped, cpu = time.perf_counter(), time.thread_time()
+            if self._spin is not None:
+                self._spin.step(cpu - cpu_started, stepped - started)
             self._steps += 1
             for out in outputs:
                 item = self._sinks.get(out.request_id)

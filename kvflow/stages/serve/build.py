@@ -19,7 +19,7 @@ from kvflow.router import (
     TransferEstimator,
     load_profile,
 )
-from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
+from kvflow.stages.engine import Engine, EngineConfig, openmp, write_demo_model
 from kvflow.stages.hash import DEFAULT_TENANT, namespace_for
 from kvflow.stages.runtime.threads import EngineThreads
 from kvflow.stages.runtime.worker import EngineWorker
@@ -62,7 +62,9 @@ def open_engine(
     intra_op_threads: int | EngineThreads | None = None,
 ) -> EngineWorker:
     """An engine on ``model_dir`` behind its started worker thread (stopped by ``closers``),
-    whose forward passes use ``intra_op_threads`` (None: torch's count)."""
+    whose forward passes use ``intra_op_threads`` (None: the process's default count). Only
+    the worker thread builds an OpenMP team (``openmp.reserve``)."""
+    closers.add(openmp.reserve())
     engine = Engine.open(
         model_dir,
         EngineConfig(

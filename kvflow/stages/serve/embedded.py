@@ -84,8 +84,6 @@ class EmbeddedCluster:
         c = self.config
         # colocated: one engine per prefill/decode pair, with the prefill's share of cores
         self._threads = embedded_threads(c.num_prefill, c.num_decode, c.colocate)
-        before = torch.get_num_threads()  # the engine threads' settings reach new threads'
-        self._closers.add(lambda: torch.set_num_threads(before))  # default: restored at close
         self.transfer = TransferEngine(TransferConfig())
         self._closers.add(self.transfer.close)
         self.metadata = MetadataGroup(

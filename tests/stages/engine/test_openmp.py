@@ -1,0 +1,137 @@
+"""torch's OpenMP threads in a serving process (engine/openmp.py): only the threads that set
+their own count build teams, and ``Waiting`` really switches libgomp between spinning and
+sleeping at barriers (seen as the process's voluntary context switches, in a fresh process so
+no earlier test's teams count)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from kvflow.stages.engine import openmp
+
+pytestmark = pytest.mark.skipif(openmp.gomp() is None, reason="torch's OpenMP is not libgomp")
+
+
+def _in_thread(fn: object) -> object:
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(fn()))  # type: ignore[operator]
+    t.start()
+    t.join(60)
+    return out[0]
+
+
+def test_reserve_leaves_teams_to_threads_that_set_their_count() -> None:
+    before = torch.get_num_threads()
+    release = openmp.reserve()
+    try:
+        inner = openmp.reserve()  # a second server in the process
+        assert _in_thread(torch.get_num_threads) == 1  # other threads: no team
+        assert openmp.default_threads() == before  # what engine workers without a count get
+
+        def engine_thread() -> tuple[int, int]:
+            openmp.set_thread_count(2)
+            torch.ones(1 << 20).add_(1)  # a parallel region: torch's per-thread init is done
+            return torch.get_num_threads(), _in_thread(torch.get_num_threads)  # type: ignore[return-value]
+
+        own, started_by_it = engine_thread_result = _in_thread(engine_thread)  # type: ignore[misc]
+        assert (own, started_by_it) == (2, 1), engine_thread_result
+        inner()
+        inner()  # idempotent
+        assert _in_thread(torch.get_num_threads) == 1  # the outer reservation holds
+    finally:
+        release()
+    assert torch.get_num_threads() == before
+    assert _in_thread(torch.get_num_threads) == before
+    with pytest.raises(ValueError, match="thread count must be >= 1"):
+        openmp.set_thread_count(0)
+
+
+def test_wait_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(openmp.ENV_WAIT, raising=False)
+    assert openmp.wait_mode() == "adaptive"
+    monkeypatch.setenv(openmp.ENV_WAIT, "sleep")
+    assert openmp.wait_mode() == "sleep"
+    monkeypatch.setenv(openmp.ENV_WAIT, "always")
+    with pytest.raises(ValueError, match="KVFLOW_OMP_WAIT must be one of"):
+        openmp.wait_mode()
+
+
+def test_spin_control_reports_windows_by_cpu_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(openmp.ENV_WAIT, raising=False)
+    waiting = openmp.Waiting(team=2)
+    control, other = openmp.SpinControl(waiting), openmp.SpinControl(waiting)
+    try:
+        control.step(0.2, 0.5)
+        assert not waiting.sleeping  # half a window: no verdict yet
+        control.step(0.2, 0.5)  # a window at 40% CPU: the cores were not the engine's
+        assert waiting.sleeping
+        other.step(1.0, 1.0)  # another engine had its cores: the first one still waits
+        assert waiting.sleeping
+        control.step(0.95, 1.0)
+        assert not waiting.sleeping
+        other.step(0.1, 1.0)
+        assert waiting.sleeping
+        other.close()  # a stopped worker's verdict no longer counts
+        assert not waiting.sleeping
+    finally:
+        control.close()
+        waiting.spin()
+
+
+def test_fixed_modes_do_not_adapt(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(openmp.ENV_WAIT, "spin")
+    waiting = openmp.Waiting(team=2)
+    control = openmp.SpinControl(waiting)
+    control.step(0.1, 2.0)
+    assert not waiting.sleeping
+    control.close()
+
+
+_PROBE = """
+import json, resource, sys, threading, torch
+from kvflow.stages.engine import openmp
+release = openmp.reserve()
+waiting = openmp.Waiting(team=openmp.cores())
+out = {}
+def engine():
+    openmp.set_thread_count(2)
+    x = torch.ones(2 * 65536)
+    def switches():
+        r0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+        for _ in range(3000):
+            x.add_(1)  # a short parallel region of 2 threads, then a barrier
+        return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - r0
+    switches()
+    out["spin"] = switches()
+    waiting.sleep()
+    out["sleep"] = switches()
+    waiting.spin()
+    out["spin_again"] = switches()
+t = threading.Thread(target=engine)
+t.start()
+t.join(120)
+release()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(openmp.cores() < 2, reason="needs 2 CPUs for a team of 2")
+def test_waiting_switches_libgomp_between_spinning_and_sleeping() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    env.pop(openmp.ENV_WAIT, None)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    # sleeping: the team's threads block in the kernel at (nearly) every one of 3,000 regions;
+    # spinning: they sleep only when one was preempted for a long time
+    assert counts["sleep"] > 1000, counts
+    assert counts["sleep"] > 3 * max(counts["spin"], counts["spin_again"]), counts
