@@ -192,7 +192,8 @@ class Waiting:
 
         keeper = threading.Thread(target=keep, name="omp-sleep-keeper", daemon=True)
         keeper.start()
-        ready.wait(10.0)
+        if not ready.wait(60.0):
+            logger.warning("OpenMP waits: the keeper thread did not start its team in 60 s")
         self._keeper, self._release = keeper, release
         logger.info("OpenMP waits: sleeping (the engine's cores are shared)")
 
@@ -218,9 +219,10 @@ def waiting() -> Waiting | None:
     with _lock:
         if not _waiting:
             _waiting.append(made)
-            if made is not None and mode == "sleep":
-                made.sleep()
-        return _waiting[0]
+        first = _waiting[0]
+    if first is made and made is not None and mode == "sleep":
+        made.sleep()  # outside _lock: the keeper's thread takes it (gomp())
+    return first
 
 
 class SpinControl:
