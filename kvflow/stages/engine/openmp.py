@@ -143,8 +143,12 @@ class Waiting:
     """How this process's OpenMP threads wait: ``sleeping`` while a keeper thread holds a
     team that makes libgomp throttle its spinning. One per process (``waiting()``)."""
 
-    def __init__(self, team: int) -> None:
+    def __init__(self, team: int, fixed: bool = False) -> None:
+        """``team``: the keeper's team size (the process's CPUs: with any engine team beside
+        it the managed threads outnumber them); ``fixed``: reports and forgets change
+        nothing (``KVFLOW_OMP_WAIT=sleep``)."""
         self._team = max(2, team)
+        self._fixed = fixed
         self._lock = threading.Lock()
         self._keeper: threading.Thread | None = None
         self._release: threading.Event | None = None
@@ -157,6 +161,8 @@ class Waiting:
     def report(self, reporter: int, contended: bool) -> None:
         """One reporter's (an engine worker's) verdict on its last window; the process
         sleeps while any reporter's last verdict was contended."""
+        if self._fixed:
+            return
         with self._lock:
             self._contended[reporter] = contended
             want = any(self._contended.values())
@@ -165,6 +171,8 @@ class Waiting:
 
     def forget(self, reporter: int) -> None:
         """A reporter stopped (its worker ended): its verdict no longer counts."""
+        if self._fixed:
+            return
         with self._lock:
             self._contended.pop(reporter, None)
             if self._keeper is not None and not any(self._contended.values()):
@@ -215,7 +223,7 @@ def waiting() -> Waiting | None:
         if _waiting:
             return _waiting[0]
     mode = wait_mode()
-    made = None if mode == "spin" or gomp() is None else Waiting(cores())
+    made = None if mode == "spin" or gomp() is None else Waiting(cores(), mode == "sleep")
     with _lock:
         if not _waiting:
             _waiting.append(made)

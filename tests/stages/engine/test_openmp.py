@@ -150,6 +150,10 @@ def test_sleep_mode_starts_sleeping_without_waiting_on_itself(
     try:
         assert waiting is not None and waiting.sleeping
         assert time.monotonic() - started < 5.0
+        control = openmp.SpinControl(waiting)
+        waiting.report(id(control), contended=False)
+        control.close()  # a worker that stops does not end the fixed mode
+        assert waiting.sleeping
     finally:
         if waiting is not None:
             waiting.spin()
