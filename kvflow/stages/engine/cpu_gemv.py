@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from kvflow.stages.engine.openmp import runtimes
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
@@ -91,17 +93,6 @@ def _cpu_identity() -> bytes:
     return "\n".join(sorted(set(lines))).encode()
 
 
-def _openmp_runtimes() -> set[str]:
-    """Paths of the OpenMP runtimes mapped into this process (Linux)."""
-    maps = Path("/proc/self/maps").read_text()
-    names = ("libgomp", "libiomp", "libomp")
-    return {
-        line.split()[-1]
-        for line in maps.splitlines()
-        if any(n in line.rsplit("/", 1)[-1] for n in names)
-    }
-
-
 def _load() -> Gemv | None:
     if sys.platform != "linux" or not SOURCE.is_file():
         return None
@@ -112,7 +103,7 @@ def _load() -> Gemv | None:
     named = SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode() + _cpu_identity()
     key = hashlib.sha256(named).hexdigest()[:16]
     path = kernel_dir() / f"cpu_gemv-{key}.so"
-    before = _openmp_runtimes()
+    before = runtimes()
     try:
         if not path.is_file():
             _build(cc, path)
@@ -121,7 +112,7 @@ def _load() -> Gemv | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("cpu_gemv kernel unavailable (%s): decode linears stay on oneDNN", detail)
         return None
-    if len(_openmp_runtimes()) > max(1, len(before)):
+    if len(runtimes()) > max(1, len(before)):
         log.warning("cpu_gemv kernel would load a second OpenMP runtime: not used")
         return None
     fn = lib.kvflow_gemv

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine import cpu_gemv
+from kvflow.stages.engine import cpu_gemv, openmp
 from kvflow.stages.engine.onednn_linear import (
     ENV_LINEAR,
     OneDNNDenseLinear,
@@ -106,7 +106,7 @@ def test_kernel_built_once_into_its_dir(tmp_path: Path, monkeypatch: pytest.Monk
     assert cpu_gemv._load() is not None  # loaded again, not rebuilt
     assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()] == [stamp]
     # one OpenMP runtime in the process: torch's
-    assert len(cpu_gemv._openmp_runtimes()) <= 1
+    assert len(openmp.runtimes()) <= 1
 
 
 def test_no_compiler_keeps_onednn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
