@@ -6,7 +6,12 @@ and (2) handed to ``stream`` through ``state.block_queue`` as page views of the 
 The request's pages are retained after the prefill finishes, until ``stream`` has moved them
 (it releases them), or until cleanup.
 
-Queue items: ``("pages", {block_index: page_view})`` ... then ``("done", None)``.
+Queue items: ``("pages", {block_index: page_view})`` ... then ``("done", None)`` once the
+engine's part is over (the first token is emitted), while the last blocks may still be being
+stored: whoever releases the request's pages joins this stage first.
+
+Colocated, the prefill's work item carries the decode's continuation (``continuation``,
+``DecodeStage.continuation``): the engine thread admits the decode as the prefill finishes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +30,7 @@ from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.engine import Engine, RequestOutput
 from kvflow.stages.errors import engine_error
 from kvflow.stages.reuse_load import release_load_buffers, unpin_prefix
-from kvflow.stages.runtime.worker import WorkItem
+from kvflow.stages.runtime.worker import Continuation, WorkItem
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)
@@ -36,8 +42,15 @@ class PrefillStage(Stage):
     name = "prefill"
     background = True
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        continuation: Callable[[RequestContext[Any]], Continuation | None] | None = None,
+    ) -> None:
+        """``continuation(ctx)``: what continues the request on the engine thread once its
+        prefill finishes (``WorkItem.then``), or None (the embedded server's decode stage)."""
         self._block_size = block_size
+        self._continuation = continuation
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
@@ -77,6 +90,7 @@ class PrefillStage(Stage):
             verify_pages=False,  # kvdb verified each block's checksum
             block_keys=state.block_keys,  # the namespace's chained keys: pages shared by key
             on_admitted=on_admitted,
+            then=None if self._continuation is None else self._continuation(ctx),
         )
         state.booking.start_prefill(time.monotonic())
         inst.worker.submit(item)
@@ -84,6 +98,7 @@ class PrefillStage(Stage):
         stores: list[asyncio.Future[int]] = []
         try:
             await self._consume(ctx, state, events, client, stores)
+            state.block_queue.put_nowait(("done", None))  # stores may still read the pages
         finally:
             # Blocks already handed to the shard are waited for even on failure: their page
             # views must not outlive the request's pages.
@@ -96,7 +111,6 @@ class PrefillStage(Stage):
             computed_tokens=prompt_len - state.num_cached_tokens,
             stored_blocks=state.stored_blocks,
         )
-        state.block_queue.put_nowait(("done", None))
 
     async def _consume(
         self,
@@ -155,6 +169,8 @@ class PrefillStage(Stage):
         state.booking.release_prefill()
         if state.prefill is not None and state.engine_request_id:
             await asyncio.wrap_future(state.prefill.worker.drop(state.engine_request_id))
+            if state.decode_events is not None:  # the continuation admitted it (or will not)
+                await asyncio.wrap_future(state.prefill.worker.drop(state.decode_request_id))
 
 
 def _store_blocks(

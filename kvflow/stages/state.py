@@ -161,6 +161,9 @@ class GenerateState:
     # -- decode -------------------------------------------------------------------------------
     decode_admitted: bool = False
     decode_request_id: str = ""
+    # Colocated: the outputs of the decode that continues the prefill on the engine thread
+    # (decode.py: DecodeStage.continuation); None while none was set up.
+    decode_events: asyncio.Queue[Any] | None = None
     stored_decode_blocks: int = 0
     output_ids: list[int] = field(default_factory=list)
     # With sampling.logprobs: one TokenLogprob per generated token, appended before the

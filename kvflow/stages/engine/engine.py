@@ -257,24 +257,21 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling)}")
         tokens = self._check_tokens(request_id, token_ids)
-        adopted = self._check_adopt(adopt_from, tokens, num_prefix_tokens, prefix_pages)
-        if adopted is not None:
-            self._add_adopting(
-                request_id,
-                tokens,
-                sampling,
-                adopted,
-                num_prefix_tokens,
-                retain_pages,
-                num_output_tokens,
-                block_keys,
-            )
-            return
-        n_prefix = self._check_prefix(tokens, prefix_pages, num_prefix_tokens)
+        # adopted pages are the source's: their count is not the caller's to give
+        n_prefix = self._check_prefix(
+            tokens, None if adopt_from is not None else prefix_pages, num_prefix_tokens
+        )
+        adopted = self._check_adopt(adopt_from, tokens, n_prefix, prefix_pages)
         pages = [self._pool.check_page(i, p, verify_pages) for i, p in enumerate(prefix_pages)]
         generator = self._generator(request_id, sampling)  # may raise: before any page is taken
         constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
         keys = self._check_keys(request_id, tokens, block_keys)
+        if adopted is not None:
+            self._add_adopting(
+                request_id, tokens, sampling, adopted, n_prefix, retain_pages,
+                generator, constraint, keys,
+            )  # fmt: skip
+            return
         bs = self.config.block_size
         # Full imported blocks a live page already holds: shared, not copied.
         held = [self._by_key.get(k) for k in keys[: n_prefix // bs]]
@@ -342,12 +339,11 @@ class Engine:
         self, source_id: str | None, tokens: list[int], n_prefix: int, prefix_pages: Seq[PageData]
     ) -> Sequence | None:
         """The finished retained request whose pages ``tokens``' first ``n_prefix`` tokens
-        take over (None: no adoption)."""
+        (checked) take over (None: no adoption)."""
         if source_id is None:
             return None
         if prefix_pages:
             raise InvalidRequestError("adopt_from and prefix_pages exclude each other")
-        self._check_prefix(tokens, None, n_prefix)
         source = self._seqs.get(source_id)
         if source is None or source.finish_reason is None or not source.retain_pages:
             raise InvalidRequestError(
@@ -367,12 +363,12 @@ class Engine:
         source: Sequence,
         n_prefix: int,
         retain_pages: bool,
-        num_output_tokens: int,
-        block_keys: Seq[Hashable],
+        generator: torch.Generator | None,
+        constraint: Constraint | None,
+        keys: tuple[Hashable, ...],
     ) -> None:
-        generator = self._generator(request_id, sampling)
-        constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
-        keys = self._check_keys(request_id, tokens, block_keys)
+        """``add_request(adopt_from=...)`` once every check passed: the source's first pages
+        become this request's."""
         keep = -(-n_prefix // self.config.block_size)
         extra = self._pool.allocate(max(0, self._pages_for(tokens, sampling) - keep))
         # nothing can fail past here: the source's pages change owner

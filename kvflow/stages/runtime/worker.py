@@ -32,6 +32,8 @@ T = TypeVar("T")
 
 Sink = Callable[[Engine, RequestOutput], None]
 ErrorSink = Callable[[BaseException], None]
+# Given a request's last output (on the engine thread): the work item that continues it, or None.
+Continuation = Callable[[Engine, RequestOutput], "WorkItem | None"]
 
 
 @dataclass
@@ -39,7 +41,11 @@ class WorkItem:
     """One request for the engine. ``prefix_pages`` are copied into the pool on admission,
     or ``adopt_from`` names a finished retained request of the same engine whose pages it
     takes over in place (``Engine.add_request``); ``on_admitted(engine)`` then runs on the
-    engine thread (so it may export pages)."""
+    engine thread (so it may export pages). ``then(engine, output)``: called on the engine
+    thread when the request finishes (not aborted), after its sink took the last output; the
+    work item it returns is admitted at once, so it is in the very next step (a colocated
+    decode continues its prefill so, adopting its pages). It must not raise: its errors
+    belong to the item it would return."""
 
     request_id: str
     token_ids: Sequence[int]
@@ -54,6 +60,7 @@ class WorkItem:
     block_keys: Sequence[Any] = ()  # of full prompt blocks: pages shared by key (engine.py)
     adopt_from: str | None = None
     on_admitted: Callable[[Engine], None] | None = field(default=None)
+    then: Continuation | None = None
 
 
 class WorkerStopped(RuntimeError):
@@ -255,22 +262,42 @@ class EngineWorker:
             if self._spin is not None:
                 self._spin.step(cpu - cpu_started, stepped - started)
             self._steps += 1
-            for out in outputs:
-                item = self._sinks.get(out.request_id)
-                if item is None:
-                    continue
-                if out.finished:
-                    del self._sinks[out.request_id]
-                try:
-                    item.sink(self.engine, out)
-                except Exception as exc:
-                    logger.exception("worker=%s req=%s sink failed", self.name, out.request_id)
-                    if not out.finished:
-                        self._abort(out.request_id)
-                    _safe_call(item.on_error, exc)
+            continuations = self._hand_on(outputs)
             if trace is not None:
                 trace.end(self.engine.last_plan, stepped, cpu, outputs)
+            for item in continuations:  # before the next step, which then runs them
+                self._admit(item)
         logger.info("worker=%s engine loop stopped after %d steps", self.name, self._steps)
+
+    def _hand_on(self, outputs: list[RequestOutput]) -> list[WorkItem]:
+        """Give each output to its request's sink; returns the work items that continue the
+        requests that finished (``WorkItem.then``)."""
+        continuations: list[WorkItem] = []
+        for out in outputs:
+            item = self._sinks.get(out.request_id)
+            if item is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            try:
+                item.sink(self.engine, out)
+            except Exception as exc:
+                logger.exception("worker=%s req=%s sink failed", self.name, out.request_id)
+                if not out.finished:
+                    self._abort(out.request_id)
+                _safe_call(item.on_error, exc)
+                continue
+            if out.finished and out.finish_reason != "abort" and item.then is not None:
+                try:
+                    follower = item.then(self.engine, out)
+                except Exception:
+                    logger.exception(
+                        "worker=%s req=%s continuation failed", self.name, out.request_id
+                    )
+                    continue
+                if follower is not None:
+                    continuations.append(follower)
+        return continuations
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, item in list(self._sinks.items()):

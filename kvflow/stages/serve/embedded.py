@@ -213,6 +213,8 @@ class EmbeddedCluster:
 
     def _stages(self, engine: Any) -> list[Any]:
         c = self.config
+        # colocated, the decode continues the prefill on the engine thread (decode.py)
+        decode = DecodeStage(c.block_size, wait_for_prefill=True)
         return [
             TokenizeStage(self.tokenizer, self.vocab_size, self.max_model_len),
             HashStage(self.model_fingerprint, self.layout),
@@ -231,9 +233,9 @@ class EmbeddedCluster:
                 peers={**self.prefill, **self.decode},
                 metrics=self.metrics,
             ),
-            PrefillStage(c.block_size),
+            PrefillStage(c.block_size, continuation=decode.continuation),
             StreamStage(self.transfer, self.pools, c.block_size),
-            DecodeStage(c.block_size, wait_for_prefill=True),
+            decode,
         ]
 
     def _on_reject(self, rejection: Rejection) -> None:

@@ -103,5 +103,15 @@ def test_adopt_refuses_what_it_cannot_take(llama_dir: Path) -> None:
             num_prefix_tokens=8,
             adopt_from="p",
         )
+    # add_request's checks of the request itself hold for an adopting one (one place)
+    for kw, message in [
+        ({"block_keys": ["k"] * 4}, "block keys"),
+        ({"sampling": SamplingParams(max_tokens=4, logit_bias=((10**6, 1.0),))}, "logit_bias"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request(
+                "d", [*prompt, first], **{"sampling": SamplingParams(max_tokens=4), **kw},
+                num_prefix_tokens=20, adopt_from="p",
+            )  # fmt: skip
     assert engine.num_free_pages == free  # nothing changed
     engine.release("p")  # still the prefill's
