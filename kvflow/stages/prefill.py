@@ -6,9 +6,9 @@ and (2) handed to ``stream`` through ``state.block_queue`` as page views of the 
 The request's pages are retained after the prefill finishes, until ``stream`` has moved them
 (it releases them), or until cleanup.
 
-Queue items: ``("pages", {block_index: page_view})`` ... then ``("done", None)`` once the
-engine's part is over (the first token is emitted), while the last blocks may still be being
-stored: whoever releases the request's pages joins this stage first.
+Queue items: ``("pages", {block_index: page_view})`` ... then ``("done", None)``: once every
+block is stored; colocated, as soon as the first token is emitted (the stores may still read
+the pages: the decode, which holds them then, joins this stage before releasing them).
 
 Colocated, the prefill's work item carries the decode's continuation (``continuation``,
 ``DecodeStage.continuation``): the engine thread admits the decode as the prefill finishes.
@@ -96,9 +96,13 @@ class PrefillStage(Stage):
         inst.worker.submit(item)
         client = inst.client(state.namespace)
         stores: list[asyncio.Future[int]] = []
+        # "done" lets stream release the pages (after the stores that read them); colocated,
+        # the decode holds them and joins this stage first: its tokens need not wait
+        stores_first = not state.colocated
         try:
             await self._consume(ctx, state, events, client, stores)
-            state.block_queue.put_nowait(("done", None))  # stores may still read the pages
+            if not stores_first:
+                state.block_queue.put_nowait(("done", None))
         finally:
             # Blocks already handed to the shard are waited for even on failure: their page
             # views must not outlive the request's pages.
@@ -111,6 +115,8 @@ class PrefillStage(Stage):
             computed_tokens=prompt_len - state.num_cached_tokens,
             stored_blocks=state.stored_blocks,
         )
+        if stores_first:
+            state.block_queue.put_nowait(("done", None))
 
     async def _consume(
         self,

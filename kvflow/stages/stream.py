@@ -92,9 +92,7 @@ class StreamStage(Stage):
             raise StreamFailed(
                 f"req={ctx.request_id}: streamed {state.streamed_blocks} of {num_pages} pages"
             )
-        # Every page is at the decode side: the prefill copy can go, once the prefill's
-        # kvdb stores (which read it) are over.
-        await ctx.join("prefill")
+        # Every page is at the decode side: the prefill copy can go.
         await asyncio.wrap_future(state.prefill.worker.drop(state.engine_request_id))
         ctx.set_attrs(pages=state.streamed_blocks, bytes=state.streamed_bytes)
 
