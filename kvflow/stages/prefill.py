@@ -175,7 +175,8 @@ class PrefillStage(Stage):
         state.booking.release_prefill()
         if state.prefill is not None and state.engine_request_id:
             await asyncio.wrap_future(state.prefill.worker.drop(state.engine_request_id))
-            if state.decode_events is not None:  # the continuation admitted it (or will not)
+            if state.decode_events is not None and state.decode_request_id:
+                # colocated: its continuation, admitted unless the prefill was dropped first
                 await asyncio.wrap_future(state.prefill.worker.drop(state.decode_request_id))
 
 

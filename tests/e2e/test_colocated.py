@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from kvflow.stages.api import pb2
@@ -104,3 +105,28 @@ def test_colocated_decode_continues_in_the_step_after_the_prefill(
     summary = steps.summarize(records)
     assert summary["handoffs"] == len(shorts)
     assert summary["prefill_to_decode_lag_steps_mean"] == 0
+
+
+@pytest.mark.slow
+def test_colocated_stop_strings_and_a_cancel_end_the_continued_decode(make_server):
+    """The decode already runs when the event loop sees the first token: a stop string (in
+    the first token's text or later) or a cancel ends it, and nothing is left behind."""
+    server = make_server(colocate=True, prefill_chunk=32)
+    sampling = pb2.SamplingParams(ignore_eos=True)
+    prompt = ids(40, seed=7)
+    full_ids, _, full = server.generate(prompt, max_tokens=24, sampling=sampling)
+    assert len(full_ids) == 24 and len(full) > 8
+    for stop in (full[:2], full[5:8]):
+        _, _, text = server.generate(prompt, max_tokens=24, sampling=sampling, stop=[stop])
+        assert text == full[: full.index(stop)]
+    assert_no_leaks(server)
+
+    req = pb2.GenerateRequest(max_tokens=60, sampling=sampling)
+    req.token_ids.ids.extend(ids(90, seed=8))
+    call = server.stub.Generate(req, timeout=60)
+    assert next(call).token_ids
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert_no_leaks(server)
