@@ -9,6 +9,10 @@ After loading, `CausalLM.fuse_projections()` concatenates q/k/v and gate/up into
 each (one matmul instead of three and two: fewer passes over the activations and fewer ops
 per token); the HF names are what a checkpoint loads into, the fused modules what runs.
 
+On the CPU in float32 the elementwise steps between the matmuls (the residual add with the
+next RMSNorm, RoPE, SiLU(gate) * up) run as fused kernels (cpu_fused.py), decided once per
+forward; elsewhere, and with `KVFLOW_FUSED=0`, the torch ops below compute the same values.
+
 Tokens are flattened: `forward` takes T tokens ([T] ids, [T] positions) that may belong to
 one request (a prefill chunk) or to T requests (one decode step each); the backend knows which.
 """
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.stages.engine.cpu_fused import FusedKernels, fused_kernels
 from kvflow.stages.engine.rope import Rotary, apply_rotary
 from kvflow.stages.engine.spec import ModelSpec
 
@@ -69,18 +74,24 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVAttention,
+        fused: FusedKernels | None = None,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:  # q and k rotate as one [T, heads + kv_heads, d] block
-            qk2, v2 = self.qkv_proj(x).split(((heads + kv_heads) * d, kv_heads * d), dim=-1)
-            qk = apply_rotary(qk2.view(t, heads + kv_heads, d), cos, sin)
+            qkv = self.qkv_proj(x)
+            qk2, v2 = qkv.split(((heads + kv_heads) * d, kv_heads * d), dim=-1)
+            qk = _rotate(qk2.unflatten(-1, (heads + kv_heads, d)), cos, sin, fused)
             q, k = qk.split((heads, kv_heads), dim=1)
         else:
             q2, k2, v2 = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = apply_rotary(q2.view(t, heads, d), cos, sin)
-            k = apply_rotary(k2.view(t, kv_heads, d), cos, sin)
+            q = _rotate(q2.view(t, heads, d), cos, sin, fused)
+            k = _rotate(k2.view(t, kv_heads, d), cos, sin, fused)
         v = v2.view(t, kv_heads, d)
         return self.o_proj(kv.attend(self.layer, q, k, v))
 
@@ -99,12 +110,36 @@ class MLP(nn.Module):
         self.gate_up_proj = _fused((self.gate_proj, self.up_proj))
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: FusedKernels | None = None) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if fused is not None:
+                return self.down_proj(fused.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: FusedKernels | None
+) -> torch.Tensor:
+    """RoPE on x [T, heads, d]: in place by the kernel, else `apply_rotary` (a new tensor)."""
+    if fused is not None:
+        return fused.rope_(x, cos, sin)
+    return apply_rotary(x, cos, sin)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, fused: FusedKernels | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream x plus delta (None: nothing added) and `norm` of it. The kernel
+    adds in place; torch computes x + delta, a new tensor."""
+    if fused is not None:
+        return fused.add_rms_norm(x, delta, norm.weight, norm.eps)
+    if delta is not None:
+        x = x + delta
+    return x, norm(x)
 
 
 def _fused(parts: tuple[nn.Linear, ...]) -> nn.Linear:
@@ -129,10 +164,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVAttention,
+        next_norm: RMSNorm,
+        fused: FusedKernels | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream entering the layer, `normed` its input_layernorm. Returns
+        the stream leaving it and `next_norm` of that (the next layer's input_layernorm, or
+        the final norm): each residual add is fused with the norm that follows it."""
+        x, h = add_rms_norm(
+            x, self.self_attn(normed, cos, sin, kv, fused), self.post_attention_layernorm, fused
+        )
+        return add_rms_norm(x, self.mlp(h, fused), next_norm, fused)
 
 
 class DecoderStack(nn.Module):
@@ -175,9 +222,14 @@ class CausalLM(nn.Module):
             raise RuntimeError("CausalLM.setup_rotary() was not called")
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv)
-        return self.model.norm(x)
+        fused = fused_kernels(x)
+        layers = self.model.layers
+        x, h = add_rms_norm(x, None, layers[0].input_layernorm, fused)
+        for i, layer in enumerate(layers):
+            last = i + 1 == len(layers)
+            next_norm = self.model.norm if last else layers[i + 1].input_layernorm
+            x, h = layer(x, h, cos, sin, kv, next_norm, fused)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

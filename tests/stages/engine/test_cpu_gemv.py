@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine import cpu_gemv, openmp
+from kvflow.stages.engine import cpu_gemv, cpu_kernels, openmp
 from kvflow.stages.engine.onednn_linear import (
     ENV_LINEAR,
     OneDNNDenseLinear,
@@ -97,22 +97,24 @@ def test_dense_linear_sends_decode_rows_to_the_kernel(monkeypatch: pytest.Monkey
 
 @needs_kernel
 def test_kernel_built_once_into_its_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_gemv.ENV_DIR, str(tmp_path / "kernels"))
-    assert cpu_gemv.kernel_dir() == tmp_path / "kernels"
-    assert cpu_gemv._load() is not None
+    monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path / "kernels"))
+    assert cpu_kernels.kernel_dir() == tmp_path / "kernels"
+    lib = cpu_kernels._load()
+    assert lib is not None
+    assert lib.kvflow_gemv and lib.kvflow_add_rms_norm and lib.kvflow_rope and lib.kvflow_silu_mul
     built = list((tmp_path / "kernels").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("cpu_gemv-")
+    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-")
     stamp = built[0].stat().st_mtime_ns
-    assert cpu_gemv._load() is not None  # loaded again, not rebuilt
+    assert cpu_kernels._load() is not None  # loaded again, not rebuilt
     assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()] == [stamp]
     # one OpenMP runtime in the process: torch's
     assert len(openmp.runtimes()) <= 1
 
 
 def test_no_compiler_keeps_onednn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_gemv.ENV_DIR, str(tmp_path / "kernels"))
+    monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path / "kernels"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert cpu_gemv._load() is None
+    assert cpu_kernels._load() is None
     assert not (tmp_path / "kernels").exists()
 
 

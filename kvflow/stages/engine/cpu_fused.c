@@ -1,0 +1,131 @@
+/* Fused float32 elementwise steps of the decoder layer, each one pass over its rows (built
+ * with cpu_gemv.c into one library by cpu_kernels.py; bound and dispatched by cpu_fused.py):
+ *
+ * - kvflow_add_rms_norm: x += delta (in place, the residual stream), out = RMSNorm(x) * w;
+ * - kvflow_rope: RoPE applied in place to [T, heads, d] rows (q and k of the qkv output);
+ * - kvflow_silu_mul: out = SiLU(gate) * up from the fused gate/up output [T, 2I].
+ *
+ * Every product and sum rounds where torch's ops round (the library is built with
+ * -ffp-contract=off: no multiply-add is contracted): the residual add and RoPE give torch's
+ * bits; RMSNorm differs from torch only in the order of its sum of squares, SiLU in its exp
+ * (a polynomial within ~1 ulp of expf). Rows are split over `threads` OpenMP threads (torch's
+ * pool) when there are enough of them to pay for the fork. */
+#include <math.h>
+#include <omp.h>
+
+/* Below this many elements a call runs on the calling thread (a decode step's few rows). */
+#define PARALLEL_MIN 16384L
+
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline float sum_squares(const float *x, long n) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    long j = 0;
+    for (; j + 32 <= n; j += 32) {
+        __m512 v0 = _mm512_loadu_ps(x + j), v1 = _mm512_loadu_ps(x + j + 16);
+        a0 = _mm512_add_ps(a0, _mm512_mul_ps(v0, v0));
+        a1 = _mm512_add_ps(a1, _mm512_mul_ps(v1, v1));
+    }
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(x + j);
+        a0 = _mm512_add_ps(a0, _mm512_mul_ps(v, v));
+    }
+    if (j < n) {
+        __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (n - j)) - 1), x + j);
+        a1 = _mm512_add_ps(a1, _mm512_mul_ps(v, v));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+/* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf polynomial, scaled by
+ * 2^n with scalef (which gives 0, denormals and inf where e^x has them). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+static inline void silu_mul_row(const float *g, const float *u, float *o, long n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (long j = 0; j < n; j += 16) {
+        __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(m, g + j);
+        __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        _mm512_mask_storeu_ps(o + j, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + j)));
+    }
+}
+#else
+static inline float sum_squares(const float *x, long n) {
+    float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+    for (long j = 0; j < n; j++) a += x[j] * x[j];
+    return a;
+}
+
+static inline void silu_mul_row(const float *g, const float *u, float *o, long n) {
+    for (long j = 0; j < n; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+#endif
+
+static inline void add_norm_row(float *x, const float *delta, const float *w, float *out, long n,
+                                float eps) {
+    if (delta) {
+#pragma omp simd
+        for (long j = 0; j < n; j++) x[j] = x[j] + delta[j];
+    }
+    /* torch: x * rsqrt(mean(x^2) + eps) * w, rsqrt as 1 / sqrt, the mean as sum / n */
+    float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+#pragma omp simd
+    for (long j = 0; j < n; j++) out[j] = (x[j] * r) * w[j];
+}
+
+/* x[rows, n] (row stride xs) += delta (row stride ds; NULL: no add), then out[rows, n] (row
+ * stride os) = RMSNorm(x) * w. */
+void kvflow_add_rms_norm(float *x, long xs, const float *delta, long ds, const float *w, float *out,
+                         long os, long rows, long n, float eps, long threads) {
+#pragma omp parallel for if (rows > 1 && rows * n >= PARALLEL_MIN) num_threads(threads) \
+    schedule(static)
+    for (long i = 0; i < rows; i++)
+        add_norm_row(x + i * xs, delta ? delta + i * ds : 0, w, out + i * os, n, eps);
+}
+
+/* x[rows, heads, d] (strides ts, hs, 1) rotated in place by cos and the signed sin (first half
+ * negated) [rows, d] (row stride cs): x * cos + cat(x2, x1) * signed_sin, as rope.py computes. */
+void kvflow_rope(float *x, long ts, long hs, long heads, long d, const float *cos,
+                 const float *sin, long cs, long rows, long threads) {
+    long half = d / 2;
+#pragma omp parallel for if (rows > 1 && rows * heads * d >= PARALLEL_MIN) num_threads(threads) \
+    schedule(static)
+    for (long i = 0; i < rows; i++) {
+        const float *c = cos + i * cs, *s = sin + i * cs;
+        for (long h = 0; h < heads; h++) {
+            float *a = x + i * ts + h * hs, *b = a + half;
+#pragma omp simd
+            for (long j = 0; j < half; j++) {
+                float x1 = a[j], x2 = b[j];
+                a[j] = x1 * c[j] + x2 * s[j];
+                b[j] = x2 * c[half + j] + x1 * s[half + j];
+            }
+        }
+    }
+}
+
+/* gu[rows, 2n] (row stride gs: gate columns, then up) -> out[rows, n] (contiguous) =
+ * SiLU(gate) * up, SiLU as torch computes it: x / (1 + e^-x). */
+void kvflow_silu_mul(const float *gu, long gs, float *out, long rows, long n, long threads) {
+#pragma omp parallel for if (rows > 1 && rows * n >= PARALLEL_MIN) num_threads(threads) \
+    schedule(static)
+    for (long i = 0; i < rows; i++) silu_mul_row(gu + i * gs, gu + i * gs + n, out + i * n, n);
+}
