@@ -86,3 +86,20 @@ def test_roofline_quick_quantized(tmp_path: Path, capsys: pytest.CaptureFixture[
     # byte + a scale and zero per 32), the tied bf16 embedding table does not.
     b16, i8, i4 = (runs[f"fused-{d}"]["weight_bytes"] for d in ("bfloat16", "int8", "int4"))
     assert b16 > i8 > i4 > 0
+
+
+def test_roofline_quick_elementwise_fused_and_torch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVFLOW_FUSED", "1")
+    model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "roofline.json"
+    argv = ["--quick", "--elementwise", "fused,torch", "--model", str(model), "--json", str(out)]
+    assert roofline.main(argv) == 0
+    assert capsys.readouterr().out.count("fused-float32-") == 2
+    doc = json.loads(out.read_text())
+    assert set(doc["runs"]) == {"fused-float32-fused", "fused-float32-torch"}
+    assert all(r["decode"][0]["tok_s"] > 0 for r in doc["runs"].values())
+    assert os.environ["KVFLOW_FUSED"] == "1"  # restored after each run
+    with pytest.raises(SystemExit):
+        roofline.main(["--elementwise", "fused,numpy"])

@@ -19,7 +19,9 @@ whose ceiling counts the int8/int4 weights and their scales); the model loads wi
 q/k/v and gate/up fused (the engine's default; `--fused` says so), `--unfused` loads the
 separate projections, and `--compare` runs both layouts;
 `--linears onednn,aten` runs an engine per linear backend (`KVFLOW_LINEAR`,
-onednn_linear.py). With more than one engine they run alternating, A B ... B A, in one
+onednn_linear.py); `--elementwise fused,torch` runs each engine with the fused CPU elementwise
+kernels and with torch's ops (`KVFLOW_FUSED`, cpu_fused.py; the same engine, switched per
+run). With more than one engine or setting they run alternating, A B ... B A, in one
 invocation, each row the better of its two passes. Seeded; one summary line; `--json PATH`
 writes every number.
 
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
+from kvflow.stages.engine.cpu_fused import ENV_FUSED
 from kvflow.stages.engine.default_model import ensure_default_model
 from kvflow.stages.engine.loader import fingerprint, load_weights
 from kvflow.stages.engine.model_card import ModelCard
@@ -117,6 +120,27 @@ def open_engine(
             os.environ[ENV_LINEAR] = saved
     fp = fingerprint(model_dir, config_bytes, config.dtype)
     return Engine(model, Tokenizer.from_dir(model_dir), config, fp, card)
+
+
+ELEMENTWISE = {"fused": "1", "torch": "0"}
+"""`--elementwise` names and the `KVFLOW_FUSED` value each runs under."""
+
+
+def bench_with(
+    engine: Engine, elementwise: str | None, args: argparse.Namespace, bandwidth: float
+) -> dict:
+    """`bench_engine` with `KVFLOW_FUSED` set for `elementwise` (None: the environment's),
+    restored after."""
+    saved = os.environ.get(ENV_FUSED)
+    if elementwise is not None:
+        os.environ[ENV_FUSED] = ELEMENTWISE[elementwise]
+    try:
+        return bench_engine(engine, args, bandwidth)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_FUSED, None)
+        else:
+            os.environ[ENV_FUSED] = saved
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -258,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(LINEAR_BACKENDS)
         + " (default: the environment's)",
     )
+    p.add_argument(
+        "--elementwise",
+        type=_elementwise,
+        default=None,
+        help="elementwise ops, comma-separated: fused (the CPU kernels), torch"
+        " (default: the environment's KVFLOW_FUSED)",
+    )
     p.add_argument("--bw-mib", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3, help="best of this many timings")
     p.add_argument("--seed", type=int, default=0)
@@ -291,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.compare:
             layouts = {"unfused": False} if args.unfused else {"fused": True}
         backends: list[str | None] = args.linears or [None]
-        engines = {
+        opened = {
             f"{name}-{dtype}" + (f"-{lin}" if lin else ""): open_engine(
                 model_dir, replace(config, dtype=dtype), fuse, lin
             )
@@ -299,12 +330,18 @@ def main(argv: list[str] | None = None) -> int:
             for dtype in args.dtype
             for lin in backends
         }
+        settings: list[str | None] = args.elementwise or [None]
+        engines = {
+            name + (f"-{ew}" if ew else ""): (engine, ew)
+            for name, engine in opened.items()
+            for ew in settings
+        }
         bandwidth = read_bandwidth(args.bw_mib, args.repeat)
-        for engine in engines.values():  # warm-up: first-touch of pages and weights
+        for engine in opened.values():  # warm-up: first-touch of pages and weights
             prefill_s(engine, min(64, longest), args.seed + 99)
-        runs = {name: bench_engine(engine, args, bandwidth) for name, engine in engines.items()}
+        runs = {n: bench_with(*engines[n], args, bandwidth) for n in engines}
         if len(engines) > 1:  # second pass in the other order: A B B A
-            again = {n: bench_engine(engines[n], args, bandwidth) for n in reversed(list(engines))}
+            again = {n: bench_with(*engines[n], args, bandwidth) for n in reversed(list(engines))}
             runs = {n: _better(runs[n], again[n]) for n in runs}
         label = model_dir.name
     summary = _summary(label, bandwidth, runs)
@@ -318,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
 
 _dtypes = _cli.names_of("dtype", PRECISIONS)
 _linears = _cli.names_of("linear backend", LINEAR_BACKENDS)
+_elementwise = _cli.names_of("elementwise setting", tuple(ELEMENTWISE))
 
 
 def _better(a: dict, b: dict) -> dict:
