@@ -14,6 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from kvflow.stages.engine.cpu_fused import fused_enabled
+from kvflow.stages.engine.cpu_fused import kernels as fused_cpu_kernels
 from kvflow.stages.engine.errors import ModelLoadError
 from kvflow.stages.engine.model import CausalLM
 from kvflow.stages.engine.onednn_linear import onednn_applies, use_onednn_linears
@@ -83,7 +85,8 @@ def load_weights(
     linears from them, and holds the rest in `dtype`.
 
     Raises ModelLoadError naming missing, unexpected or misshapen weights, or the kernel a
-    quantized precision needs that this torch or device lacks."""
+    quantized precision needs that this torch or device lacks; ValueError for a
+    `KVFLOW_LINEAR` or `KVFLOW_FUSED` it does not know."""
     bits = quant.weight_bits if quant is not None else None
     if quant is not None and bits is not None:
         why = missing_kernel(bits, device)
@@ -124,6 +127,8 @@ def load_weights(
         model = model.to(dtype)  # the rest (embeddings, norms, lm_head); int buffers stay
     if onednn_applies(dtype, device):
         use_onednn_linears(model)
+    if fused_enabled() and device.type == "cpu" and dtype == torch.float32:
+        fused_cpu_kernels()  # built (or found) now, not in the first forward
     model.setup_rotary(device)
     name = quant.name if quant is not None else dtype
     logger.info("loaded %s: %d params, dtype=%s", spec.architecture, spec.num_params, name)

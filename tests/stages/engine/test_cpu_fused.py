@@ -185,3 +185,11 @@ def test_engine_logits_with_and_without_the_kernels(
         runs[flag] = tokens, logits
     assert runs["1"][0] == runs["0"][0] and len(runs["1"][0]) == 6
     torch.testing.assert_close(runs["1"][1], runs["0"][1], rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_fused_setting_fails_at_load(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_FUSED, "yes")
+    with pytest.raises(ValueError, match=ENV_FUSED):
+        open_engine(tiny_dir)
