@@ -9,9 +9,6 @@ Not thread-safe: the engine thread owns the pool.
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import sys
 import warnings
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -21,8 +18,6 @@ import numpy as np
 import torch
 
 from kvflow.stages.engine.errors import OutOfPagesError, PageLayoutError
-
-logger = logging.getLogger(__name__)
 
 PageData = bytes | bytearray | memoryview | torch.Tensor
 
@@ -62,36 +57,6 @@ def lazy_zeros(
     return tensor
 
 
-MADV_POPULATE_WRITE = 23
-"""Linux (5.14+) `madvise` advice: map a range's memory for writing now, in one call,
-leaving its contents as they are."""
-
-_populate_ok = sys.platform == "linux"
-
-
-def populate(t: torch.Tensor) -> bool:
-    """Map the memory of the contiguous CPU tensor ``t`` for writing in one `madvise` call
-    (its bytes unchanged), so that the writes that follow take no page faults. A lazily
-    mapped pool (`lazy_zeros`) otherwise faults one 4 KiB page at a time as a layer's K/V is
-    written: on a 2-core VM, writing a mixed step's ~400 prompt tokens into fresh pages took
-    1.4-1.7 ms a layer against 0.09 ms into mapped ones (issue 31). False where the kernel
-    or platform has no such call (the memory is then mapped by the writes, as before)."""
-    global _populate_ok
-    if not _populate_ok or t.device.type != "cpu" or t.numel() == 0:
-        return False
-    os_page = 4096
-    start = t.data_ptr()
-    first = start // os_page * os_page
-    length = start + t.numel() * t.element_size() - first
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if libc.madvise(first, length, MADV_POPULATE_WRITE) != 0:
-        _populate_ok = False  # an older kernel (EINVAL): leave the mapping to the writes
-        logger.debug("madvise(MADV_POPULATE_WRITE) failed: errno %d", ctypes.get_errno())
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of one KV page; two caches are compatible only if their layouts are equal."""
@@ -126,9 +91,6 @@ class PagePool:
         self.tensor = lazy_zeros((num_pages, *layout.page_shape), dtype, device, resident)
         self._free: deque[int] = deque(range(num_pages))
         self._refs: dict[int, int] = {}  # allocated page -> holders (requests sharing it)
-        # pages whose memory is mapped (`populate`): the resident ones; all off the CPU
-        mapped = num_pages if device.type != "cpu" else min(resident, num_pages)
-        self._mapped = bytearray([1]) * mapped + bytearray(num_pages - mapped)
 
     @property
     def num_pages(self) -> int:
@@ -183,26 +145,6 @@ class PagePool:
                 returned.append(p)
         self._free.extendleft(reversed(returned))
         return returned
-
-    def populate(self, page_ids: Iterable[int]) -> None:
-        """Map the memory of pages about to be written that was not mapped yet, each run of
-        consecutive ids in one call (`populate`); their contents stay as they are. Call it
-        before a step writes K/V into pages: the lazily mapped pool then takes no page
-        fault per 4 KiB in the middle of the step's writes. A no-op off the CPU and for
-        pages mapped before."""
-        new = sorted({p for p in page_ids if not self._mapped[p]})
-        if not new:
-            return
-        lo = prev = new[0]
-        for p in [*new[1:], -1]:
-            if p != prev + 1:
-                if not populate(self.tensor[lo : prev + 1]):
-                    self._mapped = bytearray([1]) * len(self._mapped)  # nothing to gain
-                    return
-                lo = p
-            prev = p
-        for p in new:
-            self._mapped[p] = 1
 
     def page(self, page_id: int) -> torch.Tensor:
         """A view of one page (contiguous); valid while the page stays allocated."""

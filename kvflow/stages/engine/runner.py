@@ -25,13 +25,6 @@ class ModelRunner:
         self.device = device
         self.window = model.spec.sliding_window
 
-    def _chunk_pages(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """The page table of `seq`, once the memory of the pages that tokens [start, end)
-        are written into is mapped (`PagePool.populate`)."""
-        bs = self.pool.layout.block_size
-        self.pool.populate(seq.pages[start // bs : (end - 1) // bs + 1])
-        return self._page_ids(seq)
-
     def _page_ids(self, seq: Sequence) -> torch.Tensor:
         if seq.page_table is None:
             seq.page_table = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
@@ -49,9 +42,7 @@ class ModelRunner:
         end = start + num_tokens
         ids = torch.tensor(seq.token_ids[start:end], dtype=torch.int64, device=self.device)
         positions = torch.arange(start, end, dtype=torch.int64, device=self.device)
-        kv = PagedPrefill(
-            self.pool, self._chunk_pages(seq, start, end), start, num_tokens, self.window
-        )
+        kv = PagedPrefill(self.pool, self._page_ids(seq), start, num_tokens, self.window)
         hidden = self.model(ids, positions, kv)
         if all_logits:
             return self.model.logits(hidden)
@@ -84,8 +75,7 @@ class ModelRunner:
             start, end = seq.num_computed, seq.num_computed + n
             ids_parts.append(torch.tensor(seq.token_ids[start:end], dtype=torch.int64, device=dev))
             pos_parts.append(torch.arange(start, end, dtype=torch.int64, device=dev))
-            pages = self._chunk_pages(seq, start, end)
-            parts.append((n, PagedPrefill(self.pool, pages, start, n, self.window)))
+            parts.append((n, PagedPrefill(self.pool, self._page_ids(seq), start, n, self.window)))
             row += n
             last_rows.append(row - 1 if end == len(seq.token_ids) else None)
         if decode:
@@ -112,7 +102,6 @@ class ModelRunner:
         for s in seqs:
             table = s.pages[:width]
             rows.append(table + [table[0]] * (width - len(table)))  # pad: masked out
-        self.pool.populate(s.pages[p // bs] for s, p in zip(seqs, positions_list, strict=True))
         page_table = torch.tensor(rows, dtype=torch.int64, device=self.device)
         positions = torch.tensor(positions_list, dtype=torch.int64, device=self.device)
         ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64, device=self.device)
