@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import itertools
 import logging
 import threading
@@ -297,6 +298,8 @@ class RequestContext(Generic[StateT]):
         task = asyncio.get_running_loop().create_task(child(), name=f"{self.request_id}:{name}")
         self._children[name] = task
         task.add_done_callback(lambda done: self._child_done(name, done))
+        # A task cancelled before its first step never awaits ``coro``: close it (no warning).
+        task.add_done_callback(lambda _: _close_unstarted(coro))
         if self.cancelled:
             task.cancel()
         return task
@@ -384,3 +387,8 @@ class RequestContext(Generic[StateT]):
                 listener(name, task)
             except Exception:
                 logger.exception("req=%s child listener failed", self.request_id)
+
+
+def _close_unstarted(coro: Coroutine[Any, Any, Any]) -> None:
+    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        coro.close()

@@ -330,22 +330,24 @@ class Pipeline:
         queued_s = run.ctx.clock() - run.queued_at
         if self._metrics is not None:
             self._metrics.inflight.labels(stage.name).inc()
-        started = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
 
         async def body() -> None:
-            try:
-                run.began(stage)
-                run.ctx.set_attr("queued_ms", queued_s * 1000.0)
-                run.ctx.set_attr("background", True)
-                await stage.run(run.ctx)
-            finally:
-                slots.release()
-                if self._metrics is not None:
-                    self._metrics.inflight.labels(stage.name).dec()
-                    elapsed = asyncio.get_running_loop().time() - started
-                    self._metrics.stage_seconds.labels(stage.name).observe(elapsed)
+            run.began(stage)
+            run.ctx.set_attr("queued_ms", queued_s * 1000.0)
+            run.ctx.set_attr("background", True)
+            await stage.run(run.ctx)
 
-        run.ctx.spawn(stage.name, body())
+        def done(_: asyncio.Task[Any]) -> None:
+            # On the task, not in body: a request failed or cancelled between the spawn and
+            # the task's first step never runs body, and its slot must come back all the same.
+            slots.release()
+            if self._metrics is not None:
+                self._metrics.inflight.labels(stage.name).dec()
+                self._metrics.stage_seconds.labels(stage.name).observe(loop.time() - started)
+
+        run.ctx.spawn(stage.name, body()).add_done_callback(done)
 
     @staticmethod
     async def _invoke(run: RequestRun, stage: Stage, queued_s: float) -> None:

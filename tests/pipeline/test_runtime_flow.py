@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import warnings
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ from kvflow.pipeline import (
     FunctionStage,
     Pipeline,
     PipelineConfig,
+    RequestCancelled,
     RequestContext,
     Stage,
     TraceStatus,
@@ -283,3 +286,41 @@ def test_pipeline_rejects_bad_stage_lists() -> None:
         Pipeline([object()])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="concurrency"):
         FunctionStage("a", noop, concurrency=0)
+
+
+def test_background_task_cancelled_before_its_first_step_gives_its_slot_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request failed between a background stage's spawn and its task's first step (a client
+    that disconnects in the same loop turn) never runs the stage: its concurrency slot still
+    comes back, and the never-started coroutine is closed, not left to warn "never awaited"."""
+    spawn = RequestContext.spawn
+
+    def spawn_then_lose_the_race(
+        self: RequestContext[Any], name: str, coro: Any
+    ) -> asyncio.Task[Any]:
+        task = spawn(self, name, coro)
+        if self.request_id == "lost":
+            self.cancel("client gone")  # on the loop, before the loop runs the task
+        return task
+
+    monkeypatch.setattr(RequestContext, "spawn", spawn_then_lose_the_race)
+    ran: list[str] = []
+
+    async def stream(ctx: RequestContext[Any]) -> None:
+        ran.append(ctx.request_id)
+
+    async def main() -> None:
+        stages = [FunctionStage("stream", stream, background=True, concurrency=1)]
+        async with Pipeline(stages) as pipe:
+            lost = await pipe.submit(new_ctx("lost"))
+            with pytest.raises(RequestCancelled, match="client gone"):
+                await asyncio.wait_for(lost.result(), 30)
+            kept = await pipe.submit(new_ctx("kept"))
+            await asyncio.wait_for(kept.result(), 30)  # the one slot came back
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        run_async(main())
+        gc.collect()
+    assert ran == ["kept"]
