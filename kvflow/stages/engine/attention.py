@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from kvflow.stages.engine.cpu_attn import PagedKernel, paged_kernel
 from kvflow.stages.engine.pages import PagePool
 
 
@@ -218,6 +219,16 @@ class PagedDecode:
         dev = page_table.device
         self.pool, self.window = pool, window
         table, pos = page_table.tolist(), positions.tolist()
+        # A float32 pool on the CPU: every row attends in place through its page list
+        # (cpu_attn.c), which also writes the new K/V; no gather, no mask, no groups.
+        self.kernel: PagedKernel | None = paged_kernel(pool.tensor)
+        if self.kernel is not None:
+            lows = [0 if window is None else max(0, p - window + 1) for p in pos]
+            self.table = page_table.to(torch.int64).contiguous()
+            self.ranges = torch.tensor([[lo, p + 1] for lo, p in zip(lows, pos, strict=True)])
+            slots = [[row[p // bs], p % bs] for row, p in zip(table, pos, strict=True)]
+            self.slots = torch.tensor(slots)
+            return
         # One request whose every earlier token is visible (batch 1, no window that hides
         # any): its context is exactly its first pos + 1 slots, attended without a mask.
         self.single: tuple[int, int, int, torch.Tensor] | None = None
@@ -268,6 +279,10 @@ class PagedDecode:
         return torch.tensor(own, dtype=torch.int64, device=dev), mask[:, None, None, :]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            new_kv = (k, v, self.slots)
+            out = self.kernel.attend(self.pool.tensor, layer, self.table, self.ranges, q, new_kv)
+            return out[0].reshape(q.shape[0], -1)
         if self.single is not None:
             return self._single(layer, q, k, v)
         pool = self.pool.tensor
