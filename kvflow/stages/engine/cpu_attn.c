@@ -40,6 +40,55 @@ static inline float dot(const float *a, const float *b, long d) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
+/* The sums of a[0..15] (16 lanes each) as one vector: lane j holds the sum of a[j]. Pairs
+ * of vectors are interleaved and added (4 lanes of 128 bits each keep partial sums of 2, then
+ * 4 vectors), then the 128-bit lanes are added across: 45 operations for 16 sums. */
+static inline __m512 sum16(__m512 *a) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+    __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], even),
+                               _mm512_shuffle_f32x4(u[0], u[1], odd));
+    __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], even),
+                               _mm512_shuffle_f32x4(u[2], u[3], odd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, even),
+                         _mm512_shuffle_f32x4(v01, v23, odd));
+}
+
+/* s[j] = q.k[j] * scale for the n keys k (row stride ks); returns the largest. Keys go 16 at
+ * a time, each with its own accumulator, summed across by `sum16`. */
+static inline float scores(const float *q, const float *k, long ks, long n, long d, float scale,
+                           float *s) {
+    __m512 top = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+    long j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 a[16];
+        for (int u = 0; u < 16; u++) a[u] = _mm512_setzero_ps();
+        for (long c = 0; c < d; c += 16) {
+            __mmask16 m = d - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - c)) - 1);
+            __m512 qc = _mm512_maskz_loadu_ps(m, q + c);
+            for (int u = 0; u < 16; u++)
+                a[u] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, k + (j + u) * ks + c), a[u]);
+        }
+        __m512 x = _mm512_mul_ps(sum16(a), sc);
+        _mm512_storeu_ps(s + j, x);
+        top = _mm512_max_ps(top, x);
+    }
+    float best = _mm512_reduce_max_ps(top);
+    for (; j < n; j++) {
+        s[j] = dot(q, k + j * ks, d) * scale;
+        best = s[j] > best ? s[j] : best;
+    }
+    return best;
+}
+
 /* s[j] = e^(s[j] - top) for j < n; returns their sum. */
 static inline float exp_shifted(float *s, long n, float top) {
     __m512 t = _mm512_set1_ps(top), sum = _mm512_setzero_ps();
@@ -81,6 +130,16 @@ static inline float dot(const float *a, const float *b, long d) {
 #pragma omp simd reduction(+ : acc)
     for (long j = 0; j < d; j++) acc += a[j] * b[j];
     return acc;
+}
+
+static inline float scores(const float *q, const float *k, long ks, long n, long d, float scale,
+                           float *s) {
+    float best = -INFINITY;
+    for (long j = 0; j < n; j++) {
+        s[j] = dot(q, k + j * ks, d) * scale;
+        best = s[j] > best ? s[j] : best;
+    }
+    return best;
 }
 
 static inline float exp_shifted(float *s, long n, float top) {
@@ -131,12 +190,7 @@ static void attend_part(const Pool *pool, const long *table, long h, const float
         const float *k = pool->base + page * pool->page + h * pool->head + slot * pool->slot;
         const float *v = k + pool->kv;
         for (long i = 0; i < Q; i++) {
-            const float *qi = q + i * qs;
-            float top = -INFINITY;
-            for (long j = 0; j < n; j++) {
-                s[j] = dot(qi, k + j * pool->slot, d) * scale;
-                top = s[j] > top ? s[j] : top;
-            }
+            float top = scores(q + i * qs, k, pool->slot, n, d, scale, s);
             float m_new = top > m[i] ? top : m[i];
             float alpha = m[i] == m_new ? 1.0f : expf(m[i] - m_new);  /* first tile: e^-inf = 0 */
             l[i] = l[i] * alpha + exp_shifted(s, n, m_new);
