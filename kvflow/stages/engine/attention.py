@@ -10,16 +10,20 @@
   attention with torch's lower-right causal bias (`causal_lower_right`), which its flash and
   memory-efficient kernels take as it is instead of a materialized mask; with a window: one
   attention under a materialized mask.
-- `PagedDecode`: one token for each of several requests; each request's pages are gathered
-  into a padded batch and masked by its own length. When every request of the batch starts
-  with the same pages (a prefix the engine shares by key), those are attended once for all
-  of the batch's queries (one flash attention whose rows are every request's query heads of
-  a KV head) and merged with each request's own part by log-sum-exp ("cascade" attention):
-  the shared K/V is read once a layer instead of once a request.
+- `PagedDecode`: one token for each of several requests. With a float32 pool on the CPU
+  (`cpu_attn.paged_kernel`) every request attends in place through its own page list
+  (cpu_attn.c: no gather, no mask). Otherwise (another dtype or device, `KVFLOW_ATTN=torch`)
+  each request's pages are gathered into a padded batch and masked by its own length. When
+  every request of the batch starts with the same pages (a prefix the engine shares by
+  key), those are attended once for all of the batch's queries (one flash attention whose
+  rows are every request's query heads of a KV head) and merged with each request's own
+  part by log-sum-exp ("cascade" attention): the shared K/V is read once a layer instead of
+  once a request.
 - `ContiguousKV`: the plain reference path: one sequence, one contiguous K/V per layer.
 
-All use `scaled_dot_product_attention` with grouped-query attention (`enable_gqa`), and an
-optional sliding window (Mistral): key j is visible to query i iff i - window < j <= i.
+All but the paged kernel use `scaled_dot_product_attention` with grouped-query attention
+(`enable_gqa`); all take an optional sliding window (Mistral): key j is visible to query i
+iff i - window < j <= i.
 Each backend is built for one forward pass and is not thread-safe.
 """
 
@@ -203,7 +207,9 @@ class PagedDecode:
     """One new token for each of B requests. `page_table` [B, max_pages] lists each request's
     pages (padded with any valid page id); `positions` [B] is each new token's position.
 
-    Requests that start with the same pages (shared by key, engine.py) form a group; each
+    A float32 pool on the CPU: one call of the paged kernel a layer (cpu_attn.c), which
+    writes the new K/V and attends every row over its own pages in place. Otherwise:
+    requests that start with the same pages (shared by key, engine.py) form a group; each
     group's shared pages are attended once for all of its rows (`_cascade`), and only the
     rest of their pages is gathered row by row. Rows of no group attend as one batch.
     A batch of one request that sees all its tokens takes `_single` (no mask, no tables)."""
