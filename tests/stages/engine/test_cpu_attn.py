@@ -220,3 +220,11 @@ def test_engine_logits_with_and_without_the_kernel(
     assert runs["paged"][0] == runs["torch"][0]
     assert all(len(t) == 12 for t in runs["paged"][0].values())
     torch.testing.assert_close(runs["paged"][1], runs["torch"][1], rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_attn_setting_fails_at_load(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_ATTN, "flash")
+    with pytest.raises(ValueError, match=ENV_ATTN):
+        open_engine(tiny_dir)
