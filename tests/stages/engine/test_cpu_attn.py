@@ -228,3 +228,20 @@ def test_unknown_attn_setting_fails_at_load(
     monkeypatch.setenv(ENV_ATTN, "flash")
     with pytest.raises(ValueError, match=ENV_ATTN):
         open_engine(tiny_dir)
+
+
+def test_without_the_library_decode_keeps_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler (or another OpenMP runtime): `kernel()` is None and a decode batch attends
+    with torch, to the same answer."""
+    monkeypatch.delenv(ENV_ATTN, raising=False)
+    monkeypatch.setattr(cpu_attn, "kernel", lambda: None)
+    pool = _decode_pool(2, 8, 16, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 16, generator=gen) for h in (6, 2, 2))
+    decode = PagedDecode(pool, torch.tensor([[1, 2], [3, 4]]), torch.tensor([9, 12]), None)
+    assert decode.kernel is None
+    out = decode.attend(0, q, k, v)
+    want, _ = _reference(
+        pool.tensor, 0, torch.tensor([[1, 2], [3, 4]]), torch.tensor([[0, 10], [0, 13]]), q
+    )
+    torch.testing.assert_close(out, want.reshape(2, -1), rtol=1e-5, atol=1e-5)
