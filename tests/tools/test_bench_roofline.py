@@ -103,3 +103,20 @@ def test_roofline_quick_elementwise_fused_and_torch(
     assert os.environ["KVFLOW_FUSED"] == "1"  # restored after each run
     with pytest.raises(SystemExit):
         roofline.main(["--elementwise", "fused,numpy"])
+
+
+def test_roofline_quick_attention_paged_and_torch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVFLOW_ATTN", raising=False)
+    model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "roofline.json"
+    argv = ["--quick", "--attention", "paged,torch", "--model", str(model), "--json", str(out)]
+    assert roofline.main(argv) == 0
+    assert capsys.readouterr().out.count("fused-float32-") == 2
+    doc = json.loads(out.read_text())
+    assert set(doc["runs"]) == {"fused-float32-paged", "fused-float32-torch"}
+    assert all(r["decode"][1]["tok_s"] > 0 for r in doc["runs"].values())
+    assert "KVFLOW_ATTN" not in os.environ  # restored after each run
+    with pytest.raises(SystemExit):
+        roofline.main(["--attention", "paged,flash"])

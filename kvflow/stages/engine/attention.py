@@ -10,16 +10,20 @@
   attention with torch's lower-right causal bias (`causal_lower_right`), which its flash and
   memory-efficient kernels take as it is instead of a materialized mask; with a window: one
   attention under a materialized mask.
-- `PagedDecode`: one token for each of several requests; each request's pages are gathered
-  into a padded batch and masked by its own length. When every request of the batch starts
-  with the same pages (a prefix the engine shares by key), those are attended once for all
-  of the batch's queries (one flash attention whose rows are every request's query heads of
-  a KV head) and merged with each request's own part by log-sum-exp ("cascade" attention):
-  the shared K/V is read once a layer instead of once a request.
+- `PagedDecode`: one token for each of several requests. With a float32 pool on the CPU
+  (`cpu_attn.paged_kernel`) every request attends in place through its own page list
+  (cpu_attn.c: no gather, no mask). Otherwise (another dtype or device, `KVFLOW_ATTN=torch`)
+  each request's pages are gathered into a padded batch and masked by its own length. When
+  every request of the batch starts with the same pages (a prefix the engine shares by
+  key), those are attended once for all of the batch's queries (one flash attention whose
+  rows are every request's query heads of a KV head) and merged with each request's own
+  part by log-sum-exp ("cascade" attention): the shared K/V is read once a layer instead of
+  once a request.
 - `ContiguousKV`: the plain reference path: one sequence, one contiguous K/V per layer.
 
-All use `scaled_dot_product_attention` with grouped-query attention (`enable_gqa`), and an
-optional sliding window (Mistral): key j is visible to query i iff i - window < j <= i.
+All but the paged kernel use `scaled_dot_product_attention` with grouped-query attention
+(`enable_gqa`); all take an optional sliding window (Mistral): key j is visible to query i
+iff i - window < j <= i.
 Each backend is built for one forward pass and is not thread-safe.
 """
 
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from kvflow.stages.engine.cpu_attn import PagedKernel, paged_kernel
 from kvflow.stages.engine.pages import PagePool
 
 
@@ -202,7 +207,9 @@ class PagedDecode:
     """One new token for each of B requests. `page_table` [B, max_pages] lists each request's
     pages (padded with any valid page id); `positions` [B] is each new token's position.
 
-    Requests that start with the same pages (shared by key, engine.py) form a group; each
+    A float32 pool on the CPU: one call of the paged kernel a layer (cpu_attn.c), which
+    writes the new K/V and attends every row over its own pages in place. Otherwise:
+    requests that start with the same pages (shared by key, engine.py) form a group; each
     group's shared pages are attended once for all of its rows (`_cascade`), and only the
     rest of their pages is gathered row by row. Rows of no group attend as one batch.
     A batch of one request that sees all its tokens takes `_single` (no mask, no tables)."""
@@ -218,6 +225,16 @@ class PagedDecode:
         dev = page_table.device
         self.pool, self.window = pool, window
         table, pos = page_table.tolist(), positions.tolist()
+        # A float32 pool on the CPU: every row attends in place through its page list
+        # (cpu_attn.c), which also writes the new K/V; no gather, no mask, no groups.
+        self.kernel: PagedKernel | None = paged_kernel(pool.tensor)
+        if self.kernel is not None:
+            lows = [0 if window is None else max(0, p - window + 1) for p in pos]
+            self.table = page_table.to(torch.int64).contiguous()
+            self.ranges = torch.tensor([[lo, p + 1] for lo, p in zip(lows, pos, strict=True)])
+            slots = [[row[p // bs], p % bs] for row, p in zip(table, pos, strict=True)]
+            self.slots = torch.tensor(slots)
+            return
         # One request whose every earlier token is visible (batch 1, no window that hides
         # any): its context is exactly its first pos + 1 slots, attended without a mask.
         self.single: tuple[int, int, int, torch.Tensor] | None = None
@@ -268,6 +285,10 @@ class PagedDecode:
         return torch.tensor(own, dtype=torch.int64, device=dev), mask[:, None, None, :]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            new_kv = (k, v, self.slots)
+            out = self.kernel.attend(self.pool.tensor, layer, self.table, self.ranges, q, new_kv)
+            return out[0].reshape(q.shape[0], -1)
         if self.single is not None:
             return self._single(layer, q, k, v)
         pool = self.pool.tensor

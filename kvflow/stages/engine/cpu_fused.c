@@ -17,8 +17,9 @@
 #define PARALLEL_MIN 16384L
 
 
+#include "cpu_simd.h"
+
 #ifdef __AVX512F__
-#include <immintrin.h>
 
 static inline float sum_squares(const float *x, long n) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -37,24 +38,6 @@ static inline float sum_squares(const float *x, long n) {
         a1 = _mm512_add_ps(a1, _mm512_mul_ps(v, v));
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-/* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf polynomial, scaled by
- * 2^n with scalef (which gives 0, denormals and inf where e^x has them). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
 }
 
 static inline void silu_mul_row(const float *g, const float *u, float *o, long n) {

@@ -1,7 +1,8 @@
 """The project's C kernels for the CPU, compiled and loaded once per process (one library).
 
 `SOURCES` (cpu_gemv.c: the decode matrix-vector product; cpu_fused.c: the fused elementwise
-steps of a decoder layer) are compiled together on first use with the system's C compiler
+steps of a decoder layer; cpu_attn.c: paged decode attention; `HEADERS`: what they share) are
+compiled together on first use with the system's C compiler
 (`cc`, or `$CC`) for this CPU (`-march=native`; `-ffp-contract=off`, so that a product and a
 sum written apart round apart, as torch's separate ops do) into a cache directory
 (`$KVFLOW_KERNEL_DIR`, else `$XDG_CACHE_HOME/kvflow/kernels`, else `~/.cache/kvflow/kernels`),
@@ -31,7 +32,8 @@ from kvflow.stages.engine.openmp import runtimes
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.c", "cpu_fused.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.c", "cpu_fused.c", "cpu_attn.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_simd.h",))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 ENV_DIR = "KVFLOW_KERNEL_DIR"
@@ -84,13 +86,13 @@ def _cpu_identity() -> bytes:
 
 
 def _load() -> ctypes.CDLL | None:
-    if sys.platform != "linux" or not all(s.is_file() for s in SOURCES):
+    if sys.platform != "linux" or not all(s.is_file() for s in (*SOURCES, *HEADERS)):
         return None
     cc = _compiler()
     if cc is None:
         log.info("no C compiler: the CPU kernels are not used (torch and oneDNN instead)")
         return None
-    named = b"".join(s.read_bytes() for s in SOURCES)
+    named = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
     named += " ".join((cc, *FLAGS, *LIBS)).encode() + _cpu_identity()
     key = hashlib.sha256(named).hexdigest()[:16]
     path = kernel_dir() / f"cpu_kernels-{key}.so"

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from kvflow.stages.engine.cpu_attn import attn_setting
 from kvflow.stages.engine.cpu_fused import fused_enabled
 from kvflow.stages.engine.cpu_fused import kernels as fused_cpu_kernels
 from kvflow.stages.engine.errors import ModelLoadError
@@ -86,7 +87,7 @@ def load_weights(
 
     Raises ModelLoadError naming missing, unexpected or misshapen weights, or the kernel a
     quantized precision needs that this torch or device lacks; ValueError for a
-    `KVFLOW_LINEAR` or `KVFLOW_FUSED` it does not know."""
+    `KVFLOW_LINEAR`, `KVFLOW_FUSED` or `KVFLOW_ATTN` it does not know."""
     bits = quant.weight_bits if quant is not None else None
     if quant is not None and bits is not None:
         why = missing_kernel(bits, device)
@@ -127,6 +128,7 @@ def load_weights(
         model = model.to(dtype)  # the rest (embeddings, norms, lm_head); int buffers stay
     if onednn_applies(dtype, device):
         use_onednn_linears(model)
+    attn_setting()  # an unknown KVFLOW_ATTN fails here, not in the first decode step
     if fused_enabled() and device.type == "cpu" and dtype == torch.float32:
         fused_cpu_kernels()  # built (or found) now, not in the first forward
     model.setup_rotary(device)

@@ -21,7 +21,9 @@ separate projections, and `--compare` runs both layouts;
 `--linears onednn,aten` runs an engine per linear backend (`KVFLOW_LINEAR`,
 onednn_linear.py); `--elementwise fused,torch` runs each engine with the fused CPU elementwise
 kernels and with torch's ops (`KVFLOW_FUSED`, cpu_fused.py; the same engine, switched per
-run). With more than one engine or setting they run alternating, A B ... B A, in one
+run); `--attention paged,torch` runs each with the paged decode attention kernel and with
+torch's attention (`KVFLOW_ATTN`, cpu_attn.py; switched per run, as `--elementwise`). With more
+than one engine or setting they run alternating, A B ... B A, in one
 invocation, each row the better of its two passes. Seeded; one summary line; `--json PATH`
 writes every number.
 
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
+from kvflow.stages.engine.cpu_attn import ATTN_SETTINGS, ENV_ATTN
 from kvflow.stages.engine.cpu_fused import ENV_FUSED
 from kvflow.stages.engine.default_model import ensure_default_model
 from kvflow.stages.engine.loader import fingerprint, load_weights
@@ -127,20 +130,28 @@ ELEMENTWISE = {"fused": "1", "torch": "0"}
 
 
 def bench_with(
-    engine: Engine, elementwise: str | None, args: argparse.Namespace, bandwidth: float
+    engine: Engine,
+    elementwise: str | None,
+    attention: str | None,
+    args: argparse.Namespace,
+    bandwidth: float,
 ) -> dict:
-    """`bench_engine` with `KVFLOW_FUSED` set for `elementwise` (None: the environment's),
-    restored after."""
-    saved = os.environ.get(ENV_FUSED)
-    if elementwise is not None:
-        os.environ[ENV_FUSED] = ELEMENTWISE[elementwise]
+    """`bench_engine` with `KVFLOW_FUSED` set for `elementwise` and `KVFLOW_ATTN` for
+    `attention` (None: the environment's), restored after."""
+    wanted = {ENV_FUSED: None if elementwise is None else ELEMENTWISE[elementwise]}
+    wanted[ENV_ATTN] = attention
+    saved = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        if value is not None:
+            os.environ[name] = value
     try:
         return bench_engine(engine, args, bandwidth)
     finally:
-        if saved is None:
-            os.environ.pop(ENV_FUSED, None)
-        else:
-            os.environ[ENV_FUSED] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -289,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="elementwise ops, comma-separated: fused (the CPU kernels), torch"
         " (default: the environment's KVFLOW_FUSED)",
     )
+    p.add_argument(
+        "--attention",
+        type=_attention,
+        default=None,
+        help="decode attention, comma-separated: paged (the CPU kernel), torch"
+        " (default: the environment's KVFLOW_ATTN)",
+    )
     p.add_argument("--bw-mib", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3, help="best of this many timings")
     p.add_argument("--seed", type=int, default=0)
@@ -331,10 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             for lin in backends
         }
         settings: list[str | None] = args.elementwise or [None]
+        attentions: list[str | None] = args.attention or [None]
         engines = {
-            name + (f"-{ew}" if ew else ""): (engine, ew)
+            name + (f"-{ew}" if ew else "") + (f"-{at}" if at else ""): (engine, ew, at)
             for name, engine in opened.items()
             for ew in settings
+            for at in attentions
         }
         bandwidth = read_bandwidth(args.bw_mib, args.repeat)
         for engine in opened.values():  # warm-up: first-touch of pages and weights
@@ -356,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 _dtypes = _cli.names_of("dtype", PRECISIONS)
 _linears = _cli.names_of("linear backend", LINEAR_BACKENDS)
 _elementwise = _cli.names_of("elementwise setting", tuple(ELEMENTWISE))
+_attention = _cli.names_of("attention setting", ATTN_SETTINGS)
 
 
 def _better(a: dict, b: dict) -> dict:

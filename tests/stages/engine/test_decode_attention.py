@@ -1,5 +1,6 @@
 """Decode attention of a batch of one request (`PagedDecode._single`: no mask, no gather
-within one page) equals the masked reference and that request's row in a larger batch."""
+within one page) equals the masked reference and that request's row in a larger batch.
+These test torch's path (`KVFLOW_ATTN=torch`); the CPU kernel's: test_cpu_attn.py."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.stages.engine.attention import PagedDecode
+from kvflow.stages.engine.cpu_attn import ENV_ATTN
 from kvflow.stages.engine.pages import KVLayout, PagePool
 
 BS, KVH, HEADS, D = 8, 2, 6, 16
+
+
+@pytest.fixture(autouse=True)
+def _torch_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_ATTN, "torch")
 
 
 def _pool() -> PagePool:

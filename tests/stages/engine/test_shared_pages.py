@@ -11,6 +11,7 @@ import torch
 
 from kvflow.stages.engine import Engine, InvalidRequestError, SamplingParams
 from kvflow.stages.engine.attention import PagedDecode, gather_context, shared_groups
+from kvflow.stages.engine.cpu_attn import ENV_ATTN
 from tests.stages.engine.conftest import open_engine
 
 BS = 8
@@ -139,9 +140,14 @@ def test_more_keys_than_full_blocks_is_refused(llama_dir: Path) -> None:
     assert engine.num_free_pages == free
 
 
-def test_cascade_decode_equals_one_attention(llama_dir: Path) -> None:
+@pytest.mark.parametrize("attention", ["torch", "paged"])
+def test_cascade_decode_equals_one_attention(
+    llama_dir: Path, attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PagedDecode over a batch of two groups that start with the same pages and a row of
-    its own: the two-part attention gives the one-part answer for every row."""
+    its own: the two-part attention (torch's path; the CPU kernel reads every row's pages
+    in place) gives the one-part answer for every row."""
+    monkeypatch.setenv(ENV_ATTN, attention)
     engine = open_engine(llama_dir, num_pages=16)
     pool = engine._pool  # the attention backend is built on the pool
     gen = torch.Generator().manual_seed(5)

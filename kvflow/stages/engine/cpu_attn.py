@@ -1,0 +1,127 @@
+"""Paged decode attention for a float32 page pool on the CPU (cpu_attn.c).
+
+torch's attention takes a contiguous K/V, so a decode batch gathered each row's pages into a
+padded context first (`index_select`: ~13 MB a layer for a burst's dozen decodes) and masked
+the padding. `cpu_attn.c` reads each row's keys where they lie in the pool, through the
+row's page list, with an online softmax over tiles of a page (flash style), the rows' KV
+heads and parts of long rows spread over torch's OpenMP threads; it also writes the rows'
+new K/V into their slots first, so a decode layer's attention is one call.
+
+`paged_kernel(pool)` is the one place that decides: a `PagedKernel` for a float32 pool on the
+CPU where the library (cpu_kernels.py) is built, unless `KVFLOW_ATTN=torch` (the escape
+hatch and the benchmark's A/B switch; read when a step's backend is built); None otherwise
+(bf16, CUDA, no compiler), and `attention.PagedDecode` keeps torch's path. Results equal
+torch's attention to float32 rounding (tests/stages/engine/test_cpu_attn.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+
+import torch
+
+from kvflow.stages.engine.cpu_kernels import library
+
+ENV_ATTN = "KVFLOW_ATTN"
+ATTN_SETTINGS = ("paged", "torch")
+
+_ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+class PagedKernel:
+    """The bound kernel (`attend`)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.kvflow_paged_attention
+        fn.restype = None
+        fn.argtypes = [_ptr, _long, _long, _long, _long, _long, _ptr, _long, _ptr, _long]
+        fn.argtypes += [_ptr, _long, _long, _long, _long, _long, _float, _ptr, _ptr]
+        fn.argtypes += [_ptr, _long, _long, _ptr, _long, _long, _ptr, _long]
+        self._fn = fn
+
+    def attend(
+        self,
+        pool: torch.Tensor,
+        layer: int,
+        table: torch.Tensor,
+        ranges: torch.Tensor,
+        q: torch.Tensor,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        lse: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's queries over its keys in the pool.
+
+        pool [pages, layers, 2, kv_heads, block, d] float32; table [R, n] int64 (each row's
+        page ids, contiguous); ranges [R, 2] int64 (each row's keys [lo, hi) as positions in
+        its table, contiguous); q [R, kv_heads * Q, d] (the Q query heads of a KV head
+        consecutive, d contiguous). new_kv (k, v, slots): the rows' new K/V [R, kv_heads, d]
+        written first at slots [R, 2] (page, slot), int64 contiguous. Returns out
+        [R, kv_heads * Q, d] and, with `lse`, each query's log-sum-exp [R, kv_heads * Q]
+        (natural log, of the scaled scores; -inf for a row without keys, whose out is 0)."""
+        if pool.dtype != torch.float32 or pool.device.type != "cpu" or pool.dim() != 6:
+            raise ValueError("the pool must be a float32 CPU tensor [pages, layers, 2, h, b, d]")
+        _, _, _, kvh, block, d = pool.shape
+        rows = q.shape[0]
+        if q.dim() != 3 or q.stride(2) != 1 or q.shape[2] != d or q.shape[1] % kvh:
+            raise ValueError(f"q must be [rows, a multiple of {kvh} heads, {d}], d contiguous")
+        if q.dtype != torch.float32:
+            raise ValueError(f"q must be float32, got {q.dtype}")
+        for name, t, cols in (("table", table, table.shape[-1]), ("ranges", ranges, 2)):
+            if t.shape != (rows, cols) or t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous int64 [{rows}, {cols}]")
+        if pool.stride(5) != 1:
+            raise ValueError("the pool's head_dim must be contiguous")
+        group = q.shape[1] // kvh
+        out = torch.empty((rows, kvh * group, d), dtype=torch.float32)
+        lse_out = torch.empty((rows, kvh * group), dtype=torch.float32) if lse else None
+        k_args: list[int | None] = [None, 0, 0, None, 0, 0, None]
+        if new_kv is not None:
+            k, v, slots = new_kv
+            for name, t in (("k", k), ("v", v)):
+                if t.shape != (rows, kvh, d) or t.stride(2) != 1 or t.dtype != torch.float32:
+                    raise ValueError(f"new {name} must be float32 [{rows}, {kvh}, {d}]")
+            if slots.shape != (rows, 2) or slots.dtype != torch.int64 or not slots.is_contiguous():
+                raise ValueError(f"slots must be contiguous int64 [{rows}, 2]")
+            k_args = [k.data_ptr(), k.stride(0), k.stride(1)]
+            k_args += [v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr()]
+        base = pool[:, layer]
+        self._fn(
+            base.data_ptr(), pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(4),
+            block, table.data_ptr(), table.shape[1], ranges.data_ptr(), rows,
+            q.data_ptr(), q.stride(0), q.stride(1), kvh, group, d, 1.0 / math.sqrt(d),
+            out.data_ptr(), None if lse_out is None else lse_out.data_ptr(), *k_args,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out, lse_out
+
+
+_lock = threading.Lock()
+_bound: dict[str, PagedKernel | None] = {}
+
+
+def kernel() -> PagedKernel | None:
+    """The kernel, bound once per process; None where the library is not available."""
+    with _lock:
+        if "attn" not in _bound:
+            lib = library()
+            _bound["attn"] = None if lib is None else PagedKernel(lib)
+        return _bound["attn"]
+
+
+def attn_setting() -> str:
+    """`KVFLOW_ATTN` (default "paged"): "torch" keeps torch's attention."""
+    value = os.environ.get(ENV_ATTN, "paged")
+    if value not in ATTN_SETTINGS:
+        raise ValueError(f"{ENV_ATTN} must be one of {', '.join(ATTN_SETTINGS)}, got {value!r}")
+    return value
+
+
+def paged_kernel(pool: torch.Tensor) -> PagedKernel | None:
+    """The kernel for a page pool: float32 on the CPU, the library built here, `KVFLOW_ATTN`
+    not "torch"; else None (torch's attention)."""
+    if pool.dtype != torch.float32 or pool.device.type != "cpu" or attn_setting() == "torch":
+        return None
+    return kernel()

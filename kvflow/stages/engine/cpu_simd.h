@@ -1,0 +1,28 @@
+/* SIMD helpers shared by the CPU kernels (included by cpu_fused.c and cpu_attn.c; the build in
+ * cpu_kernels.py hashes this header with the sources). */
+#ifndef KVFLOW_CPU_SIMD_H
+#define KVFLOW_CPU_SIMD_H
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf polynomial, scaled by
+ * 2^n with scalef (which gives 0, denormals and inf where e^x has them). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+#endif /* __AVX512F__ */
+#endif /* KVFLOW_CPU_SIMD_H */
