@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
 import pytest
 
 from kvflow.stages.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from kvflow.stages.runtime.step_trace import ENV
+from kvflow.stages.runtime.step_trace import ENV, host_busy_s
 from kvflow.stages.runtime.worker import EngineWorker, WorkItem
 from kvflow.tools.bench import steps
 
@@ -52,6 +53,9 @@ def test_trace_records_every_step_and_summarizes(
     assert {rid for r in records for rid, _ in r["admitted"]} == {"a/prefill", "b/prefill"}
     assert sorted(rid for r in records for rid in r["finished"]) == ["a/prefill", "b/prefill"]
     assert all(r["step"] > 0 and r["cpu"] >= 0 and r["gap"] >= 0 for r in records)
+    assert all(r["proc_cpu"] >= 0 for r in records)
+    if Path("/proc/stat").exists():  # Linux: every step saw the host's CPU counters
+        assert all(r["host_busy"] is not None and r["host_busy"] >= 0 for r in records)
     summary = steps.summarize(steps.load(path))
     assert summary["steps"] == len(records)
     assert summary["prompt_tokens"] == 25 and summary["tokens"] == 8
@@ -94,3 +98,34 @@ def test_prefill_to_decode_lag_pairs_a_colocated_handoff() -> None:
     records[2]["gap"] = 5.0
     assert [len(p) for p in steps.phases(records, 1.0)] == [2, 2]
     assert [len(p) for p in steps.phases(records, None)] == [4]
+
+
+def test_host_busy_reads_the_aggregate_cpu_line(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice (guest is inside user)
+    stat.write_text("cpu  100 2 50 1000 20 5 3 1 40 0\ncpu0 50 1 25 500 10 2 1 0 20 0\n")
+    tick = os.sysconf("SC_CLK_TCK")
+    assert host_busy_s(stat) == pytest.approx((100 + 2 + 50 + 5 + 3 + 1) / tick)
+    stat.write_text("intr 1 2 3\n")
+    assert host_busy_s(stat) is None
+    assert host_busy_s(tmp_path / "absent") is None
+
+
+def test_cores_splits_this_process_from_the_others() -> None:
+    def rec(proc_cpu: float, host_busy: float | None) -> dict[str, object]:
+        return {"t": 0.0, "gap": 0.0, "step": 0.09, "cpu": 0.08, "sink": 0.01, "prompt": [],
+                "decode": 8, "tokens": 8, "admitted": [], "finished": [],
+                "proc_cpu": proc_cpu, "host_busy": host_busy}  # fmt: skip
+
+    # 0.1 s each (step + sink): this process used 1.6 cores, the host 2.0 in all
+    summary = steps.summarize([rec(0.16, 0.2), rec(0.16, 0.2)])
+    assert summary["process_cores"] == pytest.approx(1.6)
+    assert summary["other_cores"] == pytest.approx(0.4)
+    assert summary["kinds"]["decode"]["other_cores"] == pytest.approx(0.4)
+    assert "this process 1.60, others 0.40" in steps.line("t", summary)
+    # a trace from before these fields, or a host without /proc/stat: no cores, no claim
+    old = {k: v for k, v in rec(0.16, 0.2).items() if k not in ("proc_cpu", "host_busy")}
+    for records in ([old], [rec(0.16, None)]):
+        summary = steps.summarize(records)
+        assert summary["process_cores"] is None and summary["other_cores"] is None
+        assert "others" not in steps.line("t", summary)

@@ -44,6 +44,25 @@ class StepRecord:
     tokens: int
     admitted: list[tuple[str, float]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    proc_cpu: float = 0.0
+    host_busy: float | None = None
+
+
+_TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
+def host_busy_s(stat: Path = Path("/proc/stat")) -> float | None:
+    """Seconds the host's CPUs have been busy since boot, summed over CPUs (``/proc/stat``'s
+    aggregate line less idle and iowait); None where it cannot be read (not Linux)."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 6 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TICK
 
 
 class StepTrace:
@@ -56,6 +75,8 @@ class StepTrace:
         self._last_end = time.perf_counter()
         self._started = self._last_end
         self._cpu_started = 0.0
+        self._proc_started = 0.0
+        self._host_started: float | None = None
         logger.info("step trace: %s", path)
 
     @classmethod
@@ -75,6 +96,8 @@ class StepTrace:
         ``cpu_started`` (thread_time)."""
         self._started = started
         self._cpu_started = cpu_started
+        self._proc_started = time.process_time()
+        self._host_started = host_busy_s()
 
     def end(
         self, plan: StepPlan | None, stepped: float, cpu: float, outputs: list[RequestOutput]
@@ -84,6 +107,7 @@ class StepTrace:
         if self._out is None:
             return
         now = time.perf_counter()
+        host, host_started = host_busy_s(), self._host_started
         record = StepRecord(
             t=self._started,
             gap=self._started - self._last_end,
@@ -95,6 +119,8 @@ class StepTrace:
             tokens=sum(len(o.new_token_ids) for o in outputs),
             admitted=self._admitted,
             finished=[o.request_id for o in outputs if o.finished],
+            proc_cpu=time.process_time() - self._proc_started,
+            host_busy=None if host is None or host_started is None else host - host_started,
         )
         self._admitted = []
         self._last_end = now

@@ -4,8 +4,11 @@ Where a served workload's time went, step by step: wall time against the time in
 steps, the idle gaps between them, handing outputs on; the steps by kind (prompt tokens only,
 decode only, both) with their mean wall time; the decode batch; the prompt tokens per step;
 the engine thread's CPU share inside steps (below 1: preempted by other threads or
-processes); and, for a colocated server, the lag from a request's prefill finishing (its
-first token) to its decode being admitted (request ids ``<id>/prefill`` and ``<id>/decode``),
+processes; a spinning OpenMP thread keeps it near 1 even while its partner waits for a core);
+the cores this process and the other processes on the host used meanwhile (traces that
+record them: a step is slower while other processes take the engine's cores); and, for a
+colocated server, the lag from a request's prefill finishing (its first token) to its decode
+being admitted (request ids ``<id>/prefill`` and ``<id>/decode``),
 in seconds and in engine steps run meanwhile (steps the request sat out).
 One summary line per trace (``--split-gap S``: per phase, a gap of at least S seconds between
 steps starting the next, e.g. a benchmark's rows); ``--json PATH`` writes every number.
@@ -51,6 +54,20 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+def cores(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The CPU cores in use while ``records`` ran (their steps and hand-ons): by this process
+    (all its threads) and by other processes on the host; None for traces without them."""
+    timed = [r for r in records if r.get("host_busy") is not None and "proc_cpu" in r]
+    wall = sum(r["step"] + r["sink"] for r in timed)
+    if not timed or wall <= 0:
+        return {"process_cores": None, "other_cores": None}
+    proc = sum(r["proc_cpu"] for r in timed)
+    return {
+        "process_cores": proc / wall,
+        "other_cores": max(0.0, sum(r["host_busy"] for r in timed) - proc) / wall,
+    }
+
+
 def _kind(record: dict[str, Any]) -> str:
     return ("prefill" if record["prompt"] else "") + ("+decode" if record["decode"] else "")
 
@@ -72,6 +89,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
             "mean_ms": 1000 * statistics.fmean(r["step"] for r in rs),
             "median_ms": 1000 * statistics.median(r["step"] for r in rs),
             "cpu_share": sum(r["cpu"] for r in rs) / max(1e-9, sum(r["step"] for r in rs)),
+            **cores(rs),
         }
         for k, rs in by_kind.items()
     }
@@ -100,6 +118,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "gap_p99_s": _quantile(gaps, 0.99),
         "sink_s": sum(r["sink"] for r in recs),
         "cpu_share": sum(r["cpu"] for r in recs) / step_s if step_s > 0 else 0.0,
+        **cores(recs),
         "kinds": kinds,
         "prompt_tokens": sum(prompts),
         "prompt_per_step_mean": statistics.fmean(prompts) if prompts else 0.0,
@@ -126,10 +145,15 @@ def line(name: str, s: dict[str, Any]) -> str:
         else f", prefill->decode lag p50 {lag:.3f}s, "
         f"{s['prefill_to_decode_lag_steps_mean']:.2f} steps"
     )
+    used = (
+        ""
+        if s.get("process_cores") is None
+        else f", cores: this process {s['process_cores']:.2f}, others {s['other_cores']:.2f}"
+    )
     return (
         f"bench steps {name}: {s['steps']} steps, wall {s['wall_s']:.1f}s = steps "
         f"{s['in_steps_s']:.1f}s + gaps {s['gaps_s']:.2f}s + sinks {s['sink_s']:.2f}s; "
-        f"cpu share {s['cpu_share']:.2f}; {kinds}; prompt {s['prompt_tokens']} tok "
+        f"cpu share {s['cpu_share']:.2f}{used}; {kinds}; prompt {s['prompt_tokens']} tok "
         f"({s['prompt_per_step_mean']:.0f}/step), decode batch {s['decode_batch_mean']:.1f}, "
         f"{s['tokens']} tokens{lag_text}"
     )
