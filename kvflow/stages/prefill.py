@@ -12,6 +12,14 @@ the pages: the decode, which holds them then, joins this stage before releasing 
 
 Colocated, the prefill's work item carries the decode's continuation (``continuation``,
 ``DecodeStage.continuation``): the engine thread admits the decode as the prefill finishes.
+
+When the stores start (``HeldStores``): not colocated, each step's completed blocks are
+stored at once, so "done" (after the stores) follows the last chunk closely and the decode
+side is not kept waiting. Colocated, they are held until the first token is on its way: on
+the shared engine's cores a store beside the prompt's later chunks took CPU from the forward
+(~0.3-0.5 s of a cold 2,000-token prompt's time to the first token, docs/performance.md),
+and nothing waits for them before then (the decode joins this stage only before it releases
+the pages; a concurrent request shares the pages by key in the engine).
 """
 
 from __future__ import annotations
@@ -36,6 +44,36 @@ from kvflow.stages.state import GenerateState
 logger = logging.getLogger(__name__)
 
 Pages = dict[int, torch.Tensor]
+Blocks = tuple[list[BlockKey], list[torch.Tensor], list[bytes | None]]
+"""Blocks to store: their keys, page views and parent keys."""
+
+
+class HeldStores:
+    """Which of a prefill's completed blocks to store now (module doc): with ``hold``, none
+    until the first token (or the end); without, each step's as they come."""
+
+    def __init__(self, hold: bool) -> None:
+        self._hold = hold
+        self._keys: list[BlockKey] = []
+        self._views: list[torch.Tensor] = []
+        self._parents: list[bytes | None] = []
+
+    def add(self, blocks: Blocks | None) -> None:
+        """A step's newly completed blocks (None: none)."""
+        if blocks is not None:
+            self._keys.extend(blocks[0])
+            self._views.extend(blocks[1])
+            self._parents.extend(blocks[2])
+
+    def release(self, first_token: bool) -> Blocks | None:
+        """The blocks to store now, as one batch (None: none), after a step's output was
+        handed on; ``first_token``: that output carried the first token or ended the
+        prefill."""
+        if not self._keys or (self._hold and not first_token):
+            return None
+        blocks = (self._keys, self._views, self._parents)
+        self._keys, self._views, self._parents = [], [], []
+        return blocks
 
 
 class PrefillStage(Stage):
@@ -99,8 +137,9 @@ class PrefillStage(Stage):
         # "done" lets stream release the pages (after the stores that read them); colocated,
         # the decode holds them and joins this stage first: its tokens need not wait
         stores_first = not state.colocated
+        held = HeldStores(hold=state.colocated)
         try:
-            await self._consume(ctx, state, events, client, stores)
+            await self._consume(ctx, state, events, client, stores, held)
             if not stores_first:
                 state.block_queue.put_nowait(("done", None))
         finally:
@@ -125,6 +164,7 @@ class PrefillStage(Stage):
         events: asyncio.Queue[Any],
         client: EmbeddedClient,
         stores: list[asyncio.Future[int]],
+        held: HeldStores,
     ) -> None:
         assert state.prefill is not None
         loop = asyncio.get_running_loop()
@@ -141,9 +181,7 @@ class PrefillStage(Stage):
                     state.block_queue.put_nowait(("pages", payload))
                 continue
             out: RequestOutput = kind
-            to_store = self._new_full_blocks(state, out.completed_blocks, payload)
-            if to_store:
-                stores.append(loop.run_in_executor(None, _store_blocks, client, *to_store))
+            held.add(self._new_full_blocks(state, out.completed_blocks, payload))
             if payload:
                 state.block_queue.put_nowait(("pages", payload))
             if out.prompt_logprobs:
@@ -155,13 +193,16 @@ class PrefillStage(Stage):
                 state.first_token = out.new_token_ids[0]
                 state.first_token_at = time.monotonic()
                 ctx.emit(("tokens", list(out.new_token_ids)))
+            to_store = held.release(first_token=bool(out.new_token_ids) or out.finished)
+            if to_store is not None:  # after the token: a store thread must not delay it
+                stores.append(loop.run_in_executor(None, _store_blocks, client, *to_store))
             if out.finished:
                 state.finish_reason = out.finish_reason
                 return
 
     def _new_full_blocks(
         self, state: GenerateState, completed: tuple[int, ...], pages: Pages
-    ) -> tuple[list[BlockKey], list[torch.Tensor], list[bytes | None]] | None:
+    ) -> Blocks | None:
         keys, views, parents = [], [], []
         for b in completed:
             if b < len(state.block_keys):
