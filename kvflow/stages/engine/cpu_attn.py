@@ -1,17 +1,23 @@
-"""Paged decode attention for a float32 page pool on the CPU (cpu_attn.c).
+"""Paged decode and prefill attention for a float32 page pool on the CPU (cpu_attn.c,
+cpu_prefill.c).
 
 torch's attention takes a contiguous K/V, so a decode batch gathered each row's pages into a
 padded context first (`index_select`: ~13 MB a layer for a burst's dozen decodes) and masked
 the padding. `cpu_attn.c` reads each row's keys where they lie in the pool, through the
 row's page list, with an online softmax over tiles of a page (flash style), the rows' KV
 heads and parts of long rows spread over torch's OpenMP threads; it also writes the rows'
-new K/V into their slots first, so a decode layer's attention is one call.
+new K/V into their slots first, so a decode layer's attention is one call. `prefill`
+(cpu_prefill.c) attends a chunk's queries causally over its request's pages in place, in
+tiles of 48 query rows (a block's positions times the query heads of a KV head) by up to 64
+keys of a page, with register-blocked score and value microkernels; torch's path instead
+gathered the context and ran its flash kernel in query blocks (`attention.blocked_causal`).
 
 `paged_kernel(pool)` is the one place that decides: a `PagedKernel` for a float32 pool on the
 CPU where the library (cpu_kernels.py) is built, unless `KVFLOW_ATTN=torch` (the escape
 hatch and the benchmark's A/B switch; read when a step's backend is built); None otherwise
-(bf16, CUDA, no compiler), and `attention.PagedDecode` keeps torch's path. Results equal
-torch's attention to float32 rounding (tests/stages/engine/test_cpu_attn.py).
+(bf16, CUDA, no compiler), and `attention.PagedDecode` and `PagedPrefill` keep torch's
+path. Results equal torch's attention to float32 rounding (tests/stages/engine/
+test_cpu_attn.py, test_cpu_prefill.py).
 """
 
 from __future__ import annotations

@@ -33,7 +33,10 @@ from kvflow.stages.engine.openmp import runtimes
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.c", "cpu_fused.c", "cpu_attn.c", "cpu_prefill.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n)
+    for n in ("cpu_gemv.c", "cpu_fused.c", "cpu_attn.c", "cpu_prefill.c")
+)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_simd.h",))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
