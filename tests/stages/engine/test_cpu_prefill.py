@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine import cpu_attn, cpu_kernels
+from kvflow.stages.engine import SamplingParams, cpu_attn, cpu_kernels
 from kvflow.stages.engine.attention import PagedPrefill
 from kvflow.stages.engine.cpu_attn import ENV_ATTN, PREFILL_GROUP_MAX, PagedKernel
 from kvflow.stages.engine.pages import KVLayout, PagePool
+from tests.stages.engine.conftest import open_engine
 
 needs_kernel = pytest.mark.skipif(
     sys.platform != "linux" or shutil.which("cc") is None,
@@ -175,3 +176,33 @@ def test_portable_build_equals_reference(tmp_path: Path, monkeypatch: pytest.Mon
         pool, pages, q, start = _case(shape, seed=3)
         got = portable.prefill(pool, 1, pages, start, q)
         torch.testing.assert_close(got, _reference(pool, 1, pages, start, q), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_default_model_prefill_chunks_match_transformers(
+    smol_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SmolLM2-135M (9 query heads on 3 KV heads, pages of 64): a 300-token prompt in chunks
+    of 128 (later chunks over earlier pages) gives transformers' logits and greedy tokens, and
+    the same tokens as torch's attention."""
+    transformers = pytest.importorskip("transformers")
+    ids = [
+        int(t) for t in torch.randint(20, 40000, (300,), generator=torch.Generator().manual_seed(9))
+    ]
+    runs = {}
+    for setting in ("paged", "torch"):
+        monkeypatch.setenv(ENV_ATTN, setting)
+        engine = open_engine(smol_dir, block_size=64, prefill_chunk=128)
+        engine.add_request("r", ids, SamplingParams(max_tokens=6, ignore_eos=True))
+        outs = []
+        while engine.has_unfinished():
+            outs.extend(o for o in engine.step() if o.logits is not None)
+        runs[setting] = [o.new_token_ids[0] for o in outs], torch.cat([o.logits for o in outs])
+    tokens, logits = runs["paged"]
+    assert tokens == runs["torch"][0] and len(tokens) == 6
+    model = transformers.AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :].float()
+    assert (logits - ref).abs().max().item() < 1e-4
+    assert ref.argmax(-1).tolist() == tokens
