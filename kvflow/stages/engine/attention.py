@@ -1,15 +1,18 @@
 """KV attention backends: where a layer's K/V is stored and which context a token attends to.
 
 - `PagedPrefill`: one request's chunk of consecutive tokens; K/V written into its pages,
-  attention over all its tokens so far (the chunk's offset gives the causal mask). On the CPU
-  (`blocked_causal`) the chunk's queries go in blocks of `QUERY_BLOCK` rows, each attending
-  in two parts merged by their log-sum-exp: the tokens before the block (every one visible:
-  no mask) and the block's own (causal). torch's CPU flash kernel splits keys in blocks of
-  512, so a 512-token causal attention computed every masked score; in blocks the masked
-  half is skipped (docs/performance.md). Elsewhere (a GPU), without a sliding window: one
-  attention with torch's lower-right causal bias (`causal_lower_right`), which its flash and
-  memory-efficient kernels take as it is instead of a materialized mask; with a window: one
-  attention under a materialized mask.
+  attention over all its tokens so far (the chunk's offset gives the causal mask). With a
+  float32 pool on the CPU and no window that hides earlier tokens
+  (`cpu_attn.paged_kernel`), the chunk attends in place through its page list
+  (cpu_prefill.c: no gather, tiles of queries by keys, masked only on the diagonal).
+  Otherwise on the CPU (`blocked_causal`) the chunk's queries go in blocks of
+  `QUERY_BLOCK` rows, each attending in two parts merged by their log-sum-exp: the tokens
+  before the block (every one visible: no mask) and the block's own (causal). torch's CPU
+  flash kernel splits keys in blocks of 512, so a 512-token causal attention computed every
+  masked score; in blocks the masked half is skipped (docs/performance.md). Elsewhere (a
+  GPU), without a sliding window: one attention with torch's lower-right causal bias
+  (`causal_lower_right`), which its flash and memory-efficient kernels take as it is
+  instead of a materialized mask; with a window: one attention under a materialized mask.
 - `PagedDecode`: one token for each of several requests. With a float32 pool on the CPU
   (`cpu_attn.paged_kernel`) every request attends in place through its own page list
   (cpu_attn.c: no gather, no mask). Otherwise (another dtype or device, `KVFLOW_ATTN=torch`)
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from kvflow.stages.engine.cpu_attn import PagedKernel, paged_kernel
+from kvflow.stages.engine.cpu_attn import PREFILL_GROUP_MAX, PagedKernel, paged_kernel
 from kvflow.stages.engine.pages import PagePool
 
 
@@ -171,6 +174,12 @@ class PagedPrefill:
         self.slot_offsets = positions % bs
         self.ctx_pages = page_ids[: (end + bs - 1) // bs]
         self.ctx_len = end
+        # A float32 pool on the CPU without a window that hides earlier tokens: the chunk
+        # attends in place through its page list (cpu_prefill.c; no gather, no blocks).
+        self.kernel: PagedKernel | None = None
+        if window is None or window >= end:
+            self.kernel = paged_kernel(pool.tensor)
+            self.kernel_pages = self.ctx_pages.to(torch.int64).contiguous()
         # The first chunk without a window needs no gather: its own K/V are the context.
         self.fast = start == 0 and (window is None or window >= num_tokens)
         self.blocked = parts_apply(device, window, end)
@@ -186,6 +195,9 @@ class PagedPrefill:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pool.tensor
         pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
+        if self.kernel is not None and q.shape[1] // k.shape[1] <= PREFILL_GROUP_MAX:
+            out = self.kernel.prefill(pool, layer, self.kernel_pages, self.start, q)
+            return out.reshape(self.num_tokens, -1)
         if self.blocked:
             if self.start == 0:  # the chunk's own K/V are the whole context: no gather
                 ctx_k, ctx_v = k.transpose(0, 1), v.transpose(0, 1)

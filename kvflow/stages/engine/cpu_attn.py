@@ -1,17 +1,23 @@
-"""Paged decode attention for a float32 page pool on the CPU (cpu_attn.c).
+"""Paged decode and prefill attention for a float32 page pool on the CPU (cpu_attn.c,
+cpu_prefill.c).
 
 torch's attention takes a contiguous K/V, so a decode batch gathered each row's pages into a
 padded context first (`index_select`: ~13 MB a layer for a burst's dozen decodes) and masked
 the padding. `cpu_attn.c` reads each row's keys where they lie in the pool, through the
 row's page list, with an online softmax over tiles of a page (flash style), the rows' KV
 heads and parts of long rows spread over torch's OpenMP threads; it also writes the rows'
-new K/V into their slots first, so a decode layer's attention is one call.
+new K/V into their slots first, so a decode layer's attention is one call. `prefill`
+(cpu_prefill.c) attends a chunk's queries causally over its request's pages in place, in
+tiles of 48 query rows (a block's positions times the query heads of a KV head) by up to 64
+keys of a page, with register-blocked score and value microkernels; torch's path instead
+gathered the context and ran its flash kernel in query blocks (`attention.blocked_causal`).
 
 `paged_kernel(pool)` is the one place that decides: a `PagedKernel` for a float32 pool on the
 CPU where the library (cpu_kernels.py) is built, unless `KVFLOW_ATTN=torch` (the escape
 hatch and the benchmark's A/B switch; read when a step's backend is built); None otherwise
-(bf16, CUDA, no compiler), and `attention.PagedDecode` keeps torch's path. Results equal
-torch's attention to float32 rounding (tests/stages/engine/test_cpu_attn.py).
+(bf16, CUDA, no compiler), and `attention.PagedDecode` and `PagedPrefill` keep torch's
+path. Results equal torch's attention to float32 rounding (tests/stages/engine/
+test_cpu_attn.py, test_cpu_prefill.py).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from kvflow.stages.engine.cpu_kernels import library
 ENV_ATTN = "KVFLOW_ATTN"
 ATTN_SETTINGS = ("paged", "torch")
 
+PREFILL_GROUP_MAX = 48
+"""The most query heads a KV head that the prefill kernel takes (cpu_prefill.c's ROWS)."""
+
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
@@ -41,6 +50,50 @@ class PagedKernel:
         fn.argtypes += [_ptr, _long, _long, _long, _long, _long, _float, _ptr, _ptr]
         fn.argtypes += [_ptr, _long, _long, _ptr, _long, _long, _ptr, _long]
         self._fn = fn
+        pf = lib.kvflow_paged_prefill
+        pf.restype = ctypes.c_int
+        pf.argtypes = [_ptr, _long, _long, _long, _long, _long, _ptr, _long, _long, _ptr]
+        pf.argtypes += [_long, _long, _long, _long, _long, _float, _ptr, _long]
+        self._prefill = pf
+
+    def prefill(
+        self, pool: torch.Tensor, layer: int, pages: torch.Tensor, start: int, q: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention of a chunk's queries at positions [start, start + T) over its
+        request's keys [0, start + T) in the pool (cpu_prefill.c), which must already hold
+        the chunk's own K/V.
+
+        pool [pages, layers, 2, kv_heads, block, d] float32; pages: the request's page ids
+        in block order (int64, contiguous), covering position start + T - 1; q
+        [T, kv_heads * G, d] (the G query heads of a KV head consecutive, d contiguous).
+        Returns [T, kv_heads * G, d]."""
+        if pool.dtype != torch.float32 or pool.device.type != "cpu" or pool.dim() != 6:
+            raise ValueError("the pool must be a float32 CPU tensor [pages, layers, 2, h, b, d]")
+        _, _, _, kvh, block, d = pool.shape
+        t = q.shape[0]
+        if q.dim() != 3 or q.stride(2) != 1 or q.shape[2] != d or q.shape[1] % kvh:
+            raise ValueError(f"q must be [T, a multiple of {kvh} heads, {d}], d contiguous")
+        if q.dtype != torch.float32 or t < 1:
+            raise ValueError(f"q must be float32 with at least one row, got {q.dtype} {t}")
+        if pool.stride(5) != 1:
+            raise ValueError("the pool's head_dim must be contiguous")
+        if pages.dim() != 1 or pages.dtype != torch.int64 or not pages.is_contiguous():
+            raise ValueError("pages must be a contiguous int64 vector")
+        if start < 0 or pages.shape[0] * block < start + t:
+            raise ValueError(f"{pages.shape[0]} pages of {block} do not cover {start + t} tokens")
+        group = q.shape[1] // kvh
+        if group > PREFILL_GROUP_MAX:
+            raise ValueError(f"at most {PREFILL_GROUP_MAX} query heads a KV head, got {group}")
+        out = torch.empty((t, kvh * group, d), dtype=torch.float32)
+        base = pool[:, layer]
+        rc = self._prefill(
+            base.data_ptr(), pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(4),
+            block, pages.data_ptr(), start, t, q.data_ptr(), q.stride(0), q.stride(1), kvh,
+            group, d, 1.0 / math.sqrt(d), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError("the prefill kernel refused its arguments")
+        return out
 
     def attend(
         self,

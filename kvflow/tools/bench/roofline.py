@@ -21,10 +21,10 @@ separate projections, and `--compare` runs both layouts;
 `--linears onednn,aten` runs an engine per linear backend (`KVFLOW_LINEAR`,
 onednn_linear.py); `--elementwise fused,torch` runs each engine with the fused CPU elementwise
 kernels and with torch's ops (`KVFLOW_FUSED`, cpu_fused.py; the same engine, switched per
-run); `--attention paged,torch` runs each with the paged decode attention kernel and with
-torch's attention (`KVFLOW_ATTN`, cpu_attn.py; switched per run, as `--elementwise`). With more
-than one engine or setting they run alternating, A B ... B A, in one
-invocation, each row the better of its two passes. Seeded; one summary line; `--json PATH`
+run); `--attention paged,torch` runs each with the paged attention kernels (decode and
+prefill) and with torch's attention (`KVFLOW_ATTN`, cpu_attn.py; switched per run, as
+`--elementwise`). With more than one engine or setting they run alternating, A B ... B A, in
+one invocation, each row the better of its two passes. Seeded; one summary line; `--json PATH`
 writes every number.
 
     python -m kvflow.tools.bench.roofline                  # default model, 2 threads
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention",
         type=_attention,
         default=None,
-        help="decode attention, comma-separated: paged (the CPU kernel), torch"
+        help="attention, comma-separated: paged (the CPU decode and prefill kernels), torch"
         " (default: the environment's KVFLOW_ATTN)",
     )
     p.add_argument("--bw-mib", type=int, default=512)
