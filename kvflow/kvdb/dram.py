@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvflow.kvdb.allocator import ExtentAllocator
+from kvflow.transfer.pool_memory import pool_bytes
 
 
 class DramTier:
@@ -18,7 +19,7 @@ class DramTier:
     use (fewer page faults on the hot path, slower start)."""
 
     def __init__(self, capacity: int, alignment: int, prefault: bool = False) -> None:
-        self.pool = np.empty(capacity, dtype=np.uint8) if capacity else np.empty(0, np.uint8)
+        self.pool = pool_bytes(capacity)
         if prefault and capacity:
             self.pool.fill(0)
         self.allocator = ExtentAllocator(capacity, alignment)

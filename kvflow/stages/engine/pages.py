@@ -14,10 +14,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvflow.stages.engine.errors import OutOfPagesError, PageLayoutError
+from kvflow.transfer.pool_memory import pool_bytes
 
 PageData = bytes | bytearray | memoryview | torch.Tensor
 
@@ -37,20 +37,19 @@ def resident_pages(num_pages: int, block_size: int, max_model_len: int) -> int:
 def lazy_zeros(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, resident: int = 0
 ) -> torch.Tensor:
-    """A zero tensor whose memory is taken as it is written. On the CPU a large zeroed
-    allocation comes from calloc, i.e. zero pages the kernel maps on first write, so a pool
-    sized for many sequences costs resident memory only for the pages used so far (torch.zeros
-    writes every byte at once). The first ``resident`` entries along dimension 0 are written
-    here, so their page faults are taken at start-up rather than by the first request that
-    uses them (a fault in a busy server process cost ~10 ms per 2.8 MiB KV page, issue 31).
-    Other devices: torch.zeros."""
+    """A zero tensor whose memory is taken as it is written. On the CPU it is pool memory
+    (`kvflow.transfer.pool_memory`: an anonymous mapping of small pages that the kernel maps
+    on first write), so a pool sized for many sequences costs resident memory only for the
+    pages used so far (torch.zeros writes every byte at once). The first ``resident`` entries
+    along dimension 0 are written here, so their page faults are taken at start-up rather than
+    by the first request that uses them. Other devices: torch.zeros."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = itemsize
     for n in shape:
         nbytes *= n
-    raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+    raw = torch.from_numpy(pool_bytes(nbytes))
     tensor = raw.view(dtype).view(shape)
     if resident > 0:
         tensor[:resident].zero_()  # a write maps the pages; their bytes stay zero

@@ -1,0 +1,71 @@
+"""Pool memory (kvflow.transfer.pool_memory): zeroed, writable, lazily mapped, small pages.
+
+The kernel's view of the mapping comes from /proc/self/smaps (Linux)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.kvdb.dram import DramTier
+from kvflow.stages.engine.pages import lazy_zeros
+from kvflow.transfer.pool_memory import pool_bytes
+
+MIB = 1 << 20
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads smaps")
+
+
+def mapping_kib(address: int) -> dict[str, int]:
+    """The kB fields (Rss, AnonHugePages, ...) and VmFlags of the mapping holding ``address``."""
+    fields: dict[str, int] = {}
+    inside = False
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if inside:
+                    break
+                inside = lo <= address < hi
+            elif inside and line.endswith("kB\n"):
+                fields[head.rstrip(":")] = int(line.split()[1])
+            elif inside and head == "VmFlags:":
+                fields.update({flag: 1 for flag in line.split()[1:]})
+    assert inside or fields, f"no mapping holds {address:#x}"
+    return fields
+
+
+def test_pool_bytes_is_zeroed_and_writable() -> None:
+    pool = pool_bytes(3 * MIB + 5)
+    assert pool.shape == (3 * MIB + 5,) and pool.dtype == np.uint8
+    assert pool.flags.writeable and not pool.any()
+    pool[-5:] = 7
+    assert int(pool.sum()) == 35
+    assert pool_bytes(0).shape == (0,)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        pool_bytes(-1)
+
+
+@linux_only
+def test_pool_bytes_is_mapped_as_written_in_small_pages() -> None:
+    pool = pool_bytes(64 * MIB)
+    address = pool.ctypes.data
+    before = mapping_kib(address)
+    assert before.get("nh") == 1, "the mapping is not marked MADV_NOHUGEPAGE"
+    assert before["Rss"] < 4 * 1024  # nothing written yet: (almost) nothing resident
+    pool[: 16 * MIB] = 1  # write 16 MiB, 2 MiB aligned or not
+    after = mapping_kib(address)
+    assert 16 * 1024 <= after["Rss"] < 24 * 1024
+    assert after["AnonHugePages"] == 0
+
+
+@linux_only
+def test_the_kv_page_pool_and_the_dram_tier_are_pool_memory() -> None:
+    kv = lazy_zeros((32, 1, 2, 2, 16, 64), torch.float32, torch.device("cpu"), resident=2)
+    assert not kv.any()  # reading maps zero pages; the bytes are zero
+    assert mapping_kib(kv.data_ptr()).get("nh") == 1
+    tier = DramTier(8 * MIB, 256)
+    assert mapping_kib(tier.pool.ctypes.data).get("nh") == 1
