@@ -60,15 +60,25 @@ static inline __m512 reduce16(const __m512 v[16]) {
  * stride K) by the weight rows w[0..4) (stride K); y has row stride N. */
 static inline __attribute__((always_inline)) void block(const float *x, const float *w,
                                                         const float *b, float *y, long N,
-                                                        long K, int R) {
+                                                        long K, int R, int ahead) {
     __m512 acc[RB * OB]; /* acc[4 * o + m]: so reduce16 puts (o, m) in lane 4 * m + o */
     for (int i = 0; i < RB * OB; i++) acc[i] = _mm512_setzero_ps();
     long k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + K + k);
         __m512 w2 = _mm512_loadu_ps(w + 2 * K + k), w3 = _mm512_loadu_ps(w + 3 * K + k);
+        /* in registers: GCC would otherwise fold each load into every FMA that uses it */
+        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+        if (ahead) { /* the next block's 4 rows, in address order */
+            const char *p = (const char *)(w + OB * K + OB * k);
+            _mm_prefetch(p, _MM_HINT_T0);
+            _mm_prefetch(p + 64, _MM_HINT_T0);
+            _mm_prefetch(p + 128, _MM_HINT_T0);
+            _mm_prefetch(p + 192, _MM_HINT_T0);
+        }
         for (int m = 0; m < R; m++) {
             __m512 xm = _mm512_loadu_ps(x + m * K + k);
+            __asm__("" : "+v"(xm)); /* likewise: one load for the 4 weight rows */
             acc[m] = _mm512_fmadd_ps(xm, w0, acc[m]);
             acc[4 + m] = _mm512_fmadd_ps(xm, w1, acc[4 + m]);
             acc[8 + m] = _mm512_fmadd_ps(xm, w2, acc[8 + m]);
@@ -105,10 +115,10 @@ static void rows(const float *x, const float *w, const float *b, float *y, long 
                 const float *xm = x + m * K;
                 float *ym = y + m * N + o;
                 switch (M - m < RB ? M - m : RB) {
-                case 1: block(xm, wo, bo, ym, N, K, 1); break;
-                case 2: block(xm, wo, bo, ym, N, K, 2); break;
-                case 3: block(xm, wo, bo, ym, N, K, 3); break;
-                default: block(xm, wo, bo, ym, N, K, 4); break;
+                case 1: block(xm, wo, bo, ym, N, K, 1, m == 0); break;
+                case 2: block(xm, wo, bo, ym, N, K, 2, m == 0); break;
+                case 3: block(xm, wo, bo, ym, N, K, 3, m == 0); break;
+                default: block(xm, wo, bo, ym, N, K, 4, m == 0); break;
                 }
             }
         }
