@@ -4,9 +4,9 @@
  * Built and loaded by cpu_gemv.py, which loads it after torch so that the OpenMP runtime it
  * links (libgomp.so.1) is torch's own, with torch's thread pool.
  *
- * With AVX-512, one row (M = 1) takes each weight row alone (`dot`: one stream, the plain
- * read's rate). Two or more rows are register-blocked: 4 weight rows by up to 4 input rows
- * of accumulators (16 zmm), each weight vector loaded once for every input row and each input
+ * With AVX-512, one or two rows take each weight row alone (`dot`: one stream, the plain
+ * read's rate; the blocks measured 5-10% slower at two rows). Three or more rows are
+ * register-blocked: 4 weight rows by up to 4 input rows of accumulators (16 zmm), each weight vector loaded once for every input row and each input
  * vector once for the 4 weight rows (8 loads per 16 FMAs instead of 32), and the block's 16
  * sums reduced together by a transpose-and-add (`reduce16`) instead of one horizontal
  * reduction per (output, row). Above 4 rows the block's weight rows are read again for the
@@ -108,7 +108,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
 static void rows(const float *x, const float *w, const float *b, float *y, long M, long N,
                  long K, long lo, long hi) {
     long o = lo;
-    if (M > 1) {
+    if (M > 2) {
         for (; o + OB <= hi; o += OB) {
             const float *wo = w + o * K, *bo = b ? b + o : 0;
             for (long m = 0; m < M; m += RB) {

@@ -23,10 +23,11 @@ import torch
 
 from kvflow.stages.engine.cpu_kernels import library
 
-MAX_ROWS = 8
-"""Rows (tokens) up to which `gemv` is used; above, oneDNN's inner product (measured: the
-kernel 1.4x oneDNN at 1 row, 1.1x at 8, 1.07x at 16 on a 2-core
-AMD EPYC; above 8 rows the gain is small and prefill stays on oneDNN)."""
+MAX_ROWS = 16
+"""Rows (tokens) up to which `gemv` is used; above, oneDNN's inner product. Measured on
+SmolLM2-135M's linears, 2 threads, 2-core AMD EPYC (`kvflow.tools.bench.gemv`, best of 5):
+the blocked kernel 38-40 ms a pass at 16 rows against oneDNN's 50-54, 35 against 46 at 12,
+28 against 40 at 8 (BENCHMARKS.md). Prefill chunks are longer and stay on oneDNN."""
 
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
