@@ -61,9 +61,8 @@ def test_gemv_equals_f_linear() -> None:
 def _check_rows_blocks_and_tails(gemv: cpu_gemv.Gemv, seed: int) -> None:
     """Every row count 1..2 * MAX_ROWS + 1 (whole 4-row blocks and remainders, beyond
     `MAX_ROWS` too), K with and without a 16-float tail, N with and without a 4-output tail
-    (and N split over
-    the threads on both sides of it), with and without a bias: F.linear's values within
-    float32 summation-order rounding."""
+    (and N split over the threads on both sides of it), with and without a bias: F.linear's
+    values within float32 summation-order rounding."""
     gen = torch.Generator().manual_seed(seed)
     for n, k in ((64, 16), (67, 31), (130, 576), (203, 1536), (1030, 47), (3, 20)):
         w = torch.randn(n, k, generator=gen)
