@@ -3,8 +3,10 @@
 A decode step at batch 1 reads every weight once; its time is the time to read them. oneDNN's
 inner product read the weights of SmolLM2-135M's linears at ~20 GB/s here on 2 threads, while
 a plain read (`sum` over each weight) ran at ~28 GB/s. `cpu_gemv.c` reads each weight row once,
-in order, with AVX-512 FMAs (a plain loop elsewhere), the output rows split over torch's OpenMP
-threads: ~28 GB/s, the plain read's rate (BENCHMARKS.md, docs/performance.md).
+with AVX-512 FMAs (a plain loop elsewhere), the output rows split over torch's OpenMP threads:
+~28 GB/s at one row, the plain read's rate. Three or more rows (a decode batch) are
+register-blocked, 4 weight rows by 4 input rows at a time, so that loads and horizontal
+reductions do not dominate (BENCHMARKS.md, docs/performance.md).
 
 The kernel is compiled and loaded with the project's other CPU kernels by cpu_kernels.py
 (once per process, into a cache directory, sharing torch's OpenMP runtime); where it cannot
@@ -21,10 +23,11 @@ import torch
 
 from kvflow.stages.engine.cpu_kernels import library
 
-MAX_ROWS = 8
-"""Rows (tokens) up to which `gemv` is used; above, oneDNN's inner product (measured: the
-kernel 1.4x oneDNN at 1 row, 1.1x at 8, 1.07x at 16 on a 2-core
-AMD EPYC; above 8 rows the gain is small and prefill stays on oneDNN)."""
+MAX_ROWS = 16
+"""Rows (tokens) up to which `gemv` is used; above, oneDNN's inner product. Measured on
+SmolLM2-135M's linears, 2 threads, 2-core AMD EPYC (`kvflow.tools.bench.gemv`, best of 5):
+the blocked kernel 38-40 ms a pass at 16 rows against oneDNN's 50-54, 35 against 46 at 12,
+28 against 40 at 8 (BENCHMARKS.md). Prefill chunks are longer and stay on oneDNN."""
 
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -32,10 +35,8 @@ _lock = threading.Lock()
 _loaded: dict[str, Gemv | None] = {}
 
 
-def _bind() -> Gemv | None:
-    lib = library()
-    if lib is None:
-        return None
+def bind(lib: ctypes.CDLL) -> Gemv:
+    """`kvflow_gemv` of a loaded kernel library as a `Gemv`."""
     fn = lib.kvflow_gemv
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
@@ -55,7 +56,8 @@ def gemv_kernel() -> Gemv | None:
     tensors, or None where the kernel cannot be built or loaded here. Bound once per process."""
     with _lock:
         if "gemv" not in _loaded:
-            _loaded["gemv"] = _bind()
+            lib = library()
+            _loaded["gemv"] = None if lib is None else bind(lib)
         return _loaded["gemv"]
 
 

@@ -15,7 +15,7 @@ products (512 rows) ran at the same rate. `OneDNNDenseLinear` calls it on the li
 weight (no second copy, the parameter names and the tied embedding stay); its outputs equal
 `F.linear`'s up to float32 summation order (~1e-5 relative).
 
-float32 decode steps (at most `cpu_gemv.MAX_ROWS` rows) go further, to the matrix-vector
+float32 decode steps (at most `cpu_gemv.MAX_ROWS` rows, 16) go further, to the matrix-vector
 kernel of cpu_gemv.py, which reads the weights at the rate of a plain read (~28 GB/s here
 against oneDNN's ~20); prefill chunks stay on oneDNN.
 

@@ -4,6 +4,7 @@ built once into its cache directory."""
 
 from __future__ import annotations
 
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -53,6 +54,60 @@ def test_gemv_equals_f_linear() -> None:
                             rows,
                             (got - expected).abs().max(),
                         )
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _check_rows_blocks_and_tails(gemv: cpu_gemv.Gemv, seed: int) -> None:
+    """Every row count 1..2 * MAX_ROWS + 1 (whole 4-row blocks and remainders, beyond
+    `MAX_ROWS` too), K with and without a 16-float tail, N with and without a 4-output tail
+    (and N split over the threads on both sides of it), with and without a bias: F.linear's
+    values within float32 summation-order rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    for n, k in ((64, 16), (67, 31), (130, 576), (203, 1536), (1030, 47), (3, 20)):
+        w = torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen)
+        for rows in range(1, 2 * cpu_gemv.MAX_ROWS + 2):
+            x = torch.randn(rows, k, generator=gen)
+            for bias in (None, b):
+                got = gemv(x, w, bias)
+                expected = torch.nn.functional.linear(x, w, bias)
+                assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4), (
+                    f"{n}x{k} M={rows}",
+                    (got - expected).abs().max(),
+                )
+
+
+@needs_kernel
+def test_gemv_blocks_of_rows_and_tails_equal_f_linear() -> None:
+    gemv = cpu_gemv.gemv_kernel()
+    assert gemv is not None
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            _check_rows_blocks_and_tails(gemv, seed=10 + threads)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_kernel
+def test_gemv_portable_build_equals_f_linear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel built for x86-64-v3 (AVX2, no AVX-512: the plain loop, not the blocks)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 build flag")
+    monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path / "kernels"))
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernels.FLAGS)
+    assert flags != cpu_kernels.FLAGS
+    monkeypatch.setattr(cpu_kernels, "FLAGS", flags)
+    lib = cpu_kernels._load()
+    assert lib is not None
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _check_rows_blocks_and_tails(cpu_gemv.bind(lib), seed=20)
     finally:
         torch.set_num_threads(saved)
 
