@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from kvflow.stages.engine import Engine, EngineConfig, write_demo_model
+from kvflow.stages.engine import Engine, EngineConfig, cpu_attn, write_demo_model
+from kvflow.stages.engine.cpu_attn import PagedKernel
+
+
+@pytest.fixture
+def kernel() -> PagedKernel:
+    """The paged attention kernels (cpu_attn), built for this CPU."""
+    bound = cpu_attn.kernel()
+    assert bound is not None
+    return bound
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    """Put torch's thread count back after a test that sets it."""
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session")

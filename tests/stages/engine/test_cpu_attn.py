@@ -35,18 +35,7 @@ SHAPES = [
 ]
 
 
-@pytest.fixture
-def kernel() -> PagedKernel:
-    bound = cpu_attn.kernel()
-    assert bound is not None
-    return bound
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():  # type: ignore[no-untyped-def]
-    saved = torch.get_num_threads()
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 def _reference(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine import SamplingParams, cpu_attn, cpu_kernels
+from kvflow.stages.engine import SamplingParams, cpu_kernels
 from kvflow.stages.engine.attention import PagedPrefill
 from kvflow.stages.engine.cpu_attn import ENV_ATTN, PREFILL_GROUP_MAX, PagedKernel
 from kvflow.stages.engine.pages import KVLayout, PagePool
@@ -40,18 +40,7 @@ SHAPES = [
 ]
 
 
-@pytest.fixture
-def kernel() -> PagedKernel:
-    bound = cpu_attn.kernel()
-    assert bound is not None
-    return bound
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():  # type: ignore[no-untyped-def]
-    saved = torch.get_num_threads()
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 def _case(
