@@ -67,21 +67,14 @@ class PagedKernel:
         in block order (int64, contiguous), covering position start + T - 1; q
         [T, kv_heads * G, d] (the G query heads of a KV head consecutive, d contiguous).
         Returns [T, kv_heads * G, d]."""
-        if pool.dtype != torch.float32 or pool.device.type != "cpu" or pool.dim() != 6:
-            raise ValueError("the pool must be a float32 CPU tensor [pages, layers, 2, h, b, d]")
-        _, _, _, kvh, block, d = pool.shape
+        kvh, block, d, group = _shapes(pool, q)
         t = q.shape[0]
-        if q.dim() != 3 or q.stride(2) != 1 or q.shape[2] != d or q.shape[1] % kvh:
-            raise ValueError(f"q must be [T, a multiple of {kvh} heads, {d}], d contiguous")
-        if q.dtype != torch.float32 or t < 1:
-            raise ValueError(f"q must be float32 with at least one row, got {q.dtype} {t}")
-        if pool.stride(5) != 1:
-            raise ValueError("the pool's head_dim must be contiguous")
+        if t < 1:
+            raise ValueError("q must have at least one row")
         if pages.dim() != 1 or pages.dtype != torch.int64 or not pages.is_contiguous():
             raise ValueError("pages must be a contiguous int64 vector")
         if start < 0 or pages.shape[0] * block < start + t:
             raise ValueError(f"{pages.shape[0]} pages of {block} do not cover {start + t} tokens")
-        group = q.shape[1] // kvh
         if group > PREFILL_GROUP_MAX:
             raise ValueError(f"at most {PREFILL_GROUP_MAX} query heads a KV head, got {group}")
         out = torch.empty((t, kvh * group, d), dtype=torch.float32)
@@ -114,20 +107,11 @@ class PagedKernel:
         written first at slots [R, 2] (page, slot), int64 contiguous. Returns out
         [R, kv_heads * Q, d] and, with `lse`, each query's log-sum-exp [R, kv_heads * Q]
         (natural log, of the scaled scores; -inf for a row without keys, whose out is 0)."""
-        if pool.dtype != torch.float32 or pool.device.type != "cpu" or pool.dim() != 6:
-            raise ValueError("the pool must be a float32 CPU tensor [pages, layers, 2, h, b, d]")
-        _, _, _, kvh, block, d = pool.shape
+        kvh, block, d, group = _shapes(pool, q)
         rows = q.shape[0]
-        if q.dim() != 3 or q.stride(2) != 1 or q.shape[2] != d or q.shape[1] % kvh:
-            raise ValueError(f"q must be [rows, a multiple of {kvh} heads, {d}], d contiguous")
-        if q.dtype != torch.float32:
-            raise ValueError(f"q must be float32, got {q.dtype}")
         for name, t, cols in (("table", table, table.shape[-1]), ("ranges", ranges, 2)):
             if t.shape != (rows, cols) or t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous int64 [{rows}, {cols}]")
-        if pool.stride(5) != 1:
-            raise ValueError("the pool's head_dim must be contiguous")
-        group = q.shape[1] // kvh
         out = torch.empty((rows, kvh * group, d), dtype=torch.float32)
         lse_out = torch.empty((rows, kvh * group), dtype=torch.float32) if lse else None
         k_args: list[int | None] = [None, 0, 0, None, 0, 0, None]
@@ -149,6 +133,21 @@ class PagedKernel:
             torch.get_num_threads(),
         )  # fmt: skip
         return out, lse_out
+
+
+def _shapes(pool: torch.Tensor, q: torch.Tensor) -> tuple[int, int, int, int]:
+    """(kv_heads, block, head_dim, query heads a KV head) of a pool and the queries the
+    kernels take; ValueError naming what does not fit."""
+    if pool.dtype != torch.float32 or pool.device.type != "cpu" or pool.dim() != 6:
+        raise ValueError("the pool must be a float32 CPU tensor [pages, layers, 2, h, b, d]")
+    if pool.stride(5) != 1:
+        raise ValueError("the pool's head_dim must be contiguous")
+    _, _, _, kvh, block, d = pool.shape
+    if q.dim() != 3 or q.stride(2) != 1 or q.shape[2] != d or q.shape[1] % kvh:
+        raise ValueError(f"q must be [rows, a multiple of {kvh} heads, {d}], d contiguous")
+    if q.dtype != torch.float32:
+        raise ValueError(f"q must be float32, got {q.dtype}")
+    return kvh, block, d, q.shape[1] // kvh
 
 
 _lock = threading.Lock()
