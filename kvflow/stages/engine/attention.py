@@ -155,7 +155,8 @@ class PagedPrefill:
     """Chunk [start, start + T) of one request whose pages are `page_ids` (in block order).
 
     `page_ids` must cover position start + T - 1. `attend` writes the chunk's K/V into the
-    pool, then attends over positions [0, start + T)."""
+    pool, then attends over positions [0, start + T) (with the CPU kernel: both in one call
+    a layer)."""
 
     def __init__(
         self,
@@ -194,10 +195,11 @@ class PagedPrefill:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pool.tensor
-        pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
         if self.kernel is not None and q.shape[1] // k.shape[1] <= PREFILL_GROUP_MAX:
-            out = self.kernel.prefill(pool, layer, self.kernel_pages, self.start, q)
+            # the kernel writes the chunk's K/V into its slots, then attends: one call
+            out = self.kernel.prefill(pool, layer, self.kernel_pages, self.start, q, (k, v))
             return out.reshape(self.num_tokens, -1)
+        pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
         if self.blocked:
             if self.start == 0:  # the chunk's own K/V are the whole context: no gather
                 ctx_k, ctx_v = k.transpose(0, 1), v.transpose(0, 1)

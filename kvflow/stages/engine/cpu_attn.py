@@ -7,7 +7,8 @@ the padding. `cpu_attn.c` reads each row's keys where they lie in the pool, thro
 row's page list, with an online softmax over tiles of a page (flash style), the rows' KV
 heads and parts of long rows spread over torch's OpenMP threads; it also writes the rows'
 new K/V into their slots first, so a decode layer's attention is one call. `prefill`
-(cpu_prefill.c) attends a chunk's queries causally over its request's pages in place, in
+(cpu_prefill.c) writes a chunk's K/V into its slots the same way (no torch `index_put`) and
+attends the chunk's queries causally over its request's pages in place, in
 tiles of 48 query rows (a block's positions times the query heads of a KV head) by up to 64
 keys of a page, with register-blocked score and value microkernels; torch's path instead
 gathered the context and ran its flash kernel in query blocks (`attention.blocked_causal`).
@@ -53,20 +54,28 @@ class PagedKernel:
         pf = lib.kvflow_paged_prefill
         pf.restype = ctypes.c_int
         pf.argtypes = [_ptr, _long, _long, _long, _long, _long, _ptr, _long, _long, _ptr]
-        pf.argtypes += [_long, _long, _long, _long, _long, _float, _ptr, _long]
+        pf.argtypes += [_long, _long, _long, _long, _long, _float, _ptr]
+        pf.argtypes += [_ptr, _long, _long, _ptr, _long, _long, _long]
         self._prefill = pf
 
     def prefill(
-        self, pool: torch.Tensor, layer: int, pages: torch.Tensor, start: int, q: torch.Tensor
+        self,
+        pool: torch.Tensor,
+        layer: int,
+        pages: torch.Tensor,
+        start: int,
+        q: torch.Tensor,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Causal attention of a chunk's queries at positions [start, start + T) over its
-        request's keys [0, start + T) in the pool (cpu_prefill.c), which must already hold
-        the chunk's own K/V.
+        request's keys [0, start + T) in the pool (cpu_prefill.c).
 
         pool [pages, layers, 2, kv_heads, block, d] float32; pages: the request's page ids
         in block order (int64, contiguous), covering position start + T - 1; q
         [T, kv_heads * G, d] (the G query heads of a KV head consecutive, d contiguous).
-        Returns [T, kv_heads * G, d]."""
+        new_kv (k, v): the chunk's own K/V [T, kv_heads, d] float32 (d contiguous), written
+        into the slots of positions [start, start + T) first; None: the pool holds them
+        already. Returns [T, kv_heads * G, d]."""
         kvh, block, d, group = _shapes(pool, q)
         t = q.shape[0]
         if t < 1:
@@ -77,12 +86,20 @@ class PagedKernel:
             raise ValueError(f"{pages.shape[0]} pages of {block} do not cover {start + t} tokens")
         if group > PREFILL_GROUP_MAX:
             raise ValueError(f"at most {PREFILL_GROUP_MAX} query heads a KV head, got {group}")
+        kv_args: list[int | None] = [None, 0, 0, None, 0, 0]
+        if new_kv is not None:
+            for name, x in zip(("k", "v"), new_kv, strict=True):
+                if x.shape != (t, kvh, d) or x.stride(2) != 1 or x.dtype != torch.float32:
+                    raise ValueError(f"new {name} must be float32 [{t}, {kvh}, {d}]")
+            k, v = new_kv
+            kv_args = [k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0)]
+            kv_args += [v.stride(1)]
         out = torch.empty((t, kvh * group, d), dtype=torch.float32)
         base = pool[:, layer]
         rc = self._prefill(
             base.data_ptr(), pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(4),
             block, pages.data_ptr(), start, t, q.data_ptr(), q.stride(0), q.stride(1), kvh,
-            group, d, 1.0 / math.sqrt(d), out.data_ptr(), torch.get_num_threads(),
+            group, d, 1.0 / math.sqrt(d), out.data_ptr(), *kv_args, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise ValueError("the prefill kernel refused its arguments")

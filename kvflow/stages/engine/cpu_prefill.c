@@ -215,17 +215,35 @@ static long positions_per_item(long G) { return ROWS / G; }
  * q: T positions (stride q_row) of kv_heads * G query heads (stride q_head), d contiguous;
  *   query head h * G + g shares KV head h.
  * out [T, kv_heads * G, d] (contiguous).
+ * new_k/new_v (or NULL): the chunk's own K/V [T, kv_heads, d] (row strides k_row, v_row,
+ *   head strides k_head, v_head, d contiguous), written first into the slots of positions
+ *   [start, start + T) (as the decode kernel writes its step's K/V), so that the chunk is one
+ *   call a layer.
  * Returns 0, or -1 where G > ROWS (not supported: the caller keeps torch's attention). */
-int kvflow_paged_prefill(const float *base, long page_stride, long kv_stride, long head_stride,
+int kvflow_paged_prefill(float *base, long page_stride, long kv_stride, long head_stride,
                          long slot_stride, long block, const long *pages, long start, long T,
                          const float *q, long q_row, long q_head, long kv_heads, long G, long d,
-                         float scale, float *out, long threads) {
+                         float scale, float *out, const float *new_k, long k_row, long k_head,
+                         const float *new_v, long v_row, long v_head, long threads) {
     if (G < 1 || G > ROWS || T < 1) return -1;
     long per = positions_per_item(G);
     long blocks = (T + per - 1) / per, items = blocks * kv_heads;
     if (items < 2) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        if (new_k) {  /* the chunk's K/V into its slots; the loop's barrier precedes the reads */
+#pragma omp for schedule(static)
+            for (long i = 0; i < T; i++) {
+                long p = start + i;
+                float *dst = base + pages[p / block] * page_stride + (p % block) * slot_stride;
+                for (long h = 0; h < kv_heads; h++) {
+                    memcpy(dst + h * head_stride, new_k + i * k_row + h * k_head,
+                           sizeof(float) * d);
+                    memcpy(dst + kv_stride + h * head_stride, new_v + i * v_row + h * v_head,
+                           sizeof(float) * d);
+                }
+            }
+        }
         Scratch w;
         w.qt = aligned_alloc(64, sizeof(float) * d * ROWS);
         w.s = aligned_alloc(64, sizeof(float) * TILE * ROWS);

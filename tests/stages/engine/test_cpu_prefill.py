@@ -1,5 +1,6 @@
 """The paged prefill attention kernel (cpu_prefill.c, `PagedKernel.prefill`) against a float64
-reference over the pool read slot by slot, and `PagedPrefill` with it against torch's path
+reference over the pool read slot by slot (with the chunk's K/V written by the kernel: the
+pool bit for bit as torch's index_put leaves it), and `PagedPrefill` with it against torch's path
 (`KVFLOW_ATTN=torch`): chunks from position 0 and later, lengths that are not multiples of a
 work item's positions, pages of odd sizes crossed, grouped-query heads, head dims that are
 not multiples of 16, strided queries, 1 and 2 threads; windows and too many query heads a
@@ -84,6 +85,36 @@ def test_prefill_kernel_equals_reference(kernel: PagedKernel, shape: tuple[int, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _new_kv(
+    pool: torch.Tensor, pages: torch.Tensor, start: int, t: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's K/V as strided views [T, kvh, d] of one wider projection output (as the
+    fused q/k/v projection gives them), and the pool with them written by torch's
+    `index_put` (the path the kernel's write replaces)."""
+    kvh, bs, d = pool.shape[3], pool.shape[4], pool.shape[5]
+    wide = torch.randn(t, 3 * kvh, d, generator=torch.Generator().manual_seed(seed))
+    k, v = wide[:, kvh : 2 * kvh], wide[:, 2 * kvh :]
+    positions = torch.arange(start, start + t)
+    want = pool.clone()
+    want[pages[positions // bs], 1, :, :, positions % bs] = torch.stack((k, v), dim=1)
+    return k, v, want
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_kernel_writes_the_chunks_kv(kernel: PagedKernel, shape: tuple[int, ...]) -> None:
+    """With new_kv the kernel writes the chunk's K/V into its slots (the pool bit for bit as
+    torch's index_put leaves it, nothing else touched), then attends over them."""
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        pool, pages, q, start = _case(shape, seed=sum(shape) + threads)
+        k, v, want_pool = _new_kv(pool, pages, start, q.shape[0], seed=threads)
+        got = kernel.prefill(pool, 1, pages, start, q, (k, v))
+        assert torch.equal(pool, want_pool)
+        want = _reference(want_pool, 1, pages, start, q)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @needs_kernel
 def test_prefill_kernel_checks_its_arguments(kernel: PagedKernel) -> None:
     pool = torch.zeros(4, 1, 2, 2, 8, 16)
@@ -98,6 +129,13 @@ def test_prefill_kernel_checks_its_arguments(kernel: PagedKernel) -> None:
         kernel.prefill(pool, 0, pages, 12, q)
     with pytest.raises(ValueError, match="query heads"):
         kernel.prefill(pool, 0, pages, 0, torch.zeros(5, 2 * (PREFILL_GROUP_MAX + 1), 16))
+    kv = torch.zeros(5, 2, 16)
+    with pytest.raises(ValueError, match="new k must be"):
+        kernel.prefill(pool, 0, pages, 0, q, (torch.zeros(4, 2, 16), kv))
+    with pytest.raises(ValueError, match="new v must be"):
+        kernel.prefill(pool, 0, pages, 0, q, (kv, kv.double()))
+    with pytest.raises(ValueError, match="new k must be"):
+        kernel.prefill(pool, 0, pages, 0, q, (torch.zeros(5, 16, 2).transpose(1, 2), kv))
 
 
 def _pool(kvh: int, bs: int, d: int) -> PagePool:
@@ -165,6 +203,11 @@ def test_portable_build_equals_reference(tmp_path: Path, monkeypatch: pytest.Mon
         pool, pages, q, start = _case(shape, seed=3)
         got = portable.prefill(pool, 1, pages, start, q)
         torch.testing.assert_close(got, _reference(pool, 1, pages, start, q), rtol=1e-5, atol=1e-5)
+        k, v, want_pool = _new_kv(pool, pages, start, q.shape[0], seed=4)
+        got = portable.prefill(pool, 1, pages, start, q, (k, v))
+        assert torch.equal(pool, want_pool)
+        want = _reference(want_pool, 1, pages, start, q)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
