@@ -22,16 +22,22 @@ against oneDNN's ~20); prefill chunks stay on oneDNN.
 `onednn_applies(dtype, device)` decides where it is used: on the CPU with oneDNN, float32
 always, bf16 with oneDNN's bf16 support (avx512_bf16 / AMX or the Arm equivalent).
 Everywhere else the model keeps `nn.Linear` (float16, CUDA). `KVFLOW_LINEAR` picks the
-backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "gemv" (default) as
-above, "onednn" without the kernel, "aten" keeps `nn.Linear` everywhere, and "prepacked" as
-"gemv" with a second, oneDNN-prepared copy of each float32 weight for the prefill's rows
-(`_reorder_linear_weight`, what vLLM's CPU backend does for float32). Its outputs are the same
-bits; it costs a second copy of the float32 linear weights (+~425 MB for SmolLM2-135M), and
-measured ~5-15% faster prefill matmuls here (BENCHMARKS.md), so it is opt-in.
+backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "prepacked" (the
+default where memory allows) as "gemv" with a second, oneDNN-prepared copy of each float32
+decoder weight for the prefill's rows (`_reorder_linear_weight`, what vLLM's CPU backend does
+for float32); "gemv" as above without the copy (the way out, and the default where the copy
+would take more than 1/16 of the memory available); "onednn" without the decode kernel;
+"aten" keeps `nn.Linear` everywhere. The prepacked path's outputs are the same bits as the
+dense inner product; the copy costs the float32 decoder linears' weights again (+405 MiB for
+SmolLM2-135M, per engine) and made prefill faster here, +11% at 512 tokens and +3% at 2,000
+(medians, one engine switched A B B A; docs/performance.md). `prepack_planned` is the one
+place that decides, for the engine as it loads and for the server's memory plan
+(stages/serve/memory.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -39,20 +45,41 @@ from torch import nn
 
 from kvflow.stages.engine.cpu_gemv import Gemv, gemv_applies, gemv_kernel
 from kvflow.stages.engine.linear_swap import swap_linears
+from kvflow.stages.engine.meminfo import available_memory_bytes
+
+logger = logging.getLogger(__name__)
 
 ENV_LINEAR = "KVFLOW_LINEAR"
 LINEAR_BACKENDS = ("gemv", "onednn", "aten", "prepacked")
 PACK_ROWS = 512
 """The rows oneDNN is told to expect when it prepares a float32 weight (the prefill chunk)."""
+PREPACK_SHARE = 16
+"""By default the prepacked copy is made where it takes at most 1/16 of the memory available
+(the share one KV pool gets, stages/serve/memory.py)."""
 
 
 def linear_backend() -> str:
-    """`KVFLOW_LINEAR` (default "gemv"): "onednn" without the decode kernel, "aten" keeps
-    `nn.Linear` for every dtype."""
-    value = os.environ.get(ENV_LINEAR, "gemv")
+    """`KVFLOW_LINEAR` (default "prepacked", which `prepack_planned` turns into "gemv" where
+    the copy does not fit): "gemv" without the prepared copy, "onednn" without the decode
+    kernel either, "aten" keeps `nn.Linear` for every dtype."""
+    value = os.environ.get(ENV_LINEAR, "prepacked")
     if value not in LINEAR_BACKENDS:
         raise ValueError(f"{ENV_LINEAR} must be one of {LINEAR_BACKENDS}, got {value!r}")
     return value
+
+
+def prepack_planned(dtype: str, copy_bytes: int, available: int | None) -> bool:
+    """Whether a `dtype` engine on the CPU keeps a prepacked copy of `copy_bytes` (its float32
+    decoder linears' weights) for prefill, with `available` bytes of memory (None: unknown).
+    The one place that decides, for the engine (`use_onednn_linears`) and the server's memory
+    plan: float32 only; `KVFLOW_LINEAR=prepacked` always, another value never; unset, where
+    the copy takes at most 1/`PREPACK_SHARE` of `available`."""
+    if dtype != "float32":
+        return False
+    backend = linear_backend()
+    if ENV_LINEAR in os.environ:
+        return backend == "prepacked"
+    return available is None or copy_bytes * PREPACK_SHARE <= available
 
 
 def onednn_applies(dtype: torch.dtype, device: torch.device) -> bool:
@@ -119,21 +146,40 @@ class OneDNNDenseLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
-def _onednn(linear: nn.Linear, unpacked: frozenset[int]) -> nn.Module:
+def _onednn(linear: nn.Linear, packed: frozenset[int]) -> nn.Module:
     if linear.weight.dtype == torch.float32:
-        backend = linear_backend()
-        gemv = gemv_kernel() if backend in ("gemv", "prepacked") else None
-        prepack = backend == "prepacked" and id(linear) not in unpacked
-        return OneDNNDenseLinear(linear, gemv, prepack)
+        gemv = gemv_kernel() if linear_backend() in ("gemv", "prepacked") else None
+        return OneDNNDenseLinear(linear, gemv, id(linear) in packed)
     return OneDNNLinear(linear)
+
+
+def prepack_candidates(model: nn.Module) -> list[nn.Linear]:
+    """The float32 linears that would get a prepacked copy: all but the lm_head, which
+    computes one row of a prompt (its last): no prepared copy of the vocabulary."""
+    lm_head = getattr(model, "lm_head", None)
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m is not lm_head and m.weight.dtype == torch.float32
+    ]
 
 
 def use_onednn_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` under `model` by its oneDNN form (after loading, fusing and
     moving): float32 by a `OneDNNDenseLinear` (same parameters; with the decode kernel under
-    the "gemv" backend), bf16 by a `OneDNNLinear`
-    (the state dict's names no longer hold the weights). Returns the count."""
-    # the lm_head computes one row of a prompt (its last): no prepared copy of the vocabulary
-    lm_head = getattr(model, "lm_head", None)
-    unpacked = frozenset([id(lm_head)] if isinstance(lm_head, nn.Linear) else [])
-    return swap_linears(model, lambda linear: _onednn(linear, unpacked))
+    the "gemv" and "prepacked" backends, and the prepacked copy where `prepack_planned`
+    says), bf16 by a `OneDNNLinear` (the state dict's names no longer hold the weights).
+    Returns the count."""
+    candidates = prepack_candidates(model)
+    copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in candidates)
+    packed: frozenset[int] = frozenset()
+    if candidates:
+        available = None if ENV_LINEAR in os.environ else available_memory_bytes()
+        if prepack_planned("float32", copy_bytes, available):
+            packed = frozenset(id(m) for m in candidates)
+        elif linear_backend() == "prepacked":  # the default, but the copy does not fit
+            logger.info(
+                "no prepacked float32 weights: %d MiB, more than 1/%d of the %s MiB available",
+                copy_bytes >> 20, PREPACK_SHARE, "?" if available is None else available >> 20,
+            )  # fmt: skip
+    return swap_linears(model, lambda linear: _onednn(linear, packed))

@@ -10,6 +10,10 @@ fixed default: ``plan_memory`` sizes each one left unset.
   the pages of one such sequence, written at start-up: `engine.pages.resident_pages`.)
 - DRAM tier per shard: 1/32 of the available memory, between 64 MiB and 256 MiB.
 - SSD tier per shard: a quarter of the free disk under the data directory, at most 8 GiB.
+- Weights per engine: the parameters in the engine's dtype and, for float32, the prepacked
+  copy of the decoder linears' weights that prefill multiplies by where it fits
+  (`onednn_linear.prepack_planned`, the engine's own decision; ``KVFLOW_LINEAR=gemv`` drops
+  it).
 
 A value the user gives is kept as given. ``MemoryPlan.describe`` is the line the server
 prints at start: what it reserved and which flags change it.
@@ -20,6 +24,10 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvflow.stages.engine.meminfo import available_memory_bytes
+
+__all__ = ["MemoryPlan", "available_memory_bytes", "page_nbytes", "plan_for_model", "plan_memory"]
 
 MIB = 1 << 20
 MAX_AUTO_PAGES = 512
@@ -34,18 +42,6 @@ ITEM_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2, "int4": 2}
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
 """About how many bytes one parameter takes (int8/int4: the quantized linears' share; the
 embeddings stay bf16, so the estimate is low for small models)."""
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), or None where there is none."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def free_disk_bytes(path: Path) -> int | None:
@@ -75,6 +71,7 @@ class MemoryPlan:
     shards: int
     weights_bytes: int
     auto: tuple[str, ...]
+    prepack_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:
@@ -90,11 +87,18 @@ class MemoryPlan:
         def tag(name: str) -> str:
             return " (auto)" if name in self.auto else ""
 
+        prepacked = ""
+        if self.prepack_bytes:
+            prepacked = (
+                f" + {mib(self.engines * self.prepack_bytes)} prepacked for prefill "
+                "(KVFLOW_LINEAR=gemv drops it)"
+            )
         return (
             f"memory: {self.engines} engine(s) x ({self.num_pages} KV pages{tag('num_pages')} "
             f"+ {self.staging_pages} staging) x {self.page_nbytes / MIB:.2f} MiB = "
             f"{mib(self.kv_bytes)} reserved, weights about "
-            f"{mib(self.engines * self.weights_bytes)}; DRAM tier {mib(self.dram_bytes)}"
+            f"{mib(self.engines * self.weights_bytes)}{prepacked}; DRAM tier "
+            f"{mib(self.dram_bytes)}"
             f"{tag('dram_mb')} x {self.shards} shard(s), filled as blocks are cached; SSD tier "
             f"{mib(self.ssd_bytes)}{tag('ssd_mb')} x {self.shards} shard(s). Change with "
             "--num-pages, --dram-mb, --ssd-mb"
@@ -124,10 +128,18 @@ def plan_memory(
     ssd_bytes: int | None = None,
     available: int | None = None,
     free_disk: int | None = None,
+    linear_params: int = 0,
 ) -> MemoryPlan:
     """The plan for a process of ``engines`` engines and ``shards`` shards of this model.
-    ``available`` / ``free_disk``: the machine's (None: unknown; the caps are used)."""
+    ``available`` / ``free_disk``: the machine's (None: unknown; the caps are used);
+    ``linear_params``: the decoder linears' weights (`ModelSpec.linear_params`), which a
+    float32 engine copies prepacked where `prepack_planned` says."""
+    from kvflow.stages.engine.onednn_linear import prepack_planned
+
     page = page_nbytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
+    prepack = 4 * linear_params
+    if not prepack_planned(dtype, prepack, available):
+        prepack = 0
     auto: list[str] = []
     if num_pages is None:
         auto.append("num_pages")
@@ -152,6 +164,7 @@ def plan_memory(
         shards=shards,
         weights_bytes=int(num_params * WEIGHT_BYTES[dtype]),
         auto=tuple(auto),
+        prepack_bytes=prepack,
     )
 
 
@@ -178,6 +191,7 @@ def plan_for_model(
         head_dim=spec.head_dim,
         max_model_len=spec.max_position_embeddings,
         num_params=spec.num_params,
+        linear_params=spec.linear_params,
         dtype=dtype,
         block_size=block_size,
         engines=engines,

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine import cpu_gemv, cpu_kernels, openmp
+from kvflow.stages.engine import cpu_gemv, cpu_kernels, onednn_linear, openmp
 from kvflow.stages.engine.onednn_linear import (
     ENV_LINEAR,
+    PREPACK_SHARE,
     OneDNNDenseLinear,
     onednn_applies,
+    prepack_planned,
     use_onednn_linears,
 )
 
@@ -114,7 +116,7 @@ def test_gemv_portable_build_equals_f_linear(
 
 @needs_kernel
 def test_dense_linear_sends_decode_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_LINEAR, raising=False)  # the default backend: gemv
+    monkeypatch.setenv(ENV_LINEAR, "gemv")  # the decode kernel, no prepacked copy
     assert onednn_applies(torch.float32, torch.device("cpu"))  # a loaded model is swapped
     gen = torch.Generator().manual_seed(1)
     linear = torch.nn.Linear(64, 80, bias=True)
@@ -216,3 +218,60 @@ def test_prepacked_backend_prefill_rows_on_a_packed_copy(monkeypatch: pytest.Mon
             torch.testing.assert_close(
                 got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4
             )
+
+
+class _Holder(torch.nn.Module):
+    """Two decoder-like linears and an lm_head (float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 96, bias=True)
+        self.down = torch.nn.Linear(96, 64, bias=False)
+        self.lm_head = torch.nn.Linear(64, 200, bias=False)
+
+
+COPY_BYTES = 4 * (64 * 96 + 96 * 64)  # proj and down; the lm_head keeps no copy
+
+
+def test_prepack_planned_decides_by_dtype_memory_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_LINEAR, raising=False)
+    copy = 425 << 20
+    assert prepack_planned("float32", copy, PREPACK_SHARE * copy)  # fits: the default
+    assert prepack_planned("float32", copy, None)  # memory unknown
+    assert not prepack_planned("float32", copy, PREPACK_SHARE * copy - 1)  # too little memory
+    for dtype in ("bfloat16", "float16", "int8", "int4"):
+        assert not prepack_planned(dtype, copy, 1 << 40)
+    monkeypatch.setenv(ENV_LINEAR, "gemv")  # the way out
+    assert not prepack_planned("float32", copy, 1 << 40)
+    monkeypatch.setenv(ENV_LINEAR, "prepacked")  # asked for: whatever the memory
+    assert prepack_planned("float32", copy, 1)
+    monkeypatch.setenv(ENV_LINEAR, "bogus")
+    with pytest.raises(ValueError, match=ENV_LINEAR):
+        prepack_planned("float32", copy, None)
+
+
+@needs_kernel
+def test_default_prepacks_where_memory_allows_with_the_unpacked_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVFLOW_LINEAR unset: prepacked copies where they take at most 1/PREPACK_SHARE of the
+    memory available, the same bits as the unpacked (gemv) path's outputs for prefill and
+    decode rows; with less memory, the gemv backend (no copy)."""
+    monkeypatch.delenv(ENV_LINEAR, raising=False)
+    gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)  # the linears' initial weights
+    fits, tight = _Holder(), _Holder()
+    tight.load_state_dict(fits.state_dict())
+    for model, available in ((fits, PREPACK_SHARE * COPY_BYTES), (tight, COPY_BYTES)):
+        monkeypatch.setattr(onednn_linear, "available_memory_bytes", lambda a=available: a)
+        assert use_onednn_linears(model) == 3
+    for name in ("proj", "down"):
+        assert getattr(fits, name).prefill_weight is not None
+        assert getattr(tight, name).prefill_weight is None
+        assert getattr(fits, name).gemv is not None and getattr(tight, name).gemv is not None
+    assert fits.lm_head.prefill_weight is None
+    with torch.inference_mode():
+        for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 512):
+            x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 96, generator=gen)
+            for name, xin in (("proj", x), ("down", h), ("lm_head", x)):
+                assert torch.equal(getattr(fits, name)(xin), getattr(tight, name)(xin))

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from kvflow.stages.engine.onednn_linear import ENV_LINEAR, PREPACK_SHARE
 from kvflow.stages.serve.memory import MIB, page_nbytes, plan_for_model, plan_memory
 
 # SmolLM2-135M-Instruct's shapes (the default model)
@@ -12,8 +15,12 @@ SMOL = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "max_model_len": 81
 GIB = 1 << 30
 
 
+LINEAR_PARAMS = 106_168_320  # the decoder linears' weights: 405 MiB in float32
+
+
 def smol(**kw: object) -> object:
     base = {**SMOL, "num_params": 134_515_008, "dtype": "float32", "block_size": 64}
+    base["linear_params"] = LINEAR_PARAMS
     return plan_memory(**{**base, "engines": 2, "shards": 2, **kw})  # type: ignore[arg-type]
 
 
@@ -73,3 +80,20 @@ def test_plan_for_a_model_directory(tiny_model: Path, tmp_path: Path) -> None:
                           data_dir=tmp_path / "not-yet")  # fmt: skip
     assert plan.num_pages >= 1 and plan.dram_bytes >= 64 * MIB
     assert "1 engine(s)" in plan.describe() and "(auto)" in plan.describe()
+
+
+def test_float32_plans_the_prepacked_copy_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan counts the prepacked float32 copy the engines make (onednn_linear's
+    `prepack_planned`), says so, and names the way out; not where it does not fit, not for
+    other dtypes, not with KVFLOW_LINEAR=gemv."""
+    monkeypatch.delenv(ENV_LINEAR, raising=False)
+    copy = 4 * LINEAR_PARAMS
+    plan = smol(available=24 * GIB)
+    assert plan.prepack_bytes == copy  # type: ignore[attr-defined]
+    assert "+ 810 MiB prepacked for prefill (KVFLOW_LINEAR=gemv drops it)" in plan.describe()  # type: ignore[attr-defined]
+    assert smol(available=PREPACK_SHARE * copy).prepack_bytes == copy  # type: ignore[attr-defined]
+    small = smol(available=PREPACK_SHARE * copy - 1)
+    assert small.prepack_bytes == 0 and "prepacked" not in small.describe()  # type: ignore[attr-defined]
+    assert smol(dtype="bfloat16", available=24 * GIB).prepack_bytes == 0  # type: ignore[attr-defined]
+    monkeypatch.setenv(ENV_LINEAR, "gemv")
+    assert smol(available=24 * GIB).prepack_bytes == 0  # type: ignore[attr-defined]

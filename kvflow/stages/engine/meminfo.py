@@ -1,0 +1,17 @@
+"""The memory this machine has available now (Linux's MemAvailable): what the server's memory
+plan (stages/serve/memory.py) and the engine's default linear backend (onednn_linear.py) size
+themselves by."""
+
+from __future__ import annotations
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
