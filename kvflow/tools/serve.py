@@ -202,16 +202,23 @@ def _routing(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def config_from_args(args: argparse.Namespace, plan: Any) -> Any:
+def colocated(args: argparse.Namespace) -> bool:
+    """Whether this embedded server colocates its instances (colocation.py decides)."""
     from kvflow.stages.runtime.threads import cores
     from kvflow.stages.serve.colocation import embedded_colocate
+
+    return embedded_colocate(args.colocate, args.prefill, args.decode, cores())
+
+
+def config_from_args(args: argparse.Namespace, plan: Any, colocate: bool | None = None) -> Any:
+    """The embedded server's config; ``colocate``: already decided (None: decided here)."""
     from kvflow.stages.serve.config import ServeConfig
 
     return ServeConfig(
         model_dir=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
-        colocate=embedded_colocate(args.colocate, args.prefill, args.decode, cores()),
+        colocate=colocated(args) if colocate is None else colocate,
         served_model_name=args.served_model_name,
         **engine_store_values(args, plan),
         **_routing(args),
@@ -563,8 +570,11 @@ def run(args: argparse.Namespace) -> int:
         auth = authenticator_from_args(args)
         # every instance has an engine and a shard (DESIGN: decode instances store too)
         instances = args.prefill + args.decode
-        plan = memory_plan(args, args.model, engines=instances, shards=instances)
-        config = config_from_args(args, plan)
+        # a colocated prefill and decode instance share one engine: one copy of the weights
+        colocate = colocated(args)
+        copies = args.prefill if colocate else instances
+        plan = memory_plan(args, args.model, instances, instances, weight_copies=copies)
+        config = config_from_args(args, plan, colocate)
         http = http_config(args)
     except (ValueError, EngineError) as exc:
         print(f"kvflow serve: {exc}")

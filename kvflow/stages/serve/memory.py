@@ -60,7 +60,9 @@ class MemoryPlan:
     """What one process reserves. ``engines`` engines each hold ``num_pages`` KV pages of
     ``page_nbytes`` and a staging area of ``staging_pages``; ``shards`` kvdb shards each hold
     a DRAM tier of ``dram_bytes`` and an SSD tier of ``ssd_bytes``; ``auto`` names the values
-    sized here (the others were given)."""
+    sized here (the others were given). ``weight_copies``: the engines that load weights of
+    their own (a colocated server's prefill and decode instance share one engine and one copy
+    of the weights; None: ``engines``)."""
 
     page_nbytes: int
     num_pages: int
@@ -72,6 +74,12 @@ class MemoryPlan:
     weights_bytes: int
     auto: tuple[str, ...]
     prepack_bytes: int = 0
+    weight_copies: int | None = None
+
+    @property
+    def copies(self) -> int:
+        """How many copies of the weights (and of their prepacked form) the process loads."""
+        return self.engines if self.weight_copies is None else self.weight_copies
 
     @property
     def kv_bytes(self) -> int:
@@ -90,14 +98,14 @@ class MemoryPlan:
         prepacked = ""
         if self.prepack_bytes:
             prepacked = (
-                f" + {mib(self.engines * self.prepack_bytes)} prepacked for prefill "
+                f" + {mib(self.copies * self.prepack_bytes)} prepacked for prefill "
                 "(KVFLOW_LINEAR=gemv drops it)"
             )
         return (
-            f"memory: {self.engines} engine(s) x ({self.num_pages} KV pages{tag('num_pages')} "
+            f"memory: {self.engines} instance(s) x ({self.num_pages} KV pages{tag('num_pages')} "
             f"+ {self.staging_pages} staging) x {self.page_nbytes / MIB:.2f} MiB = "
             f"{mib(self.kv_bytes)} reserved, weights about "
-            f"{mib(self.engines * self.weights_bytes)}{prepacked}; DRAM tier "
+            f"{mib(self.copies * self.weights_bytes)}{prepacked}; DRAM tier "
             f"{mib(self.dram_bytes)}"
             f"{tag('dram_mb')} x {self.shards} shard(s), filled as blocks are cached; SSD tier "
             f"{mib(self.ssd_bytes)}{tag('ssd_mb')} x {self.shards} shard(s). Change with "
@@ -129,6 +137,7 @@ def plan_memory(
     available: int | None = None,
     free_disk: int | None = None,
     linear_params: int = 0,
+    weight_copies: int | None = None,
 ) -> MemoryPlan:
     """The plan for a process of ``engines`` engines and ``shards`` shards of this model.
     ``available`` / ``free_disk``: the machine's (None: unknown; the caps are used);
@@ -165,6 +174,7 @@ def plan_memory(
         weights_bytes=int(num_params * WEIGHT_BYTES[dtype]),
         auto=tuple(auto),
         prepack_bytes=prepack,
+        weight_copies=weight_copies,
     )
 
 
@@ -179,6 +189,7 @@ def plan_for_model(
     num_pages: int | None = None,
     dram_bytes: int | None = None,
     ssd_bytes: int | None = None,
+    weight_copies: int | None = None,
 ) -> MemoryPlan:
     """``plan_memory`` for the model in ``model_dir`` (its config.json only; no weights are
     read) on this machine."""
@@ -201,4 +212,5 @@ def plan_for_model(
         ssd_bytes=ssd_bytes,
         available=available_memory_bytes(),
         free_disk=free_disk_bytes(data_dir),
+        weight_copies=weight_copies,
     )

@@ -79,7 +79,7 @@ def test_plan_for_a_model_directory(tiny_model: Path, tmp_path: Path) -> None:
     plan = plan_for_model(tiny_model, dtype="float32", block_size=16, engines=1, shards=1,
                           data_dir=tmp_path / "not-yet")  # fmt: skip
     assert plan.num_pages >= 1 and plan.dram_bytes >= 64 * MIB
-    assert "1 engine(s)" in plan.describe() and "(auto)" in plan.describe()
+    assert "1 instance(s)" in plan.describe() and "(auto)" in plan.describe()
 
 
 def test_float32_plans_the_prepacked_copy_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,3 +97,20 @@ def test_float32_plans_the_prepacked_copy_where_it_fits(monkeypatch: pytest.Monk
     assert smol(dtype="bfloat16", available=24 * GIB).prepack_bytes == 0  # type: ignore[attr-defined]
     monkeypatch.setenv(ENV_LINEAR, "gemv")
     assert smol(available=24 * GIB).prepack_bytes == 0  # type: ignore[attr-defined]
+
+
+def test_a_colocated_server_counts_one_copy_of_the_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two instances sharing one engine (colocated) load the weights and their prepacked copy
+    once: the printed line counts one copy, the KV pages of both instances."""
+    monkeypatch.delenv(ENV_LINEAR, raising=False)
+    both = smol(available=24 * GIB)
+    shared = smol(available=24 * GIB, weight_copies=1)
+    assert both.copies == 2 and shared.copies == 1  # type: ignore[attr-defined]
+    assert shared.kv_bytes == both.kv_bytes  # type: ignore[attr-defined]
+    weights = both.weights_bytes / MIB  # type: ignore[attr-defined]
+    prepack = both.prepack_bytes / MIB  # type: ignore[attr-defined]
+    assert prepack > 0
+    assert f"weights about {weights:,.0f} MiB + {prepack:,.0f} MiB prepacked" in shared.describe()  # type: ignore[attr-defined]
+    assert f"weights about {2 * weights:,.0f} MiB" in both.describe()  # type: ignore[attr-defined]
