@@ -210,6 +210,11 @@ def colocated(args: argparse.Namespace) -> bool:
     return embedded_colocate(args.colocate, args.prefill, args.decode, cores())
 
 
+def weight_copies(num_prefill: int, num_decode: int, colocate: bool) -> int:
+    """Engines that load weights of their own: colocated, one per prefill/decode pair."""
+    return num_prefill if colocate else num_prefill + num_decode
+
+
 def config_from_args(args: argparse.Namespace, plan: Any, colocate: bool | None = None) -> Any:
     """The embedded server's config; ``colocate``: already decided (None: decided here)."""
     from kvflow.stages.serve.config import ServeConfig
@@ -572,7 +577,7 @@ def run(args: argparse.Namespace) -> int:
         instances = args.prefill + args.decode
         # a colocated prefill and decode instance share one engine: one copy of the weights
         colocate = colocated(args)
-        copies = args.prefill if colocate else instances
+        copies = weight_copies(args.prefill, args.decode, colocate)
         plan = memory_plan(args, args.model, instances, instances, weight_copies=copies)
         config = config_from_args(args, plan, colocate)
         http = http_config(args)

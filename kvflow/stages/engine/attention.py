@@ -151,6 +151,13 @@ def blocked_causal(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def check_page_ids(page_ids: torch.Tensor, num_pages: int) -> None:
+    """IndexError unless every id is a page of a pool of ``num_pages`` (what torch's
+    indexing raised before the kernels read and wrote through the ids unchecked)."""
+    if page_ids.numel() and not (int(page_ids.min()) >= 0 and int(page_ids.max()) < num_pages):
+        raise IndexError(f"page ids {page_ids.tolist()} out of range for {num_pages} pages")
+
+
 class PagedPrefill:
     """Chunk [start, start + T) of one request whose pages are `page_ids` (in block order).
 
@@ -181,6 +188,8 @@ class PagedPrefill:
         if window is None or window >= end:
             self.kernel = paged_kernel(pool.tensor)
             self.kernel_pages = self.ctx_pages.to(torch.int64).contiguous()
+            if self.kernel is not None:  # the kernel reads and writes through these ids
+                check_page_ids(self.kernel_pages, pool.tensor.shape[0])
         # The first chunk without a window needs no gather: its own K/V are the context.
         self.fast = start == 0 and (window is None or window >= num_tokens)
         self.blocked = parts_apply(device, window, end)

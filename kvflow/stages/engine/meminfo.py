@@ -4,6 +4,8 @@ themselves by."""
 
 from __future__ import annotations
 
+import functools
+
 
 def available_memory_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), or None where there is none."""
@@ -15,3 +17,11 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+@functools.cache
+def available_at_start() -> int | None:
+    """`available_memory_bytes` as first read in this process (before any engine loaded):
+    what the memory plan and every engine's default linear backend decide by, so the line
+    the server prints and what its engines do agree however many engines load after it."""
+    return available_memory_bytes()

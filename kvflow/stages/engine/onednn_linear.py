@@ -24,9 +24,10 @@ always, bf16 with oneDNN's bf16 support (avx512_bf16 / AMX or the Arm equivalent
 Everywhere else the model keeps `nn.Linear` (float16, CUDA). `KVFLOW_LINEAR` picks the
 backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "prepacked" (the
 default where memory allows) as "gemv" with a second, oneDNN-prepared copy of each float32
-decoder weight for the prefill's rows (`_reorder_linear_weight`, what vLLM's CPU backend does
-for float32); "gemv" as above without the copy (the way out, and the default where the copy
-would take more than 1/16 of the memory available); "onednn" without the decode kernel;
+decoder weight for products of more than 16 rows, prefill chunks above all
+(`_reorder_linear_weight`, what vLLM's CPU backend does for float32); "gemv" as above
+without the copy (the way out, and the default where the copy would take more than 1/16 of
+the memory available); "onednn" without the decode kernel;
 "aten" keeps `nn.Linear` everywhere. The prepacked path's outputs are the same bits as the
 dense inner product; the copy costs the float32 decoder linears' weights again (+405 MiB for
 SmolLM2-135M, per engine) and made prefill faster here, +11% at 512 tokens and +3% at 2,000
@@ -45,7 +46,7 @@ from torch import nn
 
 from kvflow.stages.engine.cpu_gemv import Gemv, gemv_applies, gemv_kernel
 from kvflow.stages.engine.linear_swap import swap_linears
-from kvflow.stages.engine.meminfo import available_memory_bytes
+from kvflow.stages.engine.meminfo import available_at_start
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class OneDNNDenseLinear(nn.Module):
         self.bias = linear.bias
         self.gemv = gemv
         packed = None
-        if prepack:  # a second copy, in oneDNN's blocked layout, for the prefill's rows
+        if prepack:  # a second copy, in oneDNN's blocked layout, for more rows than the kernel's
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
         self.prefill_weight: torch.Tensor | None
         self.register_buffer("prefill_weight", packed, persistent=False)
@@ -174,7 +175,7 @@ def use_onednn_linears(model: nn.Module) -> int:
     copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in candidates)
     packed: frozenset[int] = frozenset()
     if candidates:
-        available = None if ENV_LINEAR in os.environ else available_memory_bytes()
+        available = None if ENV_LINEAR in os.environ else available_at_start()
         if prepack_planned("float32", copy_bytes, available):
             packed = frozenset(id(m) for m in candidates)
         elif linear_backend() == "prepacked":  # the default, but the copy does not fit

@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvflow.stages.engine.meminfo import available_memory_bytes
+from kvflow.stages.engine.meminfo import available_at_start, available_memory_bytes
 
 __all__ = ["MemoryPlan", "available_memory_bytes", "page_nbytes", "plan_for_model", "plan_memory"]
 
@@ -210,7 +210,7 @@ def plan_for_model(
         num_pages=num_pages,
         dram_bytes=dram_bytes,
         ssd_bytes=ssd_bytes,
-        available=available_memory_bytes(),
+        available=available_at_start(),
         free_disk=free_disk_bytes(data_dir),
         weight_copies=weight_copies,
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine import cpu_gemv, cpu_kernels, onednn_linear, openmp
+from kvflow.stages.engine import cpu_gemv, cpu_kernels, meminfo, onednn_linear, openmp
 from kvflow.stages.engine.onednn_linear import (
     ENV_LINEAR,
     PREPACK_SHARE,
@@ -263,7 +263,7 @@ def test_default_prepacks_where_memory_allows_with_the_unpacked_outputs(
     fits, tight = _Holder(), _Holder()
     tight.load_state_dict(fits.state_dict())
     for model, available in ((fits, PREPACK_SHARE * COPY_BYTES), (tight, COPY_BYTES)):
-        monkeypatch.setattr(onednn_linear, "available_memory_bytes", lambda a=available: a)
+        monkeypatch.setattr(onednn_linear, "available_at_start", lambda a=available: a)
         assert use_onednn_linears(model) == 3
     for name in ("proj", "down"):
         assert getattr(fits, name).prefill_weight is not None
@@ -275,3 +275,15 @@ def test_default_prepacks_where_memory_allows_with_the_unpacked_outputs(
             x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 96, generator=gen)
             for name, xin in (("proj", x), ("down", h), ("lm_head", x)):
                 assert torch.equal(getattr(fits, name)(xin), getattr(tight, name)(xin))
+
+
+def test_the_plan_and_the_engines_read_memory_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory plan and every engine decide by the same reading (the process's first), so
+    engines loaded later, after other engines' weights, decide as the printed plan did."""
+    readings = iter([8 << 30, 1 << 30, 1 << 20])
+    monkeypatch.setattr(meminfo, "available_memory_bytes", lambda: next(readings))
+    meminfo.available_at_start.cache_clear()
+    try:
+        assert [meminfo.available_at_start() for _ in range(3)] == [8 << 30] * 3
+    finally:
+        meminfo.available_at_start.cache_clear()

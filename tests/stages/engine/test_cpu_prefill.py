@@ -173,6 +173,21 @@ def test_paged_prefill_equals_torch_path(
 
 
 @needs_kernel
+@pytest.mark.parametrize("bad", [-1, 24])
+def test_paged_prefill_refuses_page_ids_outside_the_pool(
+    bad: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel writes through the page ids: one outside the pool is an IndexError before
+    anything is written, as torch's indexing was."""
+    monkeypatch.setenv(ENV_ATTN, "paged")
+    pool = _pool(2, 8, 16)
+    before = pool.tensor.clone()
+    with pytest.raises(IndexError, match="out of range for 24 pages"):
+        PagedPrefill(pool, torch.tensor([11, bad, 7]), 0, 20, None)
+    assert torch.equal(pool.tensor, before)
+
+
+@needs_kernel
 def test_paged_prefill_leaves_too_many_query_heads_to_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

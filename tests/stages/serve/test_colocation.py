@@ -16,7 +16,7 @@ from kvflow.stages.serve.colocation import (
 )
 from kvflow.stages.serve.memory import plan_memory
 from kvflow.tools.cli import build_parser
-from kvflow.tools.serve import config_from_args
+from kvflow.tools.serve import config_from_args, weight_copies
 
 
 def test_a_small_machine_colocates_by_default_a_larger_one_does_not() -> None:
@@ -65,3 +65,12 @@ def test_serve_flags_reach_the_config(flags: list[str], expected: bool, tmp_path
             ["serve", "--model", str(tmp_path), "--data-dir", str(tmp_path),
              "--tbt-target-ms", "-1", *flags]
         ), plan)  # fmt: skip
+
+
+def test_a_colocated_pair_loads_one_copy_of_the_weights() -> None:
+    """The memory plan counts the engines that load weights: one per colocated pair, one per
+    instance otherwise."""
+    assert weight_copies(1, 1, colocate=True) == 1
+    assert weight_copies(2, 2, colocate=True) == 2
+    assert weight_copies(1, 1, colocate=False) == 2
+    assert weight_copies(2, 1, colocate=False) == 3
