@@ -94,16 +94,9 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
     }
 
 
-def memory_plan(
-    args: argparse.Namespace,
-    model_dir: Path,
-    engines: int,
-    shards: int,
-    weight_copies: int | None = None,
-) -> Any:
+def memory_plan(args: argparse.Namespace, model_dir: Path, engines: int, shards: int) -> Any:
     """The process's ``MemoryPlan`` (``stages/serve/memory.py``) for ``add_engine_store_flags``'
-    sizes: given ones kept, the rest sized from ``model_dir``'s config and this machine;
-    ``weight_copies``: the engines that load weights of their own (None: ``engines``)."""
+    sizes: given ones kept, the rest sized from ``model_dir``'s config and this machine."""
     from kvflow.stages.serve.memory import plan_for_model
 
     def mib(value: int | None, flag: str) -> int | None:
@@ -123,7 +116,6 @@ def memory_plan(
         num_pages=args.num_pages,
         dram_bytes=mib(args.dram_mb, "--dram-mb"),
         ssd_bytes=mib(args.ssd_mb, "--ssd-mb"),
-        weight_copies=weight_copies,
     )
 
 

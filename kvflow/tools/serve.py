@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -576,9 +577,10 @@ def run(args: argparse.Namespace) -> int:
         # every instance has an engine and a shard (DESIGN: decode instances store too)
         instances = args.prefill + args.decode
         # a colocated prefill and decode instance share one engine: one copy of the weights
-        colocate = colocated(args)
+        plan = memory_plan(args, args.model, engines=instances, shards=instances)
+        colocate = colocated(args)  # after the plan's checks: a bad flag is the only line
         copies = weight_copies(args.prefill, args.decode, colocate)
-        plan = memory_plan(args, args.model, instances, instances, weight_copies=copies)
+        plan = dataclasses.replace(plan, weight_copies=copies)
         config = config_from_args(args, plan, colocate)
         http = http_config(args)
     except (ValueError, EngineError) as exc:

@@ -189,7 +189,6 @@ def plan_for_model(
     num_pages: int | None = None,
     dram_bytes: int | None = None,
     ssd_bytes: int | None = None,
-    weight_copies: int | None = None,
 ) -> MemoryPlan:
     """``plan_memory`` for the model in ``model_dir`` (its config.json only; no weights are
     read) on this machine."""
@@ -212,5 +211,4 @@ def plan_for_model(
         ssd_bytes=ssd_bytes,
         available=available_at_start(),
         free_disk=free_disk_bytes(data_dir),
-        weight_copies=weight_copies,
     )
