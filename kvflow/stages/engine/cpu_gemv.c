@@ -17,6 +17,7 @@
 
 #define OB 4 /* outputs (weight rows) per block */
 #define RB 4 /* input rows per block */
+#define BLOCK_MIN_ROWS 3 /* fewer rows: one dot product per output and row */
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -106,9 +107,9 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
 }
 
 static void rows(const float *x, const float *w, const float *b, float *y, long M, long N,
-                 long K, long lo, long hi) {
+                 long K, long lo, long hi, long block_min) {
     long o = lo;
-    if (M > 2) {
+    if (M >= block_min) {
         for (; o + OB <= hi; o += OB) {
             const float *wo = w + o * K, *bo = b ? b + o : 0;
             for (long m = 0; m < M; m += RB) {
@@ -137,7 +138,8 @@ static inline float dot(const float *x, const float *w, long K) {
 }
 
 static void rows(const float *x, const float *w, const float *b, float *y, long M, long N,
-                 long K, long lo, long hi) {
+                 long K, long lo, long hi, long block_min) {
+    (void)block_min; /* no blocked path without AVX-512 */
     for (long o = lo; o < hi; o++) {
         const float *wr = w + o * K;
         for (long m = 0; m < M; m++) y[m * N + o] = dot(x + m * K, wr, K) + (b ? b[o] : 0.0f);
@@ -145,10 +147,13 @@ static void rows(const float *x, const float *w, const float *b, float *y, long 
 }
 #endif
 
-void kvflow_gemv(const float *x, const float *w, const float *b, float *y, long M, long N,
-                 long K, long threads) {
+/* y = x W^T + b. With M >= block_min rows, the rows are register-blocked; with fewer, one
+ * dot product per output and row (block_min > M: the kernel before blocking, which
+ * kvflow.tools.bench.gemv measures against). */
+void kvflow_gemv_blocked_from(const float *x, const float *w, const float *b, float *y, long M,
+                              long N, long K, long threads, long block_min) {
     if (threads <= 1 || N < 64) {
-        rows(x, w, b, y, M, N, K, 0, N);
+        rows(x, w, b, y, M, N, K, 0, N, block_min);
         return;
     }
 #pragma omp parallel num_threads(threads)
@@ -156,6 +161,11 @@ void kvflow_gemv(const float *x, const float *w, const float *b, float *y, long 
         long t = omp_get_thread_num(), n = omp_get_num_threads();
         long step = ((N + n - 1) / n + OB - 1) / OB * OB; /* whole blocks per thread */
         long lo = t * step, hi = lo + step < N ? lo + step : N;
-        if (lo < hi) rows(x, w, b, y, M, N, K, lo, hi);
+        if (lo < hi) rows(x, w, b, y, M, N, K, lo, hi, block_min);
     }
+}
+
+void kvflow_gemv(const float *x, const float *w, const float *b, float *y, long M, long N,
+                 long K, long threads) {
+    kvflow_gemv_blocked_from(x, w, b, y, M, N, K, threads, BLOCK_MIN_ROWS);
 }

@@ -1,6 +1,7 @@
 """Decode matrix-vector microbenchmark: the float32 kernel (cpu_gemv.c) against the kernel it
-replaced (one horizontal reduction per output and row, kept here only), oneDNN's inner
-product and a plain read of the same weights.
+replaced (one horizontal reduction per output and row: the same library's
+`kvflow_gemv_blocked_from` with blocking off), oneDNN's inner product and a plain read of the
+same weights.
 
 One pass is every linear of SmolLM2-135M-Instruct (30 layers of fused q/k/v 960x576, o
 576x576, fused gate/up 3072x576, down 576x1536, then the lm_head 49152x576: 538 MB of
@@ -18,8 +19,6 @@ import argparse
 import ctypes
 import json
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,58 +31,6 @@ from kvflow.stages.engine.cpu_gemv import gemv_kernel
 from kvflow.tools.bench._cli import entry_points
 from kvflow.tools.bench._meta import run_meta
 
-# The kernel of tree e3555cf (one `dot` with its own reduction per output and row), kept
-# for this A/B only.
-OLD_SOURCE = r"""
-#include <omp.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-static inline float dot(const float *x, const float *w, long K) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    long k = 0;
-    for (; k + 64 <= K; k += 64) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(w + k), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(w + k + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 32), _mm512_loadu_ps(w + k + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 48), _mm512_loadu_ps(w + k + 48), a3);
-    }
-    for (; k + 16 <= K; k += 16)
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(w + k), a0);
-    if (k < K) {
-        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, w + k), a1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
-#else
-static inline float dot(const float *x, const float *w, long K) {
-    float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-    for (long k = 0; k < K; k++) a += x[k] * w[k];
-    return a;
-}
-#endif
-static void rows(const float *x, const float *w, const float *b, float *y, long M, long N,
-                 long K, long lo, long hi) {
-    for (long o = lo; o < hi; o++) {
-        const float *wr = w + o * K;
-        for (long m = 0; m < M; m++) y[m * N + o] = dot(x + m * K, wr, K) + (b ? b[o] : 0.0f);
-    }
-}
-void old_gemv(const float *x, const float *w, const float *b, float *y, long M, long N,
-              long K, long threads) {
-    if (threads <= 1 || N < 64) { rows(x, w, b, y, M, N, K, 0, N); return; }
-#pragma omp parallel num_threads(threads)
-    {
-        long t = omp_get_thread_num(), n = omp_get_num_threads();
-        long step = (N + n - 1) / n;
-        long lo = t * step, hi = lo + step < N ? lo + step : N;
-        if (lo < hi) rows(x, w, b, y, M, N, K, lo, hi);
-    }
-}
-"""
-
 LAYERS = 30
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K): qkv, o, gate_up, down
 LM_HEAD = (49152, 576)
@@ -92,31 +39,32 @@ VARIANTS = ("new", "old", "onednn", "read")
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _old_kernel(workdir: Path) -> Linear:
-    src, lib = workdir / "old_gemv.c", workdir / "old_gemv.so"
-    src.write_text(OLD_SOURCE)
-    cc = cpu_kernels._compiler() or "cc"
-    subprocess.run([cc, *cpu_kernels.FLAGS, "-o", str(lib), str(src)], check=True, timeout=120)
-    fn = ctypes.CDLL(str(lib)).old_gemv
+def _old_kernel() -> Linear:
+    """The kernel before blocking (one dot product per output and row, as in tree e3555cf):
+    `kvflow_gemv_blocked_from` of the same library with blocking from more rows than any."""
+    lib = cpu_kernels.library()
+    if lib is None:
+        raise SystemExit("gemv: the CPU kernels cannot be built here (see the log)")
+    fn = lib.kvflow_gemv_blocked_from
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
 
     def old(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         (m, k), n = x.shape, w.shape[0]
         y = torch.empty((m, n))
-        fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), m, n, k, torch.get_num_threads())
+        fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), m, n, k, torch.get_num_threads(), m + 1)
         return y
 
     return old
 
 
-def _variants(workdir: Path) -> dict[str, Linear]:
+def _variants() -> dict[str, Linear]:
     new = gemv_kernel()
     if new is None:
         raise SystemExit("gemv: the CPU kernels cannot be built here (see the log)")
     return {
         "new": lambda x, w: new(x, w, None),
-        "old": _old_kernel(workdir),
+        "old": _old_kernel(),
         "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "read": lambda x, w: w.sum(),
     }
@@ -141,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     nbytes = sum(w.numel() * 4 for w in weights)
     gen = torch.Generator().manual_seed(args.seed + 1)
     results: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvflow-gemv-") as tmp, torch.inference_mode():
-        fns = _variants(Path(tmp))
+    with torch.inference_mode():
+        fns = _variants()
         names = [v for v in args.variants if v in fns]
         for rows in args.rows:
             xs = {k: torch.randn(rows, k, generator=gen) for k in {w.shape[1] for w in weights}}

@@ -4,6 +4,7 @@ built once into its cache directory."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 import sys
@@ -58,6 +59,29 @@ def test_gemv_equals_f_linear() -> None:
                         )
     finally:
         torch.set_num_threads(saved)
+
+
+@needs_kernel
+def test_blocking_off_is_one_dot_per_output_and_row() -> None:
+    """`kvflow_gemv_blocked_from` with blocking from more rows than given (what the gemv
+    benchmark measures as the kernel before blocking) gives F.linear's values too, and the
+    same bits as `kvflow_gemv` where that does not block (1 and 2 rows)."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    fn = lib.kvflow_gemv_blocked_from
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
+    gemv = cpu_gemv.gemv_kernel()
+    assert gemv is not None
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(130, 576, generator=gen), torch.randn(130, generator=gen)
+    for rows in (1, 2, 5, 8):
+        x = torch.randn(rows, 576, generator=gen)
+        y = torch.empty(rows, 130)
+        fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), rows, 130, 576, 2, rows + 1)
+        assert torch.allclose(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        if rows <= 2:
+            assert torch.equal(y, gemv(x, w, b))
 
 
 def _check_rows_blocks_and_tails(gemv: cpu_gemv.Gemv, seed: int) -> None:
