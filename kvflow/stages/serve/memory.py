@@ -25,9 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvflow.stages.engine.meminfo import available_at_start, available_memory_bytes
-
-__all__ = ["MemoryPlan", "available_memory_bytes", "page_nbytes", "plan_for_model", "plan_memory"]
+from kvflow.stages.engine.meminfo import available_at_start
 
 MIB = 1 << 20
 MAX_AUTO_PAGES = 512
