@@ -57,3 +57,51 @@ def test_lmdb_map_full_is_store_full(tmp_path: Path) -> None:
         assert eng.get((0).to_bytes(4, "big")) == bytes(64 * 1024)  # earlier data intact
     finally:
         eng.close()
+
+
+_CRASH = """
+import os, signal, sys
+from pathlib import Path
+from kvflow.kvdb.engines import ENGINES
+eng = ENGINES["rocksdb"].open(Path(sys.argv[1]), 0)
+eng.put_many([(b"deleted", b"d" * 300_000), (b"kept", b"k" * 300_000)])
+eng.flush()                                   # both on disk
+eng.delete(b"deleted")                        # logged: must not come back
+eng.put_many([(b"late", b"l" * 300_000)])     # unlogged, in the memtable only
+print("ready", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_rocksdb_after_kill_9_loses_only_unflushed_puts_and_never_revives_a_delete(
+    tmp_path: Path,
+) -> None:
+    """Puts skip RocksDB's log (rocks.py): a SIGKILL may lose the latest records, which are
+    then absent, never damaged, and a delete made before the kill stays deleted."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ssd"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASH, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -9 and "ready" in proc.stdout, proc.stderr
+    eng = ENGINES["rocksdb"].open(path, 0)
+    try:
+        assert eng.get(b"kept") == b"k" * 300_000
+        assert eng.get(b"deleted") is None
+        assert eng.get(b"late") in (None, b"l" * 300_000)
+        assert {k for k, _ in eng.scan()} <= {b"kept", b"late"}
+    finally:
+        eng.close()
+
+
+def test_rocksdb_clean_close_keeps_unflushed_puts(tmp_path: Path) -> None:
+    eng = ENGINES["rocksdb"].open(tmp_path / "ssd", 0)
+    eng.put_many([(bytes([i]), bytes([i]) * 200_000) for i in range(8)])
+    eng.close()
+    eng = ENGINES["rocksdb"].open(tmp_path / "ssd", 0)
+    try:
+        assert sorted(eng.scan()) == [(bytes([i]), bytes([i]) * 200_000) for i in range(8)]
+    finally:
+        eng.close()

@@ -1,16 +1,28 @@
-"""RocksEngine: RocksDB through rocksdict (raw bytes mode); the default SSD engine."""
+"""RocksEngine: RocksDB through rocksdict (raw bytes mode); the default SSD engine.
+
+Puts skip RocksDB's write-ahead log. A record is a copy of a block the node also held in DRAM
+(or can recompute), and the log doubled the CPU of every demotion: 3.3-3.5 against 1.4 ms of
+CPU per MiB of 2.8 MiB records (BENCHMARKS.md, "The SSD tier's write path"). What a process
+crash loses is what was in the memtables (up to two write buffers of the latest records):
+those blocks are absent after the restart, never damaged, as DRAM's are. Deletes keep the log,
+so a record once deleted (evicted, removed by a client) never comes back. ``close`` flushes the
+memtables, so a clean shutdown keeps everything.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from rocksdict import DBCompressionType, Options, Rdict, WriteBatch
+from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvflow.kvdb.engines.base import StorageEngine
 from kvflow.kvdb.errors import StorageEngineError, StoreClosedError, StoreFullError
+
+logger = logging.getLogger(__name__)
 
 
 def _raise(exc: Exception, what: str) -> NoReturn:
@@ -37,6 +49,8 @@ class RocksEngine(StorageEngine):
         except Exception as exc:  # rocksdict raises plain Exception
             _raise(exc, f"open {path}")
         self._closing = threading.RLock()
+        self._unlogged = WriteOptions()
+        self._unlogged.disable_wal = True
 
     @classmethod
     def open(cls, path: Path | None, map_size_bytes: int) -> RocksEngine:
@@ -61,7 +75,7 @@ class RocksEngine(StorageEngine):
     def put(self, key: bytes, value: bytes) -> None:
         db = self._live()
         try:
-            db.put(key, value)
+            db.put(key, value, self._unlogged)
         except Exception as exc:
             _raise(exc, "put")
 
@@ -71,7 +85,7 @@ class RocksEngine(StorageEngine):
         for key, value in items:
             batch.put(key, value)
         try:
-            db.write(batch)
+            db.write(batch, self._unlogged)
         except Exception as exc:
             _raise(exc, "write batch")
 
@@ -119,4 +133,8 @@ class RocksEngine(StorageEngine):
         with self._closing:
             db, self._db = self._db, None
             if db is not None:
+                try:
+                    db.flush(True)  # the unlogged puts' memtables, before the handle goes
+                except Exception:  # rocksdict raises plain Exception; the close goes on
+                    logger.exception("rocksdb: flush on close failed; unflushed records lost")
                 db.close()
