@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.kvdb.config import ENGINES
+from kvflow.kvdb.manifest import engine_for
 
 _NODE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -30,7 +31,9 @@ class MemberConfig:
         shard's SSD files and manifest; None = an in-memory SSD engine (nothing survives a
         restart). dram_bytes / ssd_bytes: the DRAM pool and SSD budget this process gives
         the cluster; both 0 (clustered only) = a client that holds nothing: its puts go to
-        peers (a Mooncake client with no segment). engine: "rocksdb", "lmdb" or "memory".
+        peers (a Mooncake client with no segment). engine: "lmdb", "rocksdb" or "memory";
+        None (the default): "memory" without a data_dir, else the engine the shard's
+        directory already holds, else kvdb's ``DEFAULT_ENGINE`` (``store_engine``).
         tenant: the key namespace's tenant (tenants never see each other's blocks).
         heartbeat_s: the member's heartbeat period; peer_dead_after_s: a peer whose last
         heartbeat is older is not read from. dram_prefault: touch every page of the DRAM
@@ -47,7 +50,7 @@ class MemberConfig:
     data_dir: Path | None = None
     dram_bytes: int = 256 << 20
     ssd_bytes: int = 1 << 30
-    engine: str = "rocksdb"
+    engine: str | None = None
     tenant: str = "default"
     heartbeat_s: float = 1.0
     peer_dead_after_s: float = 5.0
@@ -76,9 +79,9 @@ class MemberConfig:
                 "dram_bytes and ssd_bytes: at least one tier must have room (both 0 = a "
                 "client that holds nothing, which needs meta)"
             )
-        if self.engine not in ENGINES:
+        if self.engine is not None and self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}")
-        if self.engine != "memory" and self.data_dir is None:
+        if self.engine not in (None, "memory") and self.data_dir is None:
             raise ValueError(f"data_dir is required for engine {self.engine!r} (or use 'memory')")
         if not isinstance(self.tenant, str) or not _TENANT_RE.fullmatch(self.tenant):
             raise ValueError(
@@ -93,6 +96,18 @@ class MemberConfig:
             raise ValueError(
                 f"peer_dead_after_s must exceed heartbeat_s, got {self.peer_dead_after_s!r}"
             )
+
+    @property
+    def shard_dir(self) -> Path | None:
+        """The shard's directory under ``data_dir`` (None without one)."""
+        return None if self.data_dir is None else self.data_dir / "shards" / self.node_id
+
+    @property
+    def store_engine(self) -> str:
+        """The SSD engine the member's shard opens with (see ``engine``)."""
+        if self.engine is None and self.data_dir is None:
+            return "memory"
+        return engine_for(self.shard_dir, self.engine)
 
     @property
     def clustered(self) -> bool:

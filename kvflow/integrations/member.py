@@ -135,12 +135,11 @@ class ClusterMember:
 
     def _store_config(self, value_size: int | None) -> StoreConfig:
         c = self.config
-        data_dir = None if c.data_dir is None else c.data_dir / "shards" / c.node_id
         return StoreConfig(
-            data_dir=data_dir,
+            data_dir=c.shard_dir,
             dram_capacity_bytes=c.dram_bytes,
             ssd_capacity_bytes=c.ssd_bytes,
-            engine=c.engine,
+            engine=c.store_engine,
             value_size=value_size,
             dram_prefault=c.dram_prefault,
             verify_dram_hits=c.verify_dram_hits,

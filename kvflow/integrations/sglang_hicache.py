@@ -63,7 +63,7 @@ class KvflowHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self.member_config = MemberConfig.from_mapping(
             extra,
             node_id=_default_node_id(storage_config),
-            engine="memory" if extra.get("kvflow_data_dir") is None else "rocksdb",
+            engine="memory" if extra.get("kvflow_data_dir") is None else None,
         )
         self.model = extra.get("kvflow_model")
         self.member: ClusterMember | None = None

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-ENGINES = ("rocksdb", "lmdb", "memory")
+ENGINES = ("lmdb", "rocksdb", "memory")
+# The SSD engine a new data directory gets where none is configured (one that already holds a
+# tier keeps its engine: ``manifest.engine_for``). LMDB: kvflow's records are fixed-size
+# blocks of MiBs, written once under random keys. RocksDB's leveled compaction rewrites them,
+# and its flush and compaction threads cost ~4-6 s of CPU per GB demoted beside the engine
+# (BENCHMARKS.md, "The SSD tier's write path"); an LMDB write is one copy into its map.
+DEFAULT_ENGINE = "lmdb"
 COMPRESSIONS = ("none", "zstd")
 
 
@@ -21,7 +27,7 @@ class StoreConfig:
             puts land on SSD).
         ssd_capacity_bytes: bytes of records the SSD tier may hold (>= 0; 0 = no SSD tier,
             DRAM evictions drop).
-        engine: SSD storage engine: "rocksdb" (default), "lmdb" or "memory" (tests).
+        engine: SSD storage engine: "lmdb" (``DEFAULT_ENGINE``), "rocksdb" or "memory" (tests).
         eviction: eviction policy name from ``kvdb.eviction.POLICIES``:
             "prefix_replica_lru" (default) or "lru".
         high_watermark: fraction of a tier's capacity above which it evicts (0 < hw <= 1).
@@ -50,7 +56,7 @@ class StoreConfig:
     data_dir: Path | None = None
     dram_capacity_bytes: int = 256 * 1024 * 1024
     ssd_capacity_bytes: int = 1024 * 1024 * 1024
-    engine: str = "rocksdb"
+    engine: str = DEFAULT_ENGINE
     eviction: str = "prefix_replica_lru"
     high_watermark: float = 0.95
     low_watermark: float = 0.85

@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from kvflow.kvdb.config import DEFAULT_ENGINE, ENGINES
 from kvflow.kvdb.errors import (
     DamagedManifestError,
     IncompatibleDataDirError,
@@ -26,6 +27,25 @@ _OLDER = {
     2: "its records carry no owner tenant",
     3: "its checksums do not cover the block's owner tenant",
 }
+
+
+def engine_for(data_dir: Path | None, configured: str | None) -> str:
+    """The SSD engine to open ``data_dir`` with: ``configured`` if given, else the engine its
+    manifest records (a directory keeps the engine it was written with, so a default that
+    changed never refuses it), else ``DEFAULT_ENGINE``. An unreadable manifest counts as none:
+    opening the directory reports it."""
+    if configured is not None:
+        return configured
+    if data_dir is not None:
+        try:
+            body = json.loads((data_dir / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            body = None
+        if isinstance(body, dict) and body.get("format") == FORMAT_NAME:
+            engine = body.get("engine")
+            if isinstance(engine, str) and engine in ENGINES:
+                return engine
+    return DEFAULT_ENGINE
 
 
 def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
@@ -70,7 +90,9 @@ def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
         )
     if body.get("engine") != engine:
         raise IncompatibleDataDirError(
-            f"{path}: written by engine {body.get('engine')!r}, configured engine is {engine!r}"
+            f"{path}: written by engine {body.get('engine')!r}, configured engine is {engine!r}; "
+            f"configure {body.get('engine')!r} (or none: a directory keeps its engine), or "
+            "delete the directory (a cache) to start afresh"
         )
     if body.get("fingerprint") != fingerprint:
         raise NamespaceMismatchError(

@@ -70,7 +70,11 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         type=int,
         help="SSD tier per shard, MiB; default: a quarter of the free disk, at most 8192",
     )
-    p.add_argument("--storage-engine", default="rocksdb", choices=["rocksdb", "lmdb"])
+    p.add_argument(
+        "--storage-engine",
+        choices=["lmdb", "rocksdb"],
+        help="SSD tier's engine; default: the one the data dir already holds, else lmdb",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -194,6 +194,25 @@ def test_incompatible_data_dirs(tmp_path: Path) -> None:
         Shard(cfg, NAMESPACE.fingerprint())
 
 
+def test_an_unconfigured_engine_is_the_directorys_own_else_lmdb(tmp_path: Path) -> None:
+    """The default engine changed (rocksdb -> lmdb): a directory written by either keeps its
+    engine when none is configured, a new one gets lmdb, a configured one is refused with
+    what to do."""
+    from kvflow.kvdb.config import DEFAULT_ENGINE
+    from kvflow.kvdb.manifest import engine_for
+
+    data = tmp_path / "data"
+    assert DEFAULT_ENGINE == "lmdb" and engine_for(data, None) == "lmdb"
+    Shard(config(tmp_path, engine="rocksdb"), NAMESPACE.fingerprint()).close()
+    assert engine_for(data, None) == "rocksdb"
+    assert engine_for(data, "lmdb") == "lmdb"
+    with pytest.raises(IncompatibleDataDirError, match="configure 'rocksdb'"):
+        Shard(config(tmp_path, engine="lmdb"), NAMESPACE.fingerprint())
+    Shard(config(tmp_path, engine=engine_for(data, None)), NAMESPACE.fingerprint()).close()
+    (data / MANIFEST_NAME).write_text("{not json")
+    assert engine_for(data, None) == "lmdb"  # opening it then reports the damage
+
+
 def test_client_checks_namespace_and_block_size(make_shard: ShardFactory) -> None:
     shard = make_shard()
     other_model = Namespace("tenant-a", "another-model", LAYOUT)

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from kvflow.kvdb import KVLayout, Store, StoreConfig, open_store
+from kvflow.kvdb.manifest import engine_for
 from kvflow.pipeline import AdmissionConfig, AdmissionQueue, Metrics
 from kvflow.replication import NodeId
 from kvflow.router import (
@@ -99,12 +100,13 @@ def open_shard(
 ) -> Store:
     """The instance's kvdb shard under ``data_dir/shards/<instance>``, reporting to
     ``metadata`` (a MetadataGroup or RemoteMetadata); closed by ``closers``."""
+    shard_dir = config.data_dir / "shards" / instance_id
     store = open_store(
         StoreConfig(
-            data_dir=config.data_dir / "shards" / instance_id,
+            data_dir=shard_dir,
             dram_capacity_bytes=config.dram_capacity_bytes,
             ssd_capacity_bytes=config.ssd_capacity_bytes,
-            engine=config.storage_engine,
+            engine=engine_for(shard_dir, config.storage_engine),
             value_size=engine.page_nbytes,
         ),
         namespace_for(DEFAULT_TENANT, engine.model_fingerprint, kv_layout(engine)),

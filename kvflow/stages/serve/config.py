@@ -11,7 +11,7 @@ from kvflow.kvdb import PeerCallBudget
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 """The engine dtypes (``stages/engine/precision.py:PRECISIONS`` says what each means; named here
 too so that flag parsing imports no torch)."""
-STORAGE_ENGINES = ("rocksdb", "lmdb", "memory")
+STORAGE_ENGINES = ("lmdb", "rocksdb", "memory")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -87,7 +87,9 @@ class EngineStoreConfig:
         staging_pages: page slots of each staging area (decode: streamed KV lands there;
             prefill: reuse-load reads cached blocks there).
         dram_capacity_bytes / ssd_capacity_bytes: per-shard tier capacities.
-        storage_engine: "rocksdb" (default), "lmdb" or "memory" for the SSD tier.
+        storage_engine: "lmdb", "rocksdb" or "memory" for the SSD tier; None (the default):
+            the engine each shard's directory already holds, else kvdb's ``DEFAULT_ENGINE``
+            (``kvdb.manifest.engine_for``).
         seed: seeds the engines.
     """
 
@@ -103,7 +105,7 @@ class EngineStoreConfig:
     staging_pages: int = 512
     dram_capacity_bytes: int = 1 << 30
     ssd_capacity_bytes: int = 8 << 30
-    storage_engine: str = "rocksdb"
+    storage_engine: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -130,7 +132,7 @@ class EngineStoreConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.storage_engine not in STORAGE_ENGINES:
+        if self.storage_engine is not None and self.storage_engine not in STORAGE_ENGINES:
             raise ValueError(
                 f"storage_engine must be one of {STORAGE_ENGINES}, got {self.storage_engine!r}"
             )
