@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from kvflow.kvdb.config import DEFAULT_ENGINE, ENGINES
+from kvflow.kvdb.config import DEFAULT_ENGINE
 from kvflow.kvdb.errors import (
     DamagedManifestError,
     IncompatibleDataDirError,
@@ -43,8 +43,8 @@ def engine_for(data_dir: Path | None, configured: str | None) -> str:
             body = None
         if isinstance(body, dict) and body.get("format") == FORMAT_NAME:
             engine = body.get("engine")
-            if isinstance(engine, str) and engine in ENGINES:
-                return engine
+            if engine in ("lmdb", "rocksdb"):  # a "memory" tier left nothing to keep
+                return str(engine)
     return DEFAULT_ENGINE
 
 
@@ -62,16 +62,7 @@ def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
             raise IncompatibleDataDirError(
                 f"{data_dir}: SSD files without {MANIFEST_NAME}; not written by this version"
             )
-        data_dir.mkdir(parents=True, exist_ok=True)
-        body = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "engine": engine,
-            "fingerprint": fingerprint,
-        }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body, indent=2) + "\n")
-        os.replace(tmp, path)
+        _write(data_dir, engine, fingerprint)
         return False
     try:
         body = json.loads(path.read_text())
@@ -88,11 +79,20 @@ def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
             f"{path}: format version {version!r}, this build reads {FORMAT_VERSION}"
             + (f" ({why}); it is a cache: delete the directory to start afresh" if why else "")
         )
+    if body.get("engine") == "memory" and engine != "memory":
+        if body.get("fingerprint") != fingerprint:
+            raise NamespaceMismatchError(
+                f"{path}: holds blocks of model fingerprint {body.get('fingerprint')!r}, "
+                f"opened for {fingerprint!r}"
+            )
+        _write(data_dir, engine, fingerprint)  # a memory tier kept nothing on disk
+        return False
     if body.get("engine") != engine:
         raise IncompatibleDataDirError(
             f"{path}: written by engine {body.get('engine')!r}, configured engine is {engine!r}; "
-            f"configure {body.get('engine')!r} (or none: a directory keeps its engine), or "
-            "delete the directory (a cache) to start afresh"
+            f"configure {body.get('engine')!r} (`kvflow serve` and kvflow members: or no "
+            "engine at all, and the directory keeps its own), or delete the directory (a "
+            "cache) to start afresh"
         )
     if body.get("fingerprint") != fingerprint:
         raise NamespaceMismatchError(
@@ -100,3 +100,17 @@ def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
             f"opened for {fingerprint!r}"
         )
     return True
+
+
+def _write(data_dir: Path, engine: str, fingerprint: str) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    body = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "engine": engine,
+        "fingerprint": fingerprint,
+    }
+    path = data_dir / MANIFEST_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=2) + "\n")
+    os.replace(tmp, path)

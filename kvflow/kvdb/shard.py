@@ -68,7 +68,8 @@ def check_key(key: bytes) -> BlockKey:
 
 class Shard:
     """One node's share of the store. Opening re-adopts the SSD records already in
-    ``config.data_dir`` (a restart loses no SSD data; with ``flush_on_close`` a clean close
+    ``config.data_dir`` (a restart loses no SSD data, except RocksDB's records not yet flushed
+    from its memtables when the process was killed; with ``flush_on_close`` a clean close
     loses no DRAM data either).
 
     Raises at open: IncompatibleDataDirError (other format version or engine),

@@ -100,6 +100,11 @@ def _open(config: StoreConfig, map_size: int) -> StorageEngine:
     directory = config.ssd_dir()
     if config.engine == "lmdb" and directory is not None:
         check_lmdb(directory)
+        # A tier written at a larger capacity: LMDB would map only what it holds, leaving no
+        # free page for the deletes that trim it to the new capacity (MDB_MAP_FULL at open).
+        held = directory / "data.mdb"
+        if held.exists():
+            map_size = max(map_size, held.stat().st_size + (64 << 20))
     return ENGINES[config.engine].open(directory, map_size)
 
 

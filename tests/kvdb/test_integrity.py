@@ -213,6 +213,20 @@ def test_an_unconfigured_engine_is_the_directorys_own_else_lmdb(tmp_path: Path) 
     assert engine_for(data, None) == "lmdb"  # opening it then reports the damage
 
 
+def test_a_memory_tiers_directory_is_taken_over_by_a_disk_engine(tmp_path: Path) -> None:
+    """A "memory" SSD tier kept nothing on disk: an unconfigured open gets the default
+    engine (not a volatile tier again), and its manifest is rewritten, not refused."""
+    from kvflow.kvdb.manifest import engine_for
+
+    data = tmp_path / "data"
+    Shard(config(tmp_path, engine="memory"), NAMESPACE.fingerprint()).close()
+    assert engine_for(data, None) == "lmdb"
+    with pytest.raises(NamespaceMismatchError):  # another model's directory stays refused
+        Shard(config(tmp_path, engine="lmdb"), "f" * 32)
+    Shard(config(tmp_path, engine="lmdb"), NAMESPACE.fingerprint()).close()
+    assert json.loads((data / MANIFEST_NAME).read_text())["engine"] == "lmdb"
+
+
 def test_client_checks_namespace_and_block_size(make_shard: ShardFactory) -> None:
     shard = make_shard()
     other_model = Namespace("tenant-a", "another-model", LAYOUT)

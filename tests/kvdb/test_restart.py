@@ -86,3 +86,23 @@ def test_store_registers_blocks_in_metadata_and_readopts(
     buf = np.empty(NBYTES, np.uint8)
     assert store.client().get_into(ks[3], buf) is Tier.SSD
     assert np.array_equal(buf, value(3))
+
+
+def test_an_lmdb_tier_reopened_with_less_capacity_is_trimmed_not_refused(tmp_path: Path) -> None:
+    """LMDB would map only the pages the file holds: the deletes that trim the tier to its new
+    capacity then found no free page (MDB_MAP_FULL) and the shard did not open."""
+    big = config(tmp_path, engine="lmdb", dram_capacity_bytes=0, ssd_capacity_bytes=96 << 20)
+    shard = Shard(big, NAMESPACE.fingerprint())
+    ks = keys(80)
+    for i, key in enumerate(ks):
+        shard.put(key, np.full(1 << 20, i, np.uint8))
+    shard.close()
+    small = config(tmp_path, engine="lmdb", dram_capacity_bytes=0, ssd_capacity_bytes=8 << 20)
+    shard = Shard(small, NAMESPACE.fingerprint())
+    try:
+        held = [k for k in ks if shard.exists(k)]
+        assert 0 < len(held) <= 8
+        i = ks.index(held[-1])
+        assert shard.get(held[-1]) == bytes([i]) * (1 << 20)
+    finally:
+        shard.close()

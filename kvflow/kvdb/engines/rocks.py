@@ -1,4 +1,5 @@
-"""RocksEngine: RocksDB through rocksdict (raw bytes mode); the default SSD engine.
+"""RocksEngine: RocksDB through rocksdict (raw bytes mode); the SSD engine before LMDB became the
+default (``kvdb/config.py:DEFAULT_ENGINE``).
 
 Puts skip RocksDB's write-ahead log. A record is a copy of a block the node also held in DRAM
 (or can recompute), and the log doubled the CPU of every demotion: 3.3-3.5 against 1.4 ms of
