@@ -49,10 +49,11 @@ def metric(server: ServerThread, name: str) -> float:
     return 0.0
 
 
-def hold_running(server: ServerThread) -> Any:
-    """A long gRPC stream that holds the one running place (its first token is in)."""
+def hold_running(server: ServerThread, max_tokens: int = 60) -> Any:
+    """A long gRPC stream that holds the one running place (its first token is in) until it
+    has decoded ``max_tokens`` or is cancelled."""
     req = pb2.GenerateRequest(
-        prompt="hold", max_tokens=60, sampling=pb2.SamplingParams(ignore_eos=True)
+        prompt="hold", max_tokens=max_tokens, sampling=pb2.SamplingParams(ignore_eos=True)
     )
     stream = server.stub.Generate(req, timeout=120)
     next(stream)
@@ -155,9 +156,12 @@ def post(server: ServerThread, body: dict[str, Any]) -> tuple[int, dict[str, Any
 
 
 def test_full_queue_answers_429_naming_the_limit(make: Any) -> None:
-    server = make(max_running_requests=1, max_queued_requests=1)
+    # The hold must outlast three refusals on a loaded machine: 60 tokens of the tiny model
+    # were decoded before the third once (its place went to the queued request); it is
+    # cancelled below.
+    server = make(max_running_requests=1, max_queued_requests=1, max_tokens_limit=1024)
     adm = server.cluster.admission
-    stream = hold_running(server)
+    stream = hold_running(server, max_tokens=1000)
     body = {"model": "tiny-chat", "prompt": "queued", "max_tokens": 2}
     queued: list[Any] = []
     t = threading.Thread(target=lambda: queued.append(post(server, body)))
