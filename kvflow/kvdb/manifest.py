@@ -79,12 +79,12 @@ def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
             f"{path}: format version {version!r}, this build reads {FORMAT_VERSION}"
             + (f" ({why}); it is a cache: delete the directory to start afresh" if why else "")
         )
+    if body.get("fingerprint") != fingerprint:
+        raise NamespaceMismatchError(
+            f"{path}: holds blocks of model fingerprint {body.get('fingerprint')!r}, "
+            f"opened for {fingerprint!r}"
+        )
     if body.get("engine") == "memory" and engine != "memory":
-        if body.get("fingerprint") != fingerprint:
-            raise NamespaceMismatchError(
-                f"{path}: holds blocks of model fingerprint {body.get('fingerprint')!r}, "
-                f"opened for {fingerprint!r}"
-            )
         _write(data_dir, engine, fingerprint)  # a memory tier kept nothing on disk
         return False
     if body.get("engine") != engine:
@@ -93,11 +93,6 @@ def check_or_create(data_dir: Path, engine: str, fingerprint: str) -> bool:
             f"configure {body.get('engine')!r} (`kvflow serve` and kvflow members: or no "
             "engine at all, and the directory keeps its own), or delete the directory (a "
             "cache) to start afresh"
-        )
-    if body.get("fingerprint") != fingerprint:
-        raise NamespaceMismatchError(
-            f"{path}: holds blocks of model fingerprint {body.get('fingerprint')!r}, "
-            f"opened for {fingerprint!r}"
         )
     return True
 
