@@ -154,7 +154,7 @@ class TierMover:
             for e in entries
             if e.dram is not None
         ]
-        total = sum(len(r) for _, r in records)
+        total = s.ssd.footprint(records)
         if not self.make_ssd_room(total, frozenset(e.key for e in entries)):
             logger.warning(
                 "demotion: SSD cannot take %d bytes; dropping %d last copies", total, len(entries)
@@ -163,7 +163,7 @@ class TierMover:
                 self._drop_block(e, s.dram_counters)
             return
         s.ssd.write_many(records)
-        s.ssd_counters.bytes_written += total
+        s.ssd_counters.bytes_written += sum(len(r) for _, r in records)
         for e in entries:
             e.on_ssd = True
             self._finish_demotion(e)
@@ -241,7 +241,7 @@ class TierMover:
             return None
         csum = block_checksum(key, parent, tenant, src)
         record = s.ssd.encode(src, csum, parent, tenant)
-        if not self.make_ssd_room(len(record)):
+        if not self.make_ssd_room(s.ssd.footprint([(key, record)])):
             return None
         s.ssd.write_many([(key, record)])
         e = Entry(key, src.shape[0], csum, parent, now, tenant)
@@ -325,7 +325,7 @@ class TierMover:
                 for e in chunk
                 if e.dram is not None
             ]
-            total = sum(len(r) for _, r in records)
+            total = s.ssd.footprint(records)
             if not self.make_ssd_room(total, frozenset(e.key for e in chunk)):
                 logger.warning("flush on close: SSD full; %d blocks not written", len(chunk))
                 break

@@ -1,5 +1,8 @@
 """SsdTier: records (header + payload, see ``codec``) in a StorageEngine, with accounting.
 
+The tier accounts each record's footprint in the engine's files (``StorageEngine.footprint``:
+LMDB's overflow pages round a record up to whole pages), so ``capacity`` bounds the disk used.
+
 Thread-safety: ``read_into`` may run concurrently with anything; the mutating methods and the
 ``sizes`` map are serialised by the shard's lock.
 """
@@ -57,6 +60,10 @@ class SsdTier:
             shuffle_width=self.shuffle,
         )
 
+    def footprint(self, records: Sequence[tuple[BlockKey, bytes]]) -> int:
+        """Bytes ``records`` would occupy in the engine (what ``used`` grows by if new)."""
+        return sum(self.engine.footprint(len(key), len(record)) for key, record in records)
+
     def write_many(self, records: Sequence[tuple[BlockKey, bytes]]) -> None:
         """Store encoded records in one engine batch, then account for them. Raises
         StoreFullError / StorageEngineError with nothing accounted."""
@@ -64,8 +71,9 @@ class SsdTier:
             return
         self.engine.put_many(records)
         for key, record in records:
-            self.used += len(record) - self.sizes.get(key, 0)
-            self.sizes[key] = len(record)
+            size = self.engine.footprint(len(key), len(record))
+            self.used += size - self.sizes.get(key, 0)
+            self.sizes[key] = size
 
     def delete_many(self, keys: Sequence[BlockKey]) -> None:
         """Delete records (accounting first: a record we cannot delete is not ours anymore)."""
@@ -95,8 +103,9 @@ class SsdTier:
                 self.corrupt_keys.append(key)
                 continue
             bkey = BlockKey(key)
-            self.sizes[bkey] = len(record)
-            self.used += len(record)
-            yield AdoptedRecord(key=bkey, header=header, size=len(record))
+            size = self.engine.footprint(len(key), len(record))
+            self.sizes[bkey] = size
+            self.used += size
+            yield AdoptedRecord(key=bkey, header=header, size=size)
         if self.corrupt_keys:
             self.engine.delete_many(self.corrupt_keys)

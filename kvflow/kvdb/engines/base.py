@@ -66,6 +66,12 @@ class StorageEngine(abc.ABC):
         """Every (key, value) pair. Values are new bytes. Concurrent writes may or may not be
         seen."""
 
+    def footprint(self, key_len: int, value_len: int) -> int:
+        """Bytes a record of these sizes occupies in the engine's files, as the tier accounts
+        them. Engines that pack records (RocksDB's SST blocks, memory) count the value."""
+        del key_len
+        return value_len
+
     def flush(self) -> None:  # noqa: B027 - optional hook: engines without buffers do nothing
         """Move buffered writes to the engine's files (RocksDB memtable -> SST, LMDB sync)."""
 

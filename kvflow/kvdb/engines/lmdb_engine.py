@@ -13,6 +13,13 @@ from kvflow.kvdb.errors import StorageEngineError, StoreClosedError, StoreFullEr
 
 T = TypeVar("T")
 
+# LMDB's layout (mdb.c): a leaf node is an 8-byte header + key + value plus a 2-byte slot; a
+# node larger than ``me_nodemax`` = ((psize - 16) // 2 & ~1) - 2 keeps its value on overflow
+# pages of its own, ceil((16 + value) / psize) of them, and an 8-byte page number in the leaf.
+_NODE_HEADER = 8
+_PAGE_HEADER = 16
+_SLOT = 2
+
 
 def _raise(exc: Exception, what: str) -> NoReturn:
     if isinstance(exc, lmdb.MapFullError) or (
@@ -43,6 +50,8 @@ class LmdbEngine(StorageEngine):
             )
         except lmdb.Error as exc:
             _raise(exc, f"open {path}")
+        self._psize = int(self._env.stat()["psize"])
+        self._nodemax = (((self._psize - _PAGE_HEADER) // 2) & ~1) - _SLOT
 
     @classmethod
     def open(cls, path: Path | None, map_size_bytes: int) -> LmdbEngine:
@@ -55,6 +64,16 @@ class LmdbEngine(StorageEngine):
         if self._env is None:
             raise StoreClosedError("lmdb engine is closed")
         return self._env
+
+    def footprint(self, key_len: int, value_len: int) -> int:
+        """A value too large for a leaf node takes whole overflow pages: a 2,100-byte record
+        occupies 4,096 bytes, a 4,100-byte one 8,192. A leaf record counts its node; leaf pages
+        are at least half full, which the map's slack (2x the tier's capacity) covers."""
+        node = _NODE_HEADER + key_len + value_len
+        if node <= self._nodemax:
+            return node + _SLOT
+        pages = -(-(_PAGE_HEADER + value_len) // self._psize)
+        return _NODE_HEADER + key_len + 8 + _SLOT + pages * self._psize
 
     def get(self, key: bytes) -> bytes | None:
         try:
