@@ -307,6 +307,13 @@ class PagedDecode:
         mask = visible_mask(q_pos, k_pos, self.window)
         return torch.tensor(own, dtype=torch.int64, device=dev), mask[:, None, None, :]
 
+    def paged_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(pool, table, ranges, slots) where the paged kernel attends (cpu_decode.py runs the
+        layers in one call then), else None."""
+        if self.kernel is None:
+            return None
+        return self.pool.tensor, self.table, self.ranges, self.slots
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             new_kv = (k, v, self.slots)

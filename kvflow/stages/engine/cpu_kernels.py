@@ -2,7 +2,8 @@
 
 `SOURCES` (cpu_gemv.c: the decode matrix-vector product; cpu_fused.c: the fused elementwise
 steps of a decoder layer; cpu_attn.c: paged decode attention; cpu_prefill.c: paged
-prefill attention; `HEADERS`: what they share) are
+prefill attention; cpu_decode.c: a decode step's layers calling those in turn; `HEADERS`:
+what they share) are
 compiled together on first use with the system's C compiler
 (`cc`, or `$CC`) for this CPU (`-march=native`; `-ffp-contract=off`, so that a product and a
 sum written apart round apart, as torch's separate ops do) into a cache directory
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_gemv.c", "cpu_fused.c", "cpu_attn.c", "cpu_prefill.c")
+    for n in ("cpu_gemv.c", "cpu_fused.c", "cpu_attn.c", "cpu_prefill.c", "cpu_decode.c")
 )
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_simd.h",))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")

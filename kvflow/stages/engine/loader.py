@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvflow.stages.engine.cpu_attn import attn_setting
+from kvflow.stages.engine.cpu_decode import decode_enabled
 from kvflow.stages.engine.cpu_fused import fused_enabled
 from kvflow.stages.engine.cpu_fused import kernels as fused_cpu_kernels
 from kvflow.stages.engine.errors import ModelLoadError
@@ -129,6 +130,7 @@ def load_weights(
     if onednn_applies(dtype, device):
         use_onednn_linears(model)
     attn_setting()  # an unknown KVFLOW_ATTN fails here, not in the first decode step
+    decode_enabled()  # likewise KVFLOW_DECODE
     if fused_enabled() and device.type == "cpu" and dtype == torch.float32:
         fused_cpu_kernels()  # built (or found) now, not in the first forward
     model.setup_rotary(device)

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.stages.engine.cpu_decode import DecodeLayers, build_decode_layers, decode_enabled
 from kvflow.stages.engine.cpu_fused import FusedKernels, fused_kernels
+from kvflow.stages.engine.cpu_gemv import MAX_ROWS
 from kvflow.stages.engine.rope import Rotary, apply_rotary
 from kvflow.stages.engine.spec import ModelSpec
 
@@ -37,6 +39,10 @@ class KVAttention(Protocol):
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] (RoPE applied)
         -> [T, heads * head_dim]. Mutates the backend's KV storage."""
         ...
+
+
+# A backend may also offer `paged_rows() -> cpu_decode.PagedRows | None`: a decode batch over a
+# float32 CPU page pool, whose layers then run in one call (cpu_decode.py).
 
 
 class RMSNorm(nn.Module):
@@ -202,6 +208,7 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary: Rotary | None = None
+        self._decode: list[DecodeLayers | None] = []  # bound at the first decode step
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up in every layer (call once, after the weights are loaded).
@@ -209,6 +216,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self._decode.clear()
 
     def setup_rotary(self, device: torch.device) -> None:
         """Build the RoPE tables on `device`; call once after the weights are in place."""
@@ -225,6 +233,14 @@ class CausalLM(nn.Module):
         fused = fused_kernels(x)
         layers = self.model.layers
         x, h = add_rms_norm(x, None, layers[0].input_layernorm, fused)
+        paged_rows = getattr(kv, "paged_rows", None)
+        if fused is not None and paged_rows is not None and x.shape[0] <= MAX_ROWS:
+            rows = paged_rows()
+            if rows is not None and decode_enabled():
+                if not self._decode:
+                    self._decode.append(build_decode_layers(self))
+                if self._decode[0] is not None:
+                    return self._decode[0](x, h, cos, sin, rows)
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
             next_norm = self.model.norm if last else layers[i + 1].input_layernorm

@@ -1,0 +1,58 @@
+/* A float32 decode step's decoder layers in one call (bound by cpu_decode.py): the same kernels
+ * the model's modules call one by one from Python (cpu_gemv.c, cpu_fused.c, cpu_attn.c), with
+ * the same arguments in the same order, so the results are the same bits; what is gone is the
+ * Python between them (module calls, argument checks, views, ~0.1-0.4 ms a layer).
+ *
+ * Per layer l, for the M rows x [M, hidden] (the residual stream, updated in place) and h (its
+ * normed copy, the layer's input; on return the final norm of the stream):
+ *   qkv = h Wqkv^T (+b); RoPE on q and k; write k, v at the rows' slots and attend over the
+ *   pool (paged); x += attn Wo^T (+b); h = norm(x); gu = h Wgu^T (+b); act = SiLU(g) * u;
+ *   x += act Wdown^T (+b); h = next_norm(x).
+ * weights[4 l + i] and biases[4 l + i] (NULL: none), i = qkv, o, gate_up, down; norms[2 l] is
+ * layer l's post-attention norm weight, norms[2 l + 1] the next layer's input norm weight (the
+ * final norm's after the last layer). The pool's layer l starts at pool + l * layer_stride. */
+#include <math.h>
+
+void kvflow_gemv(const float *x, const float *w, const float *b, float *y, long M, long N, long K,
+                 long threads);
+void kvflow_rope(float *x, long ts, long hs, long heads, long d, const float *cos,
+                 const float *sin, long cs, long rows, long threads);
+void kvflow_add_rms_norm(float *x, long xs, const float *delta, long ds, const float *w,
+                         float *out, long os, long rows, long n, float eps, long threads);
+void kvflow_silu_mul(const float *gu, long gs, float *out, long rows, long n, long threads);
+void kvflow_paged_attention(float *base, long page_stride, long kv_stride, long head_stride,
+                            long slot_stride, long block, const long *table, long table_stride,
+                            const long *ranges, long rows, const float *q, long q_row,
+                            long q_head, long kv_heads, long Q, long d, float scale, float *out,
+                            float *lse, const float *new_k, long k_row, long k_head,
+                            const float *new_v, long v_row, long v_head, const long *slots,
+                            long threads);
+
+void kvflow_decode_layers(float *x, float *h, long M, long layers, const float *const *weights,
+                          const float *const *biases, const float *const *norms, float eps,
+                          long hidden, long heads, long kv_heads, long d, long inter,
+                          const float *cos, const float *sin, float *pool, long layer_stride,
+                          long page_stride, long kv_stride, long head_stride, long slot_stride,
+                          long block, const long *table, long table_stride, const long *ranges,
+                          const long *slots, float scale, float *qkv, float *attn, float *delta,
+                          float *gu, float *act, long threads) {
+    long qn = (heads + 2 * kv_heads) * d;
+    for (long l = 0; l < layers; l++) {
+        const float *const *w = weights + 4 * l, *const *b = biases + 4 * l;
+        kvflow_gemv(h, w[0], b[0], qkv, M, qn, hidden, threads);
+        kvflow_rope(qkv, qn, d, heads + kv_heads, d, cos, sin, d, M, threads);
+        kvflow_paged_attention(pool + l * layer_stride, page_stride, kv_stride, head_stride,
+                               slot_stride, block, table, table_stride, ranges, M, qkv, qn, d,
+                               kv_heads, heads / kv_heads, d, scale, attn, 0,
+                               qkv + heads * d, qn, d, qkv + (heads + kv_heads) * d, qn, d,
+                               slots, threads);
+        kvflow_gemv(attn, w[1], b[1], delta, M, hidden, heads * d, threads);
+        kvflow_add_rms_norm(x, hidden, delta, hidden, norms[2 * l], h, hidden, M, hidden, eps,
+                            threads);
+        kvflow_gemv(h, w[2], b[2], gu, M, 2 * inter, hidden, threads);
+        kvflow_silu_mul(gu, 2 * inter, act, M, inter, threads);
+        kvflow_gemv(act, w[3], b[3], delta, M, hidden, inter, threads);
+        kvflow_add_rms_norm(x, hidden, delta, hidden, norms[2 * l + 1], h, hidden, M, hidden,
+                            eps, threads);
+    }
+}
