@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 /* Keys per tile: a tile's scores stay in a stack buffer, its K and V rows in L1/L2. */

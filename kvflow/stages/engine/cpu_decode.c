@@ -11,22 +11,7 @@
  * weights[4 l + i] and biases[4 l + i] (NULL: none), i = qkv, o, gate_up, down; norms[2 l] is
  * layer l's post-attention norm weight, norms[2 l + 1] the next layer's input norm weight (the
  * final norm's after the last layer). The pool's layer l starts at pool + l * layer_stride. */
-#include <math.h>
-
-void kvflow_gemv(const float *x, const float *w, const float *b, float *y, long M, long N, long K,
-                 long threads);
-void kvflow_rope(float *x, long ts, long hs, long heads, long d, const float *cos,
-                 const float *sin, long cs, long rows, long threads);
-void kvflow_add_rms_norm(float *x, long xs, const float *delta, long ds, const float *w,
-                         float *out, long os, long rows, long n, float eps, long threads);
-void kvflow_silu_mul(const float *gu, long gs, float *out, long rows, long n, long threads);
-void kvflow_paged_attention(float *base, long page_stride, long kv_stride, long head_stride,
-                            long slot_stride, long block, const long *table, long table_stride,
-                            const long *ranges, long rows, const float *q, long q_row,
-                            long q_head, long kv_heads, long Q, long d, float scale, float *out,
-                            float *lse, const float *new_k, long k_row, long k_head,
-                            const float *new_v, long v_row, long v_head, const long *slots,
-                            long threads);
+#include "cpu_kernels.h"
 
 void kvflow_decode_layers(float *x, float *h, long M, long layers, const float *const *weights,
                           const float *const *biases, const float *const *norms, float eps,

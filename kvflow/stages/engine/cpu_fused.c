@@ -17,6 +17,7 @@
 #define PARALLEL_MIN 16384L
 
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 #ifdef __AVX512F__

@@ -15,6 +15,8 @@
 #include <omp.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #define OB 4 /* outputs (weight rows) per block */
 #define RB 4 /* input rows per block */
 #define BLOCK_MIN_ROWS 3 /* fewer rows: one dot product per output and row */

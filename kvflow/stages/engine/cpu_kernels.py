@@ -38,7 +38,7 @@ SOURCES = tuple(
     Path(__file__).with_name(n)
     for n in ("cpu_gemv.c", "cpu_fused.c", "cpu_attn.c", "cpu_prefill.c", "cpu_decode.c")
 )
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_simd.h",))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_kernels.h"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 ENV_DIR = "KVFLOW_KERNEL_DIR"
