@@ -20,6 +20,12 @@ def commit_index(group: MetadataGroup) -> int:
     return int(group.raft_status()["commit_idx"])
 
 
+def last_log_index(group: MetadataGroup) -> int:
+    """The index of the last entry in ``group``'s Raft log (a fresh journal: pysyncobj's log
+    starts at index 1 and nothing is compacted within a test)."""
+    return int(group.raft_status()["log_len"])
+
+
 def raft_term(group: MetadataGroup) -> int:
     return int(group.raft_status()["raft_term"])
 

@@ -6,7 +6,14 @@ from pathlib import Path
 
 from kvflow.replication import MetadataGroup, NodeId, Tier
 from tests.replication.conftest import GroupFactory, loopback_addresses, make_config
-from tests.replication.helpers import blocks, commit_index, key, raft_term, wait_until
+from tests.replication.helpers import (
+    blocks,
+    commit_index,
+    key,
+    last_log_index,
+    raft_term,
+    wait_until,
+)
 
 A = NodeId("node-a")
 DEADLINE_S = 15.0
@@ -45,8 +52,15 @@ def test_three_replicas_elect_a_leader_and_replicate_a_batch(
     leader = the_leader(groups)
     assert all(g.leader() == leader.config.self_address for g in groups)
     follower = next(g for g in groups if g is not leader)
-    # the follower learns that the new leader's no-op entry is committed a heartbeat later
-    wait_until(lambda: commit_index(follower) == commit_index(leader), DEADLINE_S, "catch-up")
+    # The new leader's no-op entry commits after its election, and the follower learns so a
+    # heartbeat later; both must be past it (on a loaded machine the no-op was once still
+    # uncommitted on both when this waited only for equal commit indexes, so the batch's
+    # count took it too: run 46).
+    wait_until(
+        lambda: commit_index(leader) == last_log_index(leader) == commit_index(follower),
+        DEADLINE_S,
+        "catch-up",
+    )
     before, term_before = commit_index(follower), raft_term(follower)
 
     # a write on a follower is forwarded to the leader; it returns once applied here

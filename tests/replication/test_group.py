@@ -24,7 +24,7 @@ from kvflow.replication import (
 from kvflow.replication.raft import raise_for
 from tests.conftest import pick_free_port
 from tests.replication.conftest import GroupFactory, make_config
-from tests.replication.helpers import blocks, commit_index, key, wait_until
+from tests.replication.helpers import blocks, commit_index, key, last_log_index, wait_until
 
 A, B = NodeId("node-a"), NodeId("node-b")
 
@@ -42,6 +42,7 @@ def test_single_replica_elects_itself(
 def test_one_raft_entry_per_batch(open_group: GroupFactory, single_config: MetadataConfig) -> None:
     group = open_group(single_config)
     group.wait_ready(timeout=10)
+    wait_until(lambda: commit_index(group) == last_log_index(group), 10, "the no-op committed")
     view = group.view()
     before, applied = commit_index(group), view.commands_applied()
 
@@ -65,6 +66,7 @@ def test_oversized_batch_is_split_by_max_entry_bytes(
 ) -> None:
     group = open_group(replace(single_config, max_entry_bytes=1024))  # 56 keys of 16 bytes
     group.wait_ready(timeout=10)
+    wait_until(lambda: commit_index(group) == last_log_index(group), 10, "the no-op committed")
     before = commit_index(group)
     group.record_batch(A, blocks(0, 200), [key(i) for i in range(300, 360)], now=1.0)
     # 260 keys of 16 bytes (+2 framing) in entries of at most 56 keys: 5 entries
