@@ -7,8 +7,10 @@
  * block's positions times the G query heads that share the KV head (grouped-query attention;
  * row i * G + g is position i, head g), padded with zero rows. It goes over the keys a tile at
  * a time (at most TILE keys within one page) with an online softmax per row: a running
- * maximum m, a running sum l of e^(s - m) and the running sum O of e^(s - m) v, rescaled by
- * e^(m_old - m_new) when m grows.
+ * maximum m, a running sum l of 2^(s - m) and the running sum O of 2^(s - m) v, rescaled by
+ * 2^(m_old - m_new) when m grows. The scores are kept in base 2, s = k . q * scale * log2(e)
+ * (2^(s - m) is e^(k . q * scale - m'), the same softmax), so that an exponential is a power
+ * of two: no range reduction by ln 2.
  *
  * The scores are computed transposed, S[key][row] = k . q[row] * scale: the block's queries
  * are packed once per item as Q^T [d][ROWS], so a score microkernel broadcasts a key's
@@ -17,14 +19,18 @@
  * the rows in vectors (no horizontal sums), and P.V adds each key's value row (read in the
  * pool) times its 6 rows' probabilities into 6 x 64 accumulators of O. The causal mask is
  * applied only in the tiles that cross the block's first position; tiles after the block's
- * last position are not computed. Items are spread over torch's OpenMP threads, the longest
- * (the last blocks) first. */
+ * last position are not computed. Items are spread over torch's OpenMP threads a KV head at a
+ * time, each head's longest (last) blocks first: consecutive items of a thread read the same
+ * head's keys and values, which stay in its cache (a head of 2,000 positions: 1 MB). */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_simd.h"
+
+/* log2(e): the scores are scaled by it once, so the softmax takes powers of two. */
+#define LOG2E 1.44269504088896341f
 
 /* Rows of a work item (query positions x grouped heads, padded): 3 vectors of 16. */
 #define ROWS 48L
@@ -41,6 +47,22 @@ typedef struct {
 } Scratch;
 
 #ifdef __AVX512F__
+/* 2^x for x <= 0, within 2e-7 relative (Cephes' exp2f polynomial on [-0.5, 0.5]); below
+ * -125 it is 2^-125 (a normal float: no denormal reaches the sums and products). */
+static inline __m512 exp2_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* S[j][0..47] = scale * sum_c k[j][c] qt[c][0..47] for NK (<= 8) keys j: NK x 3 vector
  * accumulators, one broadcast of a key's element per 3 multiply-adds. */
 static inline __attribute__((always_inline)) void scores_keys(const float *qt, const float *k,
@@ -66,15 +88,17 @@ static inline __attribute__((always_inline)) void scores_keys(const float *qt, c
 
 static void tile_scores(const float *qt, const float *k, long ks, long n, long d, float scale,
                         float *s) {
-    __m512 sc = _mm512_set1_ps(scale);
+    __m512 sc = _mm512_set1_ps(scale * LOG2E);
     long j = 0;
     for (; j + 8 <= n; j += 8) scores_keys(qt, k + j * ks, ks, d, sc, s + j * ROWS, 8);
     for (; j < n; j++) scores_keys(qt, k + j * ks, ks, d, sc, s + j * ROWS, 1);
 }
 
-/* The tile's scores S[n][ROWS] become probabilities e^(s - m_new) (0 where masked: key
- * position t0 + j after the row's position, in a diagonal tile); m, l updated, alpha =
- * e^(m_old - m_new) for rescaling O. */
+/* The tile's scores S[n][ROWS] (base 2) become probabilities 2^(s - m_new) (0 where
+ * masked: key position t0 + j after the row's position, in a diagonal tile); m, l updated,
+ * alpha = 2^(m_old - m_new) for rescaling O (the first tile: m_old = -inf, alpha 2^-125,
+ * which multiplies the zeros of O and l). A row's first tile holds key 0, which every row
+ * sees, so m_new is finite. */
 static void tile_softmax(Scratch *w, long n, long t0, int diagonal) {
     float *s = w->s;
     for (int v = 0; v < 3; v++) {
@@ -91,15 +115,23 @@ static void tile_softmax(Scratch *w, long n, long t0, int diagonal) {
         }
         __m512 m_old = _mm512_loadu_ps(w->m + 16 * v);
         __m512 m_new = _mm512_max_ps(m_old, top);
-        /* the first tile: m_old = -inf, O and l are 0 (any finite alpha) */
-        __m512 alpha = exp16(_mm512_sub_ps(m_old, m_new));
+        __m512 alpha = exp2_16(_mm512_sub_ps(m_old, m_new));
         __m512 sum = _mm512_setzero_ps();
-        for (long j = 0; j < n; j++) {
-            __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
-            __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, m_new)));
-            _mm512_storeu_ps(s + j * ROWS + 16 * v, p);
-            sum = _mm512_add_ps(sum, p);
+        if (diagonal) {
+            for (long j = 0; j < n; j++) {
+                __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
+                __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                __m512 p = _mm512_maskz_mov_ps(seen, exp2_16(_mm512_sub_ps(x, m_new)));
+                _mm512_storeu_ps(s + j * ROWS + 16 * v, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+        } else {  /* no key masked: every score finite */
+            for (long j = 0; j < n; j++) {
+                __m512 x = _mm512_loadu_ps(s + j * ROWS + 16 * v);
+                __m512 p = exp2_16(_mm512_sub_ps(x, m_new));
+                _mm512_storeu_ps(s + j * ROWS + 16 * v, p);
+                sum = _mm512_add_ps(sum, p);
+            }
         }
         __m512 l = _mm512_loadu_ps(w->l + 16 * v);
         _mm512_storeu_ps(w->l + 16 * v, _mm512_add_ps(_mm512_mul_ps(l, alpha), sum));
@@ -161,7 +193,7 @@ static void tile_scores(const float *qt, const float *k, long ks, long n, long d
 #pragma omp simd
             for (long r = 0; r < ROWS; r++) acc[r] += kc * qt[c * ROWS + r];
         }
-        for (long r = 0; r < ROWS; r++) s[j * ROWS + r] = acc[r] * scale;
+        for (long r = 0; r < ROWS; r++) s[j * ROWS + r] = acc[r] * (scale * LOG2E);
     }
 }
 
@@ -174,11 +206,11 @@ static void tile_softmax(Scratch *w, long n, long t0, int diagonal) {
             top = s[j * ROWS + r] > top ? s[j * ROWS + r] : top;
         }
         float m_new = top > w->m[r] ? top : w->m[r];
-        float alpha = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
+        float alpha = w->m[r] == -INFINITY ? 0.0f : exp2f(w->m[r] - m_new);
         float sum = 0.0f;
         for (long j = 0; j < n; j++) {
             float x = s[j * ROWS + r];
-            float p = x == -INFINITY ? 0.0f : expf(x - m_new);
+            float p = x == -INFINITY ? 0.0f : exp2f(x - m_new);
             s[j * ROWS + r] = p;
             sum += p;
         }
@@ -250,7 +282,7 @@ int kvflow_paged_prefill(float *base, long page_stride, long kv_stride, long hea
         w.o = aligned_alloc(64, sizeof(float) * ROWS * d);
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < items; item++) {
-            long b = blocks - 1 - item / kv_heads, h = item % kv_heads;  /* longest first */
+            long b = blocks - 1 - item % blocks, h = item / blocks;  /* a head at a time */
             long i0 = b * per, n_pos = T - i0 < per ? T - i0 : per;
             long rows = n_pos * G, rows6 = (rows + 5) / 6 * 6;
             long first = start + i0, end = start + i0 + n_pos;  /* positions [first, end) */
