@@ -47,22 +47,6 @@ typedef struct {
 } Scratch;
 
 #ifdef __AVX512F__
-/* 2^x for x <= 0, within 2e-7 relative (Cephes' exp2f polynomial on [-0.5, 0.5]); below
- * -125 it is 2^-125 (a normal float: no denormal reaches the sums and products). */
-static inline __m512 exp2_16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* S[j][0..47] = scale * sum_c k[j][c] qt[c][0..47] for NK (<= 8) keys j: NK x 3 vector
  * accumulators, one broadcast of a key's element per 3 multiply-adds. */
 static inline __attribute__((always_inline)) void scores_keys(const float *qt, const float *k,

@@ -1,5 +1,5 @@
-/* SIMD helpers shared by the CPU kernels (included by cpu_fused.c and cpu_attn.c; the build in
- * cpu_kernels.py hashes this header with the sources). */
+/* SIMD helpers shared by the CPU kernels (included by cpu_fused.c, cpu_attn.c and
+ * cpu_prefill.c; the build in cpu_kernels.py hashes this header with the sources). */
 #ifndef KVFLOW_CPU_SIMD_H
 #define KVFLOW_CPU_SIMD_H
 
@@ -22,6 +22,22 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(y, n);
+}
+
+/* 2^x for x <= 0, within 2e-7 relative (Cephes' exp2f polynomial on [-0.5, 0.5]); below
+ * -125 it is 2^-125 (a normal float: no denormal reaches the sums and products). */
+static inline __m512 exp2_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 #endif /* __AVX512F__ */
