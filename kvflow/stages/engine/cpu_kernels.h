@@ -1,5 +1,6 @@
 /* The kernels one C file calls in another (cpu_decode.c calls the others), declared once and
- * included where they are defined too, so that a changed signature fails to compile. */
+ * included where they are defined too, so that a changed signature fails to compile. The
+ * entry points only Python calls (through ctypes, cpu_*.py) are not declared here. */
 #ifndef KVFLOW_CPU_KERNELS_H
 #define KVFLOW_CPU_KERNELS_H
 
@@ -17,13 +18,5 @@ void kvflow_paged_attention(float *base, long page_stride, long kv_stride, long 
                             float *lse, const float *new_k, long k_row, long k_head,
                             const float *new_v, long v_row, long v_head, const long *slots,
                             long threads);
-void kvflow_decode_layers(float *x, float *h, long M, long layers, const float *const *weights,
-                          const float *const *biases, const float *const *norms, float eps,
-                          long hidden, long heads, long kv_heads, long d, long inter,
-                          const float *cos, const float *sin, float *pool, long layer_stride,
-                          long page_stride, long kv_stride, long head_stride, long slot_stride,
-                          long block, const long *table, long table_stride, const long *ranges,
-                          const long *slots, float scale, float *qkv, float *attn, float *delta,
-                          float *gu, float *act, long threads);
 
 #endif
