@@ -22,6 +22,9 @@
   rows are every request's query heads of a KV head) and merged with each request's own
   part by log-sum-exp ("cascade" attention): the shared K/V is read once a layer instead of
   once a request.
+- `PaddedDecode`: a decode batch in fixed shapes (every row over the same number of pages,
+  masked by its position), computed from device tensors alone: what the CUDA graphs of
+  decode_graphs.py capture and replay.
 - `ContiguousKV`: the plain reference path: one sequence, one contiguous K/V per layer.
 
 All but the paged kernel use `scaled_dot_product_attention` with grouped-query attention
@@ -385,6 +388,50 @@ class PagedDecode:
         top = torch.maximum(l1, l2)  # both finite: a row sees its own new token and the prefix
         w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
         return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(qg.dtype)
+
+
+class PaddedDecode:
+    """A decode batch in fixed shapes, read from device tensors only: what a CUDA graph
+    captures once and replays for every batch of its bucket (decode_graphs.py).
+
+    ``table`` [B, W] lists each row's pages (padded with any valid page id) and ``positions``
+    [B] each new token's position; their contents change between forwards, their shapes and
+    storage never. `prepare` derives the write slots and the visibility mask from them on the
+    device (no host read), so a captured forward sees each replay's values. Every row attends
+    over all W pages under its mask (keys up to its position, within the window): one gather
+    and one attention for the batch, whatever its lengths. A padding row (position 0 on a
+    spare page) writes and reads only that page."""
+
+    def __init__(
+        self, pool: PagePool, table: torch.Tensor, positions: torch.Tensor, window: int | None
+    ) -> None:
+        self.pool, self.table, self.positions, self.window = pool, table, positions, window
+        self.block_size = pool.layout.block_size
+        self.key_positions = torch.arange(table.shape[1] * self.block_size, device=table.device)
+        self.slot_pages = torch.empty_like(positions)
+        self.slot_offsets = torch.empty_like(positions)
+        self.mask = torch.empty(
+            (table.shape[0], 1, 1, self.key_positions.shape[0]),
+            dtype=torch.bool,
+            device=table.device,
+        )
+
+    def prepare(self) -> None:
+        """Derive this forward's slots and mask from the current table and positions."""
+        bs = self.block_size
+        block = torch.div(self.positions, bs, rounding_mode="floor")
+        self.slot_pages.copy_(self.table.gather(1, block[:, None]).squeeze(1))
+        self.slot_offsets.copy_(self.positions - block * bs)
+        visible = visible_mask(self.positions[:, None], self.key_positions[None, :], self.window)
+        self.mask.copy_(visible[:, None, None, :])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pool = self.pool.tensor
+        pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
+        b, kvh, d = q.shape[0], k.shape[1], q.shape[2]
+        qg = q.reshape(b, kvh, -1, d)  # a KV head's query heads are its rows, as in PagedDecode
+        ctx = gather_context(pool, layer, self.table)  # [2, B, kvh, W * bs, d]
+        return _sdpa(qg, ctx[0], ctx[1], self.mask).reshape(b, -1)
 
 
 def shared_groups(

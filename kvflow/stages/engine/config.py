@@ -16,6 +16,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+DECODE_GRAPH_MODES = ("auto", "off", "static")
+"""EngineConfig.decode_graphs: what each means is in decode_graphs.py."""
+
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
@@ -63,6 +66,10 @@ class EngineConfig:
         mixed_forward: a step that has prefill chunks and decode tokens (or several
             chunks) runs them as ONE forward pass, so the weights are read once for all
             of them; False: one forward per chunk and one for the decode batch.
+        decode_graphs: how a step that only decodes runs (decode_graphs.py): "auto"
+            replays a CUDA graph of its fixed-shape bucket on a CUDA device and runs eagerly
+            elsewhere; "off" always eagerly; "static" the graphs' fixed-shape forward without
+            capturing it, on any device (for tests and comparisons).
     """
 
     dtype: str = "float32"
@@ -77,6 +84,7 @@ class EngineConfig:
     seed: int = 0
     return_logits: bool = False
     mixed_forward: bool = True
+    decode_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -96,6 +104,11 @@ class EngineConfig:
                 f"got {self.tbt_target_ms!r}"
             )
         _positive("max_batch", self.max_batch)
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(
+                f"decode_graphs must be one of {list(DECODE_GRAPH_MODES)}, "
+                f"got {self.decode_graphs!r}"
+            )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -28,6 +28,7 @@ import torch
 
 from kvflow.stages.engine.allocator import tune_malloc
 from kvflow.stages.engine.config import EngineConfig, SamplingParams
+from kvflow.stages.engine.decode_graphs import DecodeGraphs, graphs_apply
 from kvflow.stages.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
@@ -41,7 +42,13 @@ from kvflow.stages.engine.model import CausalLM
 from kvflow.stages.engine.model_card import ModelCard
 from kvflow.stages.engine.pages import KVLayout, PageData, PagePool, resident_pages
 from kvflow.stages.engine.runner import ModelRunner
-from kvflow.stages.engine.sampler import prompt_logprobs, sample, token_logprobs
+from kvflow.stages.engine.sampler import (
+    argmax_rows,
+    plain_greedy,
+    prompt_logprobs,
+    sample,
+    token_logprobs,
+)
 from kvflow.stages.engine.scheduler import StepPlan, plan_step
 from kvflow.stages.engine.sequence import FinishReason, RequestOutput, Sequence, TokenLogprob
 from kvflow.stages.engine.spec import ModelSpec, load_spec
@@ -80,14 +87,21 @@ class Engine:
             config.block_size,
             config.precision.compute,
         )
+        graphs = graphs_apply(config.decode_graphs, self.device)
         self._pool = PagePool(
             config.num_pages,
             self.kv_layout,
             config.torch_dtype,
             self.device,
             resident=self.resident_pages(config.num_pages),
+            spare=1 if graphs else 0,  # the decode graphs' padding rows write there
         )
-        self._runner = ModelRunner(model, self._pool, self.device)
+        decode_graphs = None
+        if graphs:
+            max_pages = -(-self.max_model_len // config.block_size)
+            capture = self.device.type == "cuda"
+            decode_graphs = DecodeGraphs(model, self._pool, config.max_batch, max_pages, capture)
+        self._runner = ModelRunner(model, self._pool, self.device, decode_graphs)
         self.model = model
         self._seqs: dict[str, Sequence] = {}  # live and retained-finished, in arrival order
         # Pages that hold a keyed full prompt block (``add_request(block_keys=...)``): a
@@ -188,6 +202,13 @@ class Engine:
         """How many of ``num_pages`` lazily mapped pages (the pool's, or a staging area's
         slots for this engine) to map at start-up: one sequence's (`pages.resident_pages`)."""
         return resident_pages(num_pages, self.config.block_size, self.max_model_len)
+
+    @property
+    def decode_graph_buckets(self) -> list[tuple[int, int]]:
+        """The (batch, pages) buckets whose fixed-shape decode forward was built so far (and
+        on a CUDA device captured as a graph; decode_graphs.py); [] without them."""
+        graphs = self._runner.graphs
+        return [] if graphs is None else graphs.buckets
 
     @property
     def num_free_pages(self) -> int:
@@ -575,11 +596,14 @@ class Engine:
                 outputs.append(self._prefill(seq, n))
             decode_logits = self._runner.decode(plan.decode) if plan.decode else None
         if decode_logits is not None:
+            plain = [plain_greedy(seq.sampling, seq.constraint) for seq in plan.decode]
+            argmax = argmax_rows(decode_logits) if sum(plain) > 1 else None
             for row, seq in enumerate(plan.decode):
                 start = seq.num_computed
                 seq.num_computed += 1
                 seq.last_decode_step = self._steps
-                outputs.append(self._advance(seq, start, decode_logits[row : row + 1]))
+                token = argmax[row] if argmax is not None and plain[row] else None
+                outputs.append(self._advance(seq, start, decode_logits[row : row + 1], token=token))
 
     def _one_forward(self, chunks: Seq[tuple[Sequence, int]], decode: Seq[Sequence]) -> bool:
         """Whether a step's work runs as one forward pass: more than one part (chunks, the
@@ -609,7 +633,10 @@ class Engine:
         start: int,
         logits: torch.Tensor | None,
         prompt_lps: tuple[TokenLogprob, ...] = (),
+        token: int | None = None,
     ) -> RequestOutput:
+        """``token``: the row's token when already chosen (`argmax_rows` for a plain greedy
+        row of a decode batch: what `sample` would choose)."""
         bs = self.config.block_size
         completed = tuple(range(start // bs, seq.num_computed // bs))
         for b in completed:
@@ -619,7 +646,11 @@ class Engine:
         lps: tuple[TokenLogprob, ...] = ()
         if logits is not None:
             history = [(seq.token_ids, seq.prompt_len)]
-            new = sample(logits, [seq.sampling], [seq.generator], history, [seq.constraint])
+            new = (
+                [token]
+                if token is not None
+                else sample(logits, [seq.sampling], [seq.generator], history, [seq.constraint])
+            )
             if seq.sampling.logprobs is not None:
                 lps = tuple(token_logprobs(logits, new, seq.sampling.logprobs))
             if seq.append_token(new[0]) is not None:

@@ -83,17 +83,30 @@ class PagePool:
         dtype: torch.dtype,
         device: torch.device,
         resident: int = 0,
+        spare: int = 0,
     ) -> None:
-        """``resident``: leading pages mapped now (`lazy_zeros`); allocation takes them first."""
+        """``resident``: leading pages mapped now (`lazy_zeros`); allocation takes them first.
+        ``spare``: pages after the ``num_pages`` allocatable ones that are never allocated
+        (ids ``num_pages`` ..): the decode graphs' padding rows write their K/V there
+        (decode_graphs.py), where no request reads."""
         self.layout = layout
         self.dtype = dtype
-        self.tensor = lazy_zeros((num_pages, *layout.page_shape), dtype, device, resident)
+        self.tensor = lazy_zeros((num_pages + spare, *layout.page_shape), dtype, device, resident)
+        self._num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refs: dict[int, int] = {}  # allocated page -> holders (requests sharing it)
 
     @property
     def num_pages(self) -> int:
-        return int(self.tensor.shape[0])
+        """Allocatable pages (the tensor may hold spare pages after them)."""
+        return self._num_pages
+
+    def spare_page(self, index: int = 0) -> int:
+        """The id of spare page ``index`` (IndexError if the pool has no such page)."""
+        page = self._num_pages + index
+        if not (index >= 0 and page < self.tensor.shape[0]):
+            raise IndexError(f"the pool has {self.tensor.shape[0] - self._num_pages} spare pages")
+        return page
 
     @property
     def num_free(self) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvflow.stages.engine.attention import PagedDecode, PagedPrefill
+from kvflow.stages.engine.decode_graphs import DecodeGraphs
 from kvflow.stages.engine.model import CausalLM, KVAttention
 from kvflow.stages.engine.pages import PagePool
 from kvflow.stages.engine.segments import Segments
@@ -19,11 +20,19 @@ from kvflow.stages.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: PagePool, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: PagePool,
+        device: torch.device,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
+        """``graphs``: decode-only steps in fixed shapes (decode_graphs.py), if set."""
         self.model = model
         self.pool = pool
         self.device = device
         self.window = model.spec.sliding_window
+        self.graphs = graphs
 
     def _page_ids(self, seq: Sequence) -> torch.Tensor:
         if seq.page_table is None:
@@ -52,7 +61,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """Compute KV for the last token of each sequence; float32 logits [len(seqs), vocab]."""
+        """Compute KV for the last token of each sequence; float32 logits [len(seqs), vocab].
+        Through the decode graphs where the engine has them and the batch fits a bucket."""
+        if self.graphs is not None:
+            logits = self.graphs.run(seqs)
+            if logits is not None:
+                return logits
         ids, positions, kv = self._decode_inputs(seqs)
         return self.model.logits(self.model(ids, positions, kv))
 

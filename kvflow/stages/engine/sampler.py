@@ -45,6 +45,19 @@ def sample(
     return tokens
 
 
+def plain_greedy(params: SamplingParams, constraint: Constraint | None) -> bool:
+    """Whether `sample` takes a row of these params as the plain argmax of its logits: greedy,
+    no penalty, no logit bias, no grammar."""
+    return params.greedy and not params.penalized and not params.logit_bias and constraint is None
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """`sample`'s token for every row of float32 logits [N, vocab] as if each were
+    `plain_greedy`, in one reduction and one read back to the host (a GPU batch then waits
+    for the device once a step, not once a row). NaN counts as -inf, as in `sample`."""
+    return torch.nan_to_num(logits.to(torch.float32), nan=float("-inf")).argmax(-1).tolist()
+
+
 def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
     """A copy of one float32 row [vocab] with each (token id, bias) added (ids past the row
     are ignored: the engine refuses them before a request runs)."""

@@ -138,7 +138,9 @@ def time_decode(engine: Engine, batch: int, context: int, steps: int) -> float:
     return elapsed
 
 
-def bench_dtype(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+def bench_dtype(
+    model_dir: Path, dtype: str, args: argparse.Namespace, decode_graphs: str = "auto"
+) -> dict[str, Any]:
     longest = max([*args.prefill_lens, args.reuse_n, args.decode_context + args.decode_steps + 2])
     block = args.block_size
     pages = max(
@@ -153,6 +155,7 @@ def bench_dtype(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[s
         max_batch=max(args.decode_batches),
         seed=args.seed,
         device=args.device,
+        decode_graphs=decode_graphs,
     )
     engine = Engine.open(model_dir, config)
     vocab = engine.spec.vocab_size
@@ -160,6 +163,7 @@ def bench_dtype(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[s
     time_plain_prefill(engine, _tokens(min(256, longest), vocab, 0))
     out: dict[str, Any] = {
         "dtype": dtype,
+        "decode_graphs": decode_graphs,
         "num_pages": pages,
         "prefill": [],
         "reuse": [],
@@ -216,8 +220,9 @@ def _summary(preset: str, results: list[dict[str, Any]]) -> str:
         # The reuse point closest to 95% imported (the N=8192, P=7782 target).
         reuse = min(r["reuse"], key=lambda x: abs(x["imported"] / x["tokens"] - 0.95))
         dec = {d["batch"]: d["tok_s"] for d in r["decode"]}
+        graphs = "" if r["decode_graphs"] == "auto" else f" graphs={r['decode_graphs']}"
         parts.append(
-            f"{r['dtype']}: prefill {big['tokens']} {big['paged_tok_s']:.0f} tok/s "
+            f"{r['dtype']}{graphs}: prefill {big['tokens']} {big['paged_tok_s']:.0f} tok/s "
             f"(plain {big['plain_tok_s']:.0f}, overhead {big['overhead'] * 100:+.1f}%), "
             f"reuse P={reuse['imported']}/{reuse['tokens']} "
             f"{(reuse['fraction_of_cold'] or float('nan')) * 100:.1f}% of cold, "
@@ -245,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help='torch device: "cpu" or "cuda[:N]"')
     p.add_argument(
+        "--decode-graphs",
+        default="auto",
+        help='comma list of EngineConfig.decode_graphs modes to run each dtype with ("auto", '
+        '"off", "static"; "off,auto" on a GPU compares eager decode with CUDA graphs)',
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="tiny preset, fp32, short sequences: a smoke run in seconds",
@@ -265,7 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="kvflow-bench-") as tmp:
         model_dir = args.model or write_demo_model(Path(tmp) / args.preset, args.preset, args.seed)
-        results = [bench_dtype(model_dir, d, args) for d in args.dtypes.split(",") if d]
+        results = [
+            bench_dtype(model_dir, d, args, g)
+            for d in args.dtypes.split(",")
+            if d
+            for g in args.decode_graphs.split(",")
+            if g
+        ]
     name = args.model.name if args.model else args.preset
     summary = _summary(name if args.device == "cpu" else f"{name} on {args.device}", results)
     print(summary)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvflow.stages.engine import EngineConfig, SamplingParams
-from kvflow.stages.engine.sampler import sample
+from kvflow.stages.engine.sampler import argmax_rows, plain_greedy, sample
 from tests.stages.engine.conftest import open_engine
 
 
@@ -108,3 +108,22 @@ def test_max_model_len_ends_generation(tiny_dir: Path) -> None:
         outs.extend(engine.step())
     assert sum(len(o.new_token_ids) for o in outs) == 2
     assert outs[-1].finish_reason == "length"
+
+
+def test_argmax_rows_is_what_sample_picks_for_plain_greedy_rows() -> None:
+    """The decode batch's one reduction (argmax_rows) against `sample` row by row: NaN rows,
+    ties (the lowest id), -inf and a row that is all NaN."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen)
+    logits[1, 7] = logits[1, 30] = 9.0  # a tie: the lowest id
+    logits[2, 4] = float("nan")
+    logits[3, :] = float("nan")
+    logits[4, 11] = float("-inf")
+    logits[5, 20] = float("inf")
+    greedy = SamplingParams()
+    assert plain_greedy(greedy, None)
+    assert not plain_greedy(SamplingParams(temperature=0.5), None)
+    assert not plain_greedy(SamplingParams(repetition_penalty=1.2), None)
+    assert not plain_greedy(SamplingParams(logit_bias=((3, 1.0),)), None)
+    want = sample(logits, [greedy] * 6, [None] * 6)
+    assert argmax_rows(logits) == want and want[1] == 7 and want[5] == 20
