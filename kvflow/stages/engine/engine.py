@@ -283,7 +283,7 @@ class Engine:
             tokens, None if adopt_from is not None else prefix_pages, num_prefix_tokens
         )
         adopted = self._check_adopt(adopt_from, tokens, n_prefix, prefix_pages)
-        pages = [self._pool.check_page(i, p, verify_pages) for i, p in enumerate(prefix_pages)]
+        pages = self._pool.check_pages(prefix_pages, verify_pages)
         generator = self._generator(request_id, sampling)  # may raise: before any page is taken
         constraint = self._constraint(request_id, sampling, tokens, num_output_tokens)
         keys = self._check_keys(request_id, tokens, block_keys)

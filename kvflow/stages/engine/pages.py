@@ -167,36 +167,64 @@ class PagePool:
         page = self.tensor[page_id].detach().cpu()
         return page.reshape(-1).view(torch.uint8).numpy().tobytes()
 
+    def check_pages(self, pages: Sequence[PageData], verify: bool = True) -> list[torch.Tensor]:
+        """`check_page` of each page, in order. For a pool on another device (a GPU) the
+        pages cross in one host-to-device copy and are scanned for non-finite values in one
+        pass: page by page, each copy and each scan waited for the device (31 pages of the
+        demo model: ~10 ms on an H200, against ~1 ms)."""
+        if self.tensor.device.type == "cpu" or len(pages) < 2:
+            return [self.check_page(i, p, verify) for i, p in enumerate(pages)]
+        host = [self._host_view(i, p) for i, p in enumerate(pages)]
+        device = self.tensor.device
+        if all(h.device.type == "cpu" for h in host):
+            # one copy into pinned memory (torch caches the block), one transfer at the
+            # link's speed: from pageable memory the driver copies through its own bounce
+            # buffer page by page
+            staging = torch.empty((len(host), *host[0].shape), dtype=self.dtype, pin_memory=True)
+            torch.stack(host, out=staging)
+            batch = staging.to(device, non_blocking=True)
+        else:
+            batch = torch.stack([h.to(device) for h in host])
+        if verify:
+            finite = torch.isfinite(batch).flatten(1).all(1).tolist()
+            if not all(finite):
+                raise PageLayoutError(f"page {finite.index(False)}: holds non-finite values")
+        return list(batch.unbind(0))
+
     def check_page(self, index: int, data: PageData, verify: bool = True) -> torch.Tensor:
         """Validate one page to import and return a read-only view of it as a tensor of page
         shape and pool dtype (no copy unless it lives on another device). ``verify`` also
         rejects non-finite values (one pass over the page); callers whose pages are
         checksummed copies of pages an engine computed may skip it. Raises PageLayoutError
         naming the mismatch."""
+        page = self._host_view(index, data).to(self.tensor.device)
+        if verify and not bool(torch.isfinite(page).all()):
+            raise PageLayoutError(f"page {index}: holds non-finite values")
+        return page
+
+    def _host_view(self, index: int, data: PageData) -> torch.Tensor:
+        """A view of one page as a tensor of page shape and pool dtype where it lives (no
+        copy); PageLayoutError naming the mismatch."""
         shape = self.layout.page_shape
         if isinstance(data, torch.Tensor):
             if tuple(data.shape) != shape:
                 raise PageLayoutError(f"page {index}: shape {tuple(data.shape)} != {shape}")
             if data.dtype != self.dtype:
                 raise PageLayoutError(f"page {index}: dtype {data.dtype} != {self.dtype}")
-            page = data.to(self.tensor.device)
-        else:
-            try:
-                raw = memoryview(data).cast("B")
-            except TypeError as exc:
-                raise PageLayoutError(f"page {index}: not a contiguous buffer: {exc}") from exc
-            if raw.nbytes != self.page_nbytes:
-                raise PageLayoutError(
-                    f"page {index}: {raw.nbytes} bytes, a page of layout {shape} "
-                    f"{self.layout.dtype} has {self.page_nbytes}"
-                )
-            with warnings.catch_warnings():  # read-only buffers are fine: we only read
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(raw, dtype=torch.uint8)
-            page = flat.view(self.dtype).view(shape).to(self.tensor.device)
-        if verify and not bool(torch.isfinite(page).all()):
-            raise PageLayoutError(f"page {index}: holds non-finite values")
-        return page
+            return data
+        try:
+            raw = memoryview(data).cast("B")
+        except TypeError as exc:
+            raise PageLayoutError(f"page {index}: not a contiguous buffer: {exc}") from exc
+        if raw.nbytes != self.page_nbytes:
+            raise PageLayoutError(
+                f"page {index}: {raw.nbytes} bytes, a page of layout {shape} "
+                f"{self.layout.dtype} has {self.page_nbytes}"
+            )
+        with warnings.catch_warnings():  # read-only buffers are fine: we only read
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(raw, dtype=torch.uint8)
+        return flat.view(self.dtype).view(shape)
 
     def write_pages(self, page_ids: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
         """Copy already-checked pages (from `check_page`) into the pool: the only copy."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.stages.engine import Engine, ModelLoadError, SamplingParams
+from kvflow.stages.engine import Engine, ModelLoadError, PageLayoutError, SamplingParams
 from kvflow.stages.engine.attention import PagedPrefill
 from kvflow.stages.engine.pages import KVLayout, PagePool
 from kvflow.tools.bench.precision import equivalence_prompt, greedy, teacher_forced_hits
@@ -123,6 +123,31 @@ def test_cached_prefix_equals_recomputed(llama_dir: Path) -> None:
     )
     assert got[0] == ref[0]
     assert _max_diff(got[1], ref[1]) <= 1e-5
+
+
+def test_pages_import_as_tensors_and_a_bad_one_is_named(llama_dir: Path) -> None:
+    """Several pages import in one transfer (bytes, host tensors and device tensors alike);
+    a non-finite page among them is refused by its index, and the engine takes no page."""
+    prompt = _prompt(40, seed=1)
+    source = open_engine(llama_dir, device=DEVICE)
+    source.add_request("src", prompt, SamplingParams(max_tokens=1), retain_pages=True)
+    _run(source)
+    raw = [source.export_page_bytes("src", i) for i in range(5)]
+    shape, dtype = source.page_shape, source.page_dtype
+    host = [torch.frombuffer(bytearray(b), dtype=dtype).view(shape) for b in raw]
+    ref = _single(open_engine(llama_dir, device=DEVICE), prompt)
+    for pages in (raw, host, [h.to(DEVICE) for h in host]):
+        got = _single(
+            open_engine(llama_dir, device=DEVICE), prompt, prefix_pages=pages, num_prefix_tokens=39
+        )
+        assert got[0] == ref[0]
+        assert _max_diff(got[1], ref[1]) <= 1e-5
+    bad = [h.clone() for h in host]
+    bad[3][0, 0, 0, 0, 0] = float("nan")
+    engine = open_engine(llama_dir, device=DEVICE)
+    with pytest.raises(PageLayoutError, match="page 3: holds non-finite"):
+        engine.add_request("r", prompt, GREEDY, prefix_pages=bad, num_prefix_tokens=39)
+    assert engine.num_free_pages == engine.num_pages
 
 
 def test_pages_cross_between_cpu_and_device(llama_dir: Path) -> None:
