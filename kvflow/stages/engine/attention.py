@@ -410,9 +410,11 @@ class PaddedDecode:
         self.key_positions = torch.arange(table.shape[1] * self.block_size, device=table.device)
         self.slot_pages = torch.empty_like(positions)
         self.slot_offsets = torch.empty_like(positions)
+        # additive (0 / -inf) in the pool's dtype, made once a forward: a boolean mask is
+        # turned into one by the attention of every layer
         self.mask = torch.empty(
             (table.shape[0], 1, 1, self.key_positions.shape[0]),
-            dtype=torch.bool,
+            dtype=pool.dtype,
             device=table.device,
         )
 
@@ -423,7 +425,7 @@ class PaddedDecode:
         self.slot_pages.copy_(self.table.gather(1, block[:, None]).squeeze(1))
         self.slot_offsets.copy_(self.positions - block * bs)
         visible = visible_mask(self.positions[:, None], self.key_positions[None, :], self.window)
-        self.mask.copy_(visible[:, None, None, :])
+        self.mask.zero_().masked_fill_(~visible[:, None, None, :], float("-inf"))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pool.tensor

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflow.stages.engine.model import RMSNorm
 from kvflow.stages.engine.onednn_linear import (
     ENV_LINEAR,
     OneDNNDenseLinear,
@@ -110,3 +111,17 @@ def test_onednn_where_it_applies(llama_dir: Path, monkeypatch: pytest.MonkeyPatc
     b16 = open_engine(llama_dir, dtype="bfloat16")
     swapped = any(isinstance(m, OneDNNLinear) for m in b16.model.modules())
     assert swapped == onednn_applies(torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_rms_norm_is_transformers_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """The half-precision RMSNorm (F.rms_norm over the float32 upcast: fewer kernels on a GPU)
+    equals transformers' h * rsqrt(mean(h^2) + eps) in float32, scaled in the half dtype."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (576, 1024):
+        norm = RMSNorm(n, 1e-5).to(dtype)
+        norm.weight.data = (torch.randn(n, generator=gen) * 0.2 + 1).to(dtype)
+        x = (torch.randn(64, n, generator=gen) * 3).to(dtype)
+        h = x.to(torch.float32)
+        ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert torch.equal(norm(x), ref)
