@@ -19,11 +19,15 @@ Modes (`EngineConfig.decode_graphs`): "auto" captures on a CUDA device and runs 
 elsewhere; "off" never uses this module; "static" runs the same padded forward without
 capturing it, on any device: it is what a graph replays, so the CPU tests check the
 padding, the buckets and the spare page against the eager path. Steps that also prefill
-(mixed steps) always run eagerly.
+(mixed steps) always run eagerly. A bucket that cannot be built (an op the installed torch
+cannot capture, say) turns the graphs off for that engine with a warning: its steps run
+eagerly, none fails.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -34,6 +38,8 @@ from kvflow.stages.engine.attention import PaddedDecode
 from kvflow.stages.engine.model import CausalLM
 from kvflow.stages.engine.pages import PagePool
 from kvflow.stages.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def graphs_apply(mode: str, device: torch.device) -> bool:
@@ -92,7 +98,14 @@ class DecodeGraphs:
         if rows > self.max_batch or width > self.max_pages:
             return None
         key = bucket(rows, self.max_batch), bucket(width, self.max_pages)
-        entry = self._buckets.get(key) or self._build(*key)
+        entry = self._buckets.get(key)
+        if entry is None:
+            try:
+                entry = self._build(*key)
+            except RuntimeError as exc:  # an op this torch cannot capture, say: stay eager
+                logger.warning("decode graphs off for this engine: bucket %s: %s", key, exc)
+                self.max_batch = 0  # every later batch exceeds the buckets
+                return None
         pad = [0, 0] + [self.spare] * key[1]
         host = [[s.token_ids[-1], s.num_computed, *self._pages(s, key[1])] for s in seqs]
         host += [pad] * (key[0] - rows)
@@ -122,7 +135,12 @@ class DecodeGraphs:
 
         entry = _Bucket(inputs, kv, forward)
         if self.capture:
+            started = time.perf_counter()
             entry.graph, entry.logits = self._capture(forward)
+            elapsed_ms = (time.perf_counter() - started) * 1e3
+            logger.info(
+                "decode graph of bucket (%d, %d) captured in %.0f ms", batch, pages, elapsed_ms
+            )
         self._buckets[(batch, pages)] = entry
         return entry
 

@@ -8,6 +8,7 @@ GPU, and the replay is compared with the static forward it captured.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
-from kvflow.stages.engine.decode_graphs import bucket
+from kvflow.stages.engine.decode_graphs import DecodeGraphs, bucket
 from kvflow.stages.engine.sequence import RequestOutput
 from tests.stages.engine.conftest import open_engine
 from tests.stages.engine.hf_models import make_hf_model
@@ -136,3 +137,23 @@ def test_replayed_graphs_equal_the_forward_they_captured(llama_dir: Path) -> Non
     _agree(_serve(engine, prompts, lengths), ref, tol=1e-6)
     assert engine.decode_graph_buckets
     assert all(b.graph is not None for b in engine._runner.graphs._buckets.values())
+
+
+def test_a_bucket_that_cannot_be_built_leaves_decode_eager(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A capture that fails (an op the installed torch cannot capture) fails no request: the
+    engine warns once and decodes eagerly, with the eager path's tokens."""
+    prompts = [_prompt(n, seed=70 + n) for n in (6, 13)]
+    ref = _serve(open_engine(llama_dir, device=DEVICE, decode_graphs="off"), prompts, [9, 9])
+
+    def refuse(self: DecodeGraphs, batch: int, pages: int) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_build", refuse)
+    engine = open_engine(llama_dir, device=DEVICE, decode_graphs="static")
+    with caplog.at_level(logging.WARNING, logger="kvflow.stages.engine.decode_graphs"):
+        _agree(_serve(engine, prompts, [9, 9]), ref, tol=1e-4)
+    warnings = [r for r in caplog.records if "decode graphs off" in r.getMessage()]
+    assert len(warnings) == 1 and "not permitted" in warnings[0].getMessage()
+    assert engine.decode_graph_buckets == []
