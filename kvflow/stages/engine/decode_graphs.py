@@ -7,7 +7,8 @@ GPU"). A CUDA graph records a step's kernels once and replays them with one laun
 
 A graph replays fixed shapes and fixed addresses, so a step is cut to a bucket: the batch
 padded to a power of two (at most ``max_batch``) and every row's page list padded to a
-power of two of pages (at most the pages of ``max_model_len``). Each bucket owns static
+power of two of pages (at most the pages of ``max_model_len``, and of `CAPTURE_TOKENS`:
+longer rows decode eagerly). Each bucket owns static
 device tensors: one int64 block of rows ``[token, position, page ids...]`` that each step
 copies in with one host-to-device copy, the `PaddedDecode` backend that derives slots and
 the mask from it on the device, and the logits the forward leaves. Padding rows decode
@@ -19,9 +20,8 @@ Modes (`EngineConfig.decode_graphs`): "auto" captures on a CUDA device and runs 
 elsewhere; "off" never uses this module; "static" runs the same padded forward without
 capturing it, on any device: it is what a graph replays, so the CPU tests check the
 padding, the buckets and the spare page against the eager path. Steps that also prefill
-(mixed steps) always run eagerly. A bucket that cannot be built (an op the installed torch
-cannot capture, say) turns the graphs off for that engine with a warning: its steps run
-eagerly, none fails.
+(mixed steps) always run eagerly. A bucket that cannot be built (out of device memory, an op
+the installed torch cannot capture) is logged once and its steps run eagerly: none fails.
 """
 
 from __future__ import annotations
@@ -45,6 +45,18 @@ logger = logging.getLogger(__name__)
 def graphs_apply(mode: str, device: torch.device) -> bool:
     """Whether an engine of `mode` on `device` runs its decode steps through `DecodeGraphs`."""
     return mode == "static" or (mode == "auto" and device.type == "cuda")
+
+
+CAPTURE_TOKENS = 8192
+"""The longest context a decode graph is captured for (vLLM's `max_seq_len_to_capture` is
+the same idea): a batch with a longer row decodes eagerly. Every row of a bucket reads all of
+its pages, so a wider bucket costs a batch of short rows the gather of long ones, and its
+capture holds that memory in the graphs' pool."""
+
+
+def graph_pages(max_model_len: int, block_size: int) -> int:
+    """The widest bucket, in pages: those of ``min(max_model_len, CAPTURE_TOKENS)`` tokens."""
+    return -(-min(max_model_len, CAPTURE_TOKENS) // block_size)
 
 
 def bucket(n: int, limit: int) -> int:
@@ -81,6 +93,7 @@ class DecodeGraphs:
         self.spare = pool.spare_page()
         self.device = pool.tensor.device
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._failed: set[tuple[int, int]] = set()  # buckets that could not be built
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -100,11 +113,13 @@ class DecodeGraphs:
         key = bucket(rows, self.max_batch), bucket(width, self.max_pages)
         entry = self._buckets.get(key)
         if entry is None:
+            if key in self._failed:
+                return None
             try:
                 entry = self._build(*key)
-            except RuntimeError as exc:  # an op this torch cannot capture, say: stay eager
-                logger.warning("decode graphs off for this engine: bucket %s: %s", key, exc)
-                self.max_batch = 0  # every later batch exceeds the buckets
+            except RuntimeError as exc:  # out of memory, an op torch cannot capture: eager
+                logger.warning("decode graph of bucket %s not built, eager instead: %s", key, exc)
+                self._failed.add(key)
                 return None
         pad = [0, 0] + [self.spare] * key[1]
         host = [[s.token_ids[-1], s.num_computed, *self._pages(s, key[1])] for s in seqs]
@@ -150,13 +165,16 @@ class DecodeGraphs:
         """Warm `forward` up on a side stream (first-use allocations and kernel choices stay
         out of the graph), then capture it. Both run on padding rows: only the spare page is
         written."""
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            forward()
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            logits = forward()
+        with torch.cuda.device(self.device):  # capture on the engine's device, not cuda:0
+            current = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                forward()
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(
+                graph, pool=self._mempool, stream=side, capture_error_mode="thread_local"
+            ):
+                logits = forward()
         return graph, logits

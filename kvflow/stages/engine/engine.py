@@ -28,7 +28,7 @@ import torch
 
 from kvflow.stages.engine.allocator import tune_malloc
 from kvflow.stages.engine.config import EngineConfig, SamplingParams
-from kvflow.stages.engine.decode_graphs import DecodeGraphs, graphs_apply
+from kvflow.stages.engine.decode_graphs import DecodeGraphs, graph_pages, graphs_apply
 from kvflow.stages.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
@@ -98,7 +98,7 @@ class Engine:
         )
         decode_graphs = None
         if graphs:
-            max_pages = -(-self.max_model_len // config.block_size)
+            max_pages = graph_pages(self.max_model_len, config.block_size)
             capture = self.device.type == "cuda"
             decode_graphs = DecodeGraphs(model, self._pool, config.max_batch, max_pages, capture)
         self._runner = ModelRunner(model, self._pool, self.device, decode_graphs)
@@ -216,9 +216,9 @@ class Engine:
 
     @property
     def pool_tensor(self) -> torch.Tensor:
-        """The whole page pool, ``[num_pages, *page_shape]``, contiguous. Page ``p`` starts at
-        byte ``p * page_nbytes``; transfer engines register it as one segment. Read-only use:
-        only the engine writes it."""
+        """The whole page pool, ``[num_pages (+ 1 spare page with decode graphs), *page_shape]``,
+        contiguous. Page ``p`` starts at byte ``p * page_nbytes``; transfer engines register it
+        as one segment. Read-only use: only the engine writes it."""
         return self._pool.tensor
 
     def has_unfinished(self) -> bool:

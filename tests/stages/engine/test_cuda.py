@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.stages.engine import Engine, ModelLoadError, PageLayoutError, SamplingParams
+from kvflow.stages.engine import pages as pages_module
 from kvflow.stages.engine.attention import PagedPrefill
+from kvflow.stages.engine.model import RMSNorm
 from kvflow.stages.engine.pages import KVLayout, PagePool
 from kvflow.tools.bench.precision import equivalence_prompt, greedy, teacher_forced_hits
 from tests.stages.engine.conftest import open_engine
@@ -125,14 +127,18 @@ def test_cached_prefix_equals_recomputed(llama_dir: Path) -> None:
     assert _max_diff(got[1], ref[1]) <= 1e-5
 
 
-def test_pages_import_as_tensors_and_a_bad_one_is_named(llama_dir: Path) -> None:
-    """Several pages import in one transfer (bytes, host tensors and device tensors alike);
-    a non-finite page among them is refused by its index, and the engine takes no page."""
+def test_pages_import_as_tensors_and_a_bad_one_is_named(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages import in batched transfers (bytes, host tensors and device tensors alike; two
+    pages a transfer here, so five take three); a non-finite page among them is refused by
+    its index, and the engine takes no page."""
     prompt = _prompt(40, seed=1)
     source = open_engine(llama_dir, device=DEVICE)
     source.add_request("src", prompt, SamplingParams(max_tokens=1), retain_pages=True)
     _run(source)
     raw = [source.export_page_bytes("src", i) for i in range(5)]
+    monkeypatch.setattr(pages_module, "TRANSFER_BYTES", 2 * source.page_nbytes)
     shape, dtype = source.page_shape, source.page_dtype
     host = [torch.frombuffer(bytearray(b), dtype=dtype).view(shape) for b in raw]
     ref = _single(open_engine(llama_dir, device=DEVICE), prompt)
@@ -148,6 +154,23 @@ def test_pages_import_as_tensors_and_a_bad_one_is_named(llama_dir: Path) -> None
     with pytest.raises(PageLayoutError, match="page 3: holds non-finite"):
         engine.add_request("r", prompt, GREEDY, prefix_pages=bad, num_prefix_tokens=39)
     assert engine.num_free_pages == engine.num_pages
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_rms_norm_on_the_device_is_the_formula_to_one_rounding(dtype: torch.dtype) -> None:
+    """On the CPU the half-precision RMSNorm equals transformers' formula bit for bit
+    (test_bf16.py); on the device F.rms_norm is another kernel: within one rounding of the
+    half dtype, nearly every element equal."""
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(1024, 1e-5).to(dtype)
+    norm.weight.data = (torch.randn(1024, generator=gen) * 0.2 + 1).to(dtype)
+    norm = norm.to(DEVICE)
+    x = (torch.randn(64, 1024, generator=gen) * 3).to(dtype).to(DEVICE)
+    h = x.to(torch.float32)
+    ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = norm(x)
+    torch.testing.assert_close(got, ref, rtol=torch.finfo(dtype).eps * 2, atol=0.0)
+    assert float(got.eq(ref).float().mean()) >= 0.99
 
 
 def test_pages_cross_between_cpu_and_device(llama_dir: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine import Engine, EngineConfig, SamplingParams
+from kvflow.stages.engine import Engine, EngineConfig, SamplingParams, decode_graphs
 from kvflow.stages.engine.decode_graphs import DecodeGraphs, bucket
 from kvflow.stages.engine.sequence import RequestOutput
 from tests.stages.engine.conftest import open_engine
@@ -86,10 +86,14 @@ def test_growing_and_shrinking_batches_equal_eager_decode(llama_dir: Path, mode:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sliding_window_and_shared_prefix_equal_eager_decode(tmp_path: Path, mode: str) -> None:
-    """A Mistral with an 8-token window (the mask hides early keys) over prompts that share
-    their first two pages by key (rows hold the same page ids)."""
+    """A Mistral with an 8-token window (the mask hides early keys) over prompts that import
+    the same two prefix pages by key: the rows hold the same page ids."""
     model_dir = make_hf_model(tmp_path, "mistral", seed=3, sliding_window=8, head_dim=32)
     prefix = _prompt(16, seed=4)
+    source = open_engine(model_dir, device=DEVICE)
+    source.add_request("src", prefix, SamplingParams(max_tokens=1), retain_pages=True)
+    _run(source)
+    pages = [source.export_page_bytes("src", i) for i in range(2)]
     prompts = [prefix + _prompt(5 + i, seed=20 + i) for i in range(3)]
 
     def run(decode_graphs: str) -> dict[str, tuple]:
@@ -97,7 +101,10 @@ def test_sliding_window_and_shared_prefix_equal_eager_decode(tmp_path: Path, mod
         for i, prompt in enumerate(prompts):
             keys = [("block", tuple(prompt[: (b + 1) * 8])) for b in range(len(prompt) // 8)]
             sampling = SamplingParams(max_tokens=14, ignore_eos=True)
-            engine.add_request(f"s{i}", prompt, sampling, block_keys=keys)
+            engine.add_request(
+                f"s{i}", prompt, sampling, prefix_pages=pages, num_prefix_tokens=16, block_keys=keys
+            )
+        assert engine.num_shared_pages == 2
         return {rid: _tokens_logits(o) for rid, o in _run(engine).items()}
 
     _agree(run(mode), run("off"), tol=1e-4)
@@ -142,8 +149,9 @@ def test_replayed_graphs_equal_the_forward_they_captured(llama_dir: Path) -> Non
 def test_a_bucket_that_cannot_be_built_leaves_decode_eager(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A capture that fails (an op the installed torch cannot capture) fails no request: the
-    engine warns once and decodes eagerly, with the eager path's tokens."""
+    """A bucket whose build fails (out of device memory, an op the installed torch cannot
+    capture) fails no request: it is logged once and its steps decode eagerly, with the
+    eager path's tokens."""
     prompts = [_prompt(n, seed=70 + n) for n in (6, 13)]
     ref = _serve(open_engine(llama_dir, device=DEVICE, decode_graphs="off"), prompts, [9, 9])
 
@@ -154,6 +162,20 @@ def test_a_bucket_that_cannot_be_built_leaves_decode_eager(
     engine = open_engine(llama_dir, device=DEVICE, decode_graphs="static")
     with caplog.at_level(logging.WARNING, logger="kvflow.stages.engine.decode_graphs"):
         _agree(_serve(engine, prompts, [9, 9]), ref, tol=1e-4)
-    warnings = [r for r in caplog.records if "decode graphs off" in r.getMessage()]
-    assert len(warnings) == 1 and "not permitted" in warnings[0].getMessage()
+    warned = [r.getMessage() for r in caplog.records if "not built, eager" in r.getMessage()]
+    assert warned and len(set(warned)) == len(warned)  # each bucket once, not once a step
+    assert all("not permitted" in w for w in warned)
     assert engine.decode_graph_buckets == []
+
+
+def test_rows_past_the_capture_length_decode_eagerly(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With CAPTURE_TOKENS at 16 (2 pages of 8), a batch with a row past 16 tokens decodes
+    eagerly; the tokens are the eager path's all along."""
+    monkeypatch.setattr(decode_graphs, "CAPTURE_TOKENS", 16)
+    prompts = [_prompt(n, seed=80 + n) for n in (4, 11)]
+    ref = _serve(open_engine(llama_dir, device=DEVICE, decode_graphs="off"), prompts, [20, 20])
+    engine = open_engine(llama_dir, device=DEVICE, decode_graphs="static")
+    _agree(_serve(engine, prompts, [20, 20]), ref, tol=1e-4)
+    assert engine.decode_graph_buckets and all(p <= 2 for _, p in engine.decode_graph_buckets)
