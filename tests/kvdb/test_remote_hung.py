@@ -33,6 +33,7 @@ from tests.pausable_proxy import PausableProxy
 BUDGET = PeerCallBudget(
     base_s=0.3, breaker=BreakerConfig(failure_threshold=2, open_s=0.5, max_open_s=2.0)
 )
+PATIENT = PeerCallBudget(base_s=2.0, breaker=BUDGET.breaker)
 SLACK_S = 0.7  # a shared 2-core machine; the transfer watchdog ticks every 0.1 s
 
 
@@ -134,8 +135,11 @@ def test_a_holder_that_hangs_after_the_lease_costs_the_read_deadline(
 def test_a_paused_holder_does_not_delay_reads_from_a_healthy_one(
     holders: list[ProxiedHolder], engine: TransferEngine
 ) -> None:
-    """One transfer engine and one PeerBreakers for both holders, as in a node."""
-    breakers = PeerBreakers(BUDGET)
+    """One transfer engine and one PeerBreakers for both holders, as in a node. Deadlines of
+    2 s here, not 0.3: on a loaded machine a healthy Lease once took longer than 0.3 s (its
+    server's thread starved), which is not what this test is about; against a 2 s hang a
+    healthy read that waited for it would take 2 s, and one that did not takes milliseconds."""
+    breakers = PeerBreakers(PATIENT)
     paused, healthy = holders
     with _client(paused, engine, breakers) as slow, _client(healthy, engine, breakers) as fast:
         assert _read(slow, paused.keys)[1] == [Tier.DRAM] * 4
@@ -158,7 +162,7 @@ def test_a_paused_holder_does_not_delay_reads_from_a_healthy_one(
             times.append(took)
         t.join()
         assert len(errors) == 1 and len(times) >= 2
-        assert max(times) < 0.25, times  # a healthy read is a few ms; the hang lasts 0.3 s+
+        assert max(times) < 1.0, times  # a healthy read is a few ms; the hang lasts 2 s+
         assert breakers.get(healthy.data.address).state is BreakerState.CLOSED
         assert breakers.get(paused.data.address).state is BreakerState.OPEN
 
