@@ -91,6 +91,16 @@ def gather_context(pool: torch.Tensor, layer: int, page_ids: torch.Tensor) -> to
     return ctx.flatten(-3, -2)  # [2, (B,) kvh, n * bs, d]
 
 
+def attend_pages(
+    pool: torch.Tensor, layer: int, qg: torch.Tensor, table: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Rows qg [n, kvh, group, d] (a KV head's query heads as its rows) over their pages
+    `table` [n, pages] of `layer`, gathered, under `mask` [n, 1, 1, pages * bs] (boolean or
+    additive) -> [n, kvh, group, d]."""
+    ctx = gather_context(pool, layer, table)  # [2, n, kvh, pages * bs, d]
+    return _sdpa(qg, ctx[0], ctx[1], mask)
+
+
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 QUERY_BLOCK = 128
@@ -362,8 +372,7 @@ class PagedDecode:
     def _plain(
         self, layer: int, qg: torch.Tensor, table: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        ctx = gather_context(self.pool.tensor, layer, table)  # [2, n, kvh, pages * bs, d]
-        return _sdpa(qg, ctx[0], ctx[1], mask)  # [n, kvh, group, d]
+        return attend_pages(self.pool.tensor, layer, qg, table, mask)
 
     def _cascade(
         self, layer: int, qg: torch.Tensor, table: torch.Tensor, mask: torch.Tensor
@@ -432,8 +441,7 @@ class PaddedDecode:
         pool[self.slot_pages, layer, :, :, self.slot_offsets] = torch.stack((k, v), dim=1)
         b, kvh, d = q.shape[0], k.shape[1], q.shape[2]
         qg = q.reshape(b, kvh, -1, d)  # a KV head's query heads are its rows, as in PagedDecode
-        ctx = gather_context(pool, layer, self.table)  # [2, B, kvh, W * bs, d]
-        return _sdpa(qg, ctx[0], ctx[1], self.mask).reshape(b, -1)
+        return attend_pages(pool, layer, qg, self.table, self.mask).reshape(b, -1)
 
 
 def shared_groups(

@@ -60,6 +60,12 @@ def lazy_zeros(
     return tensor
 
 
+def _check_finite(index: int, page: torch.Tensor) -> None:
+    """PageLayoutError unless every value of page ``index`` is finite."""
+    if not bool(torch.isfinite(page).all()):
+        raise PageLayoutError(f"page {index}: holds non-finite values")
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of one KV page; two caches are compatible only if their layouts are equal."""
@@ -183,8 +189,7 @@ class PagePool:
         if self.tensor.device.type == "cpu" or not host:
             if verify:
                 for i, page in enumerate(host):
-                    if not bool(torch.isfinite(page).all()):
-                        raise PageLayoutError(f"page {i}: holds non-finite values")
+                    _check_finite(i, page)
             return host
         out = self._to_device(host)
         if verify:
@@ -217,8 +222,8 @@ class PagePool:
         checksummed copies of pages an engine computed may skip it. Raises PageLayoutError
         naming the mismatch."""
         page = self._host_view(index, data).to(self.tensor.device)
-        if verify and not bool(torch.isfinite(page).all()):
-            raise PageLayoutError(f"page {index}: holds non-finite values")
+        if verify:
+            _check_finite(index, page)
         return page
 
     def _host_view(self, index: int, data: PageData) -> torch.Tensor:
