@@ -19,7 +19,7 @@ class DramTier:
     use (fewer page faults on the hot path, slower start)."""
 
     def __init__(self, capacity: int, alignment: int, prefault: bool = False) -> None:
-        self.pool = pool_bytes(capacity)
+        self.pool = pool_bytes(capacity, shared=True)
         if prefault and capacity:
             self.pool.fill(0)
         self.allocator = ExtentAllocator(capacity, alignment)

@@ -19,9 +19,10 @@ def _random_engine_name() -> str:
 class TransferConfig:
     """Configuration of one TransferEngine (immutable; share it freely).
 
-    engine_name: names this engine on its host; shared memory segments are created as
-        ``kvf_<engine_name>_<segment>`` and same-host peers open them as ``shm://<engine_name>``.
-        Letters, digits, ``_`` and ``-``, 1-32 characters. Random when not given.
+    engine_name: names this engine on its host: its shared segments are served on the abstract
+        socket ``kvflow-shm-<engine_name>`` and same-host peers open them as
+        ``shm://<engine_name>``. Letters, digits, ``_`` and ``-``, 1-32 characters. Random when
+        not given.
     connections_per_peer: tcp connections (lanes) opened to each peer; slices of one request are
         spread round-robin over them. The paper's "several NICs" (>= 1).
     slice_size: a tcp request longer than this is cut into slices of this many bytes (>= 4096).
@@ -33,8 +34,9 @@ class TransferConfig:
     request_timeout_s: deadline of one request from submit; past it the request ends TIMEOUT.
     max_retries: how many times one slice may be re-sent after a connection failure (>= 0).
     path_retry_s: a path (address) that failed is avoided for this long when others are up.
-    prefer_shm: when a tcp peer turns out to be on this host and the segment lives in shared
-        memory, open_segment returns a shm handle instead (no socket copies).
+    prefer_shm: when a tcp peer turns out to be on this host and the segment is a shared pool,
+        open_segment maps it through the peer's shm socket instead (one memcpy, no socket
+        copies; the same key check); it falls back to tcp where that fails.
     max_batch_capacity: the largest capacity allocate_batch accepts.
     socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for tcp sockets; 0 leaves the OS default.
     server_backlog: listen() backlog of the server.

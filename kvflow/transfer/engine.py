@@ -34,7 +34,8 @@ from kvflow.transfer.memory import LocalSegment, SegmentTable
 from kvflow.transfer.protocol import parse_addresses
 from kvflow.transfer.registry import backend_class
 from kvflow.transfer.server import TcpServer
-from kvflow.transfer.shared import host_id, shm_segment_name
+from kvflow.transfer.shared import host_id
+from kvflow.transfer.shm_server import ShmServer
 from kvflow.transfer.types import (
     LOCAL_PEER,
     SHM_SCHEME,
@@ -72,6 +73,8 @@ class TransferEngine:
         self._context = BackendContext(self.config, self._segments, clock)
         self._backends: dict[str, Backend] = {}
         self._servers: dict[tuple[str, int], TcpServer] = {}
+        self._shm_server: ShmServer | None = None
+        self._shm_failed = False
         self._lock = threading.Lock()
         self._closed = False
         if isinstance(backends, str) or not backends:
@@ -99,10 +102,15 @@ class TransferEngine:
         Either ``buffer`` (anything writable with the buffer protocol, ``__array_interface__``
         or CPU ``__dlpack__``; a torch CPU tensor as ``t.view(torch.uint8).numpy()``), which the
         caller keeps alive and does not resize until unregister_memory; or ``shm=True`` with
-        ``size``: the engine creates shared memory that same-host peers can map, and the
-        returned handle's ``buffer`` is the way to fill it. ``peer_writable`` False (a
-        ``buffer`` only): remote peers may READ the segment; their WRITEs are refused with
-        ReadOnlySegmentError (their status says so) and change nothing.
+        ``size``: the engine allocates shared memory, and the returned handle's ``buffer`` is
+        the way to fill it. ``peer_writable`` False (a ``buffer`` only): remote peers may READ
+        the segment; their WRITEs are refused with ReadOnlySegmentError (their status says so)
+        and change nothing.
+
+        Memory of a shared pool (``shm=True``, or a ``buffer`` from
+        ``pool_memory.pool_bytes(shared=True)``) is also served to authenticated same-host
+        peers through this engine's shm socket (``shm_server.py``): they map it and copy
+        with one memcpy; the handle's ``shm_name`` names that socket (None: not shared).
 
         Raises SegmentExistsError for a taken name, TypeError/ValueError for a bad buffer or size.
         """
@@ -112,21 +120,43 @@ class TransferEngine:
                 raise ValueError("register_memory: give either buffer or shm=True with size")
             if size is None:
                 raise ValueError("register_memory: shm=True needs size")
-            segment = self._segments.register_shared(
-                name, size, shm_segment_name(self.config.engine_name, name)
-            )
+            segment = self._segments.register_shared(name, size)
         else:
             if buffer is None:
                 raise ValueError("register_memory: buffer is required unless shm=True")
             if size is not None:
                 raise ValueError("register_memory: size is only for shm=True")
             segment = self._segments.register(name, buffer, peer_writable)
+        if segment.region is not None:
+            server = self._shm()
+            if server is not None and server.share(segment):
+                segment = self._segments.mark_shared(name, server.name)
         return _memory_handle(segment)
 
+    def _shm(self) -> ShmServer | None:
+        """This engine's shm server, started on first use; None where it cannot start."""
+        with self._lock:
+            if self._shm_server is None and not self._shm_failed:
+                try:
+                    self._shm_server = ShmServer(
+                        self.config.engine_name, self.config.secret, self.config.io_timeout_s
+                    )
+                except OSError as exc:
+                    self._shm_failed = True
+                    logger.warning(
+                        "engine=%s: no shm server (%s); same-host peers read over tcp",
+                        self.config.engine_name,
+                        exc,
+                    )
+            return self._shm_server
+
     def unregister_memory(self, name: str) -> None:
-        """Forget segment ``name`` (shared memory is unlinked); UnknownSegmentError if absent.
-        Do not unregister memory that transfers are still using."""
-        self._segments.unregister(name)
+        """Forget segment ``name`` (same-host peers' mappings of it fail from now on);
+        UnknownSegmentError if absent. Do not unregister memory that transfers are still
+        using."""
+        segment = self._segments.unregister(name)
+        if segment.shm_name is not None and self._shm_server is not None:
+            self._shm_server.unshare(name)
 
     def registered(self) -> list[str]:
         return self._segments.names()
@@ -335,8 +365,11 @@ class TransferEngine:
             self._closed = True
             servers = list(self._servers.values())
             self._servers.clear()
+            shm_server, self._shm_server = self._shm_server, None
         for server in servers:
             server.stop()
+        if shm_server is not None:
+            shm_server.stop()
         for backend in self._backends.values():
             backend.close()
         self._segments.clear()

@@ -7,14 +7,14 @@ server read and write segments through memoryviews of one byte per item; nothing
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Any
 
 from kvflow.transfer.errors import OutOfBoundsError, SegmentExistsError, UnknownSegmentError
-from kvflow.transfer.shared import close_shared, create_shared, data_view, tombstone
+from kvflow.transfer.pool_memory import pool_bytes, shared_region
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +67,21 @@ def _raw_view(buffer: Any) -> memoryview:
 
 @dataclass(frozen=True)
 class LocalSegment:
-    """One registered region: ``view`` is its byte view, ``shm`` its shared memory, if any;
-    ``peer_writable`` False: peers may READ it, their WRITEs are refused."""
+    """One registered region: ``view`` is its byte view; ``region`` (fd, offset) where its
+    bytes lie in a shared pool's memfd (``pool_memory``), else None; ``shm_name`` the socket
+    that serves it to same-host peers once it is shared; ``peer_writable`` False: peers may
+    READ it, their WRITEs are refused."""
 
     name: str
     segment_id: int
     view: memoryview
-    shm: shared_memory.SharedMemory | None = None
+    region: tuple[int, int] | None = None
     peer_writable: bool = True
+    shm_name: str | None = None
 
     @property
     def size(self) -> int:
         return self.view.nbytes
-
-    @property
-    def shm_name(self) -> str | None:
-        return self.shm.name if self.shm is not None else None
 
     def window(self, offset: int, length: int) -> memoryview:
         """The sub-view [offset, offset+length); OutOfBoundsError if it does not fit."""
@@ -111,62 +110,62 @@ class SegmentTable:
         """Register caller memory under ``name``; SegmentExistsError if the name is taken."""
         _check_name(name)
         view = as_byte_view(buffer)
-        return self._add(name, view, None, peer_writable=peer_writable)
+        found = shared_region(buffer)
+        region = None if found is None else found[:2]
+        return self._add(name, view, region, peer_writable=peer_writable)
 
-    def register_shared(self, name: str, size: int, shm_name: str) -> LocalSegment:
-        """Create ``size`` bytes of shared memory named ``shm_name`` and register it as ``name``.
+    def register_shared(self, name: str, size: int) -> LocalSegment:
+        """Allocate ``size`` zeroed bytes of a shared pool and register them as ``name``.
 
-        SegmentExistsError if the name is registered, FileExistsError if the shm name is taken.
+        SegmentExistsError if the name is registered.
         """
         _check_name(name)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"size must be an int > 0 for a shm segment, got {size!r}")
-        with self._lock:
-            if name in self._by_name:
-                raise SegmentExistsError(f"segment {name!r} is already registered")
-            segment_id = self._next_id
-            self._next_id += 1
-        shm = create_shared(shm_name, size, segment_id)
-        try:
-            return self._add(name, data_view(shm, size), shm, segment_id)
-        except BaseException:
-            close_shared(shm, unlink=True)
-            raise
+        pool = pool_bytes(size, shared=True)
+        found = shared_region(pool)
+        if found is None:
+            raise ValueError("shm=True: this platform has no memfd_create to share memory with")
+        return self._add(name, memoryview(pool), found[:2])
 
     def _add(
         self,
         name: str,
         view: memoryview,
-        shm: shared_memory.SharedMemory | None,
-        segment_id: int | None = None,
+        region: tuple[int, int] | None,
         peer_writable: bool = True,
     ) -> LocalSegment:
         with self._lock:
             if name in self._by_name:
                 raise SegmentExistsError(f"segment {name!r} is already registered")
-            if segment_id is None:
-                segment_id = self._next_id
-                self._next_id += 1
-            segment = LocalSegment(name, segment_id, view, shm, peer_writable)
+            segment_id = self._next_id
+            self._next_id += 1
+            segment = LocalSegment(name, segment_id, view, region, peer_writable)
             self._by_name[name] = segment
             self._by_id[segment.segment_id] = segment
         logger.debug("registered segment=%s id=%d size=%d", name, segment.segment_id, segment.size)
         return segment
 
-    def unregister(self, name: str) -> None:
-        """Forget ``name``; its shared memory, if any, is closed and unlinked.
+    def mark_shared(self, name: str, shm_name: str) -> LocalSegment:
+        """Record that segment ``name`` is served to same-host peers by socket ``shm_name``."""
+        with self._lock:
+            segment = self._by_name.get(name)
+            if segment is None:
+                raise UnknownSegmentError(f"segment {name!r} is not registered")
+            segment = dataclasses.replace(segment, shm_name=shm_name)
+            self._by_name[name] = segment
+            self._by_id[segment.segment_id] = segment
+        return segment
 
-        UnknownSegmentError if not registered. Transfers still in flight on it may fail.
-        """
+    def unregister(self, name: str) -> LocalSegment:
+        """Forget ``name`` and return what it was; UnknownSegmentError if not registered.
+        Transfers still in flight on it may fail."""
         with self._lock:
             segment = self._by_name.pop(name, None)
             if segment is None:
                 raise UnknownSegmentError(f"segment {name!r} is not registered")
             del self._by_id[segment.segment_id]
-        if segment.shm is not None:
-            tombstone(segment.shm)
-            segment.view.release()
-            close_shared(segment.shm, unlink=True)
+        return segment
 
     def by_name(self, name: str) -> LocalSegment:
         with self._lock:

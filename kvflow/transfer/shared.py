@@ -1,110 +1,128 @@
-"""Shared memory helpers: create, attach and close POSIX shared memory segments, and the host id.
+"""Same-host sharing: the wire of the shm channel, its slot table, and the host id.
 
-Python 3.11 registers every SharedMemory (also one merely attached) with the resource tracker,
-which unlinks it when the attaching process exits. Attaching here unregisters it again, so only
-the creator's exit or unregister_memory removes a segment.
+An engine that registers memory over a shared pool (``pool_memory.pool_bytes(shared=True)``)
+serves it to same-host peers through an abstract unix socket named after the engine
+(``socket_name``; ``shm_server.py``). A peer connects, proves the cluster key (the transfer
+handshake) where the engine has one, and asks for segments by name; each answer carries the
+pool's file descriptor (``SCM_RIGHTS``), read-only unless the segment is peer-writable, and the
+peer maps it: one memcpy per transfer, no socket copy.
+
+    server -> peer  HELLO: magic (8) | slots u64, with the slot table's descriptor (read-only)
+    peer -> server  name length u16 | name (utf-8)
+    server -> peer  REPLY: status u8 | writable u8 | pad 2 | slot u32 | segment_id u64 |
+                    size u64 | offset u64, with the pool's descriptor when status is OK;
+                    otherwise ``size`` bytes of utf-8 error message follow
+
+The slot table is one small shared page: slot ``i`` holds the id of the i-th shared segment
+and 0 once the owner unregistered it, so a peer checks that its mapping is still the segment
+before each copy. A peer also checks that its connection is open: the owner's exit (even by
+SIGKILL) closes it, and the mappings of a dead owner are never read.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import array
+import mmap
+import os
 import socket
 import struct
-import threading
 from functools import cache
-from multiprocessing import resource_tracker, shared_memory
 
-logger = logging.getLogger(__name__)
+from kvflow.transfer.errors import ProtocolError
+from kvflow.transfer.protocol import recv_exact
 
-
-def shm_segment_name(engine_name: str, segment: str) -> str:
-    """The host-wide shared memory name of ``segment`` of engine ``engine_name``.
-
-    POSIX names are short; the segment name is hex-encoded through blake2b when it would not fit
-    or has characters outside [A-Za-z0-9_-].
-    """
-    import hashlib
-    import re
-
-    if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", segment):
-        return f"kvf_{engine_name}_{segment}"
-    digest = hashlib.blake2b(segment.encode(), digest_size=12).hexdigest()
-    return f"kvf_{engine_name}_h{digest}"
+MAGIC = b"KVFSHM02"
+HELLO = struct.Struct("<8sQ")
+REQUEST = struct.Struct("<H")
+REPLY = struct.Struct("<BB2xIQQQ")
+OK, UNKNOWN = 0, 1
+SLOTS = 4096
+"""Shared segments one engine can serve at once (a page of 32 KiB of u64 ids)."""
+MAX_NAME = 1024
 
 
-SHM_HEADER = struct.Struct("<8sQQ")
-SHM_HEADER_BYTES = 64
-"""A shm segment starts with a header (magic, segment id, size), then its data. The owner zeroes
-the id when it unregisters, so a peer still mapping it sees the segment is gone."""
-_MAGIC = b"KVFSHM01"
-
-# Names this process created: the resource tracker is per process, so attaching to one of our
-# own segments must not unregister it (the creator's unlink would then find no entry).
-_created: set[str] = set()
-_created_lock = threading.Lock()
+def socket_name(engine_name: str) -> str:
+    """The abstract unix socket (Linux) that serves ``engine_name``'s shared segments."""
+    return f"kvflow-shm-{engine_name}"
 
 
-def create_shared(name: str, size: int, segment_id: int) -> shared_memory.SharedMemory:
-    """Create a segment of ``size`` data bytes; FileExistsError if the name is taken."""
-    shm = shared_memory.SharedMemory(name=name, create=True, size=SHM_HEADER_BYTES + size)
-    SHM_HEADER.pack_into(shm.buf, 0, _MAGIC, segment_id, size)
-    with _created_lock:
-        _created.add(shm.name)
-    return shm
+def abstract_address(name: str) -> str:
+    """The address of abstract socket ``name`` (no file: it lives in the network namespace)."""
+    return "\0" + name
 
 
-def data_view(shm: shared_memory.SharedMemory, size: int) -> memoryview:
-    """The data part of a segment (after the header)."""
-    return shm.buf[SHM_HEADER_BYTES : SHM_HEADER_BYTES + size]
+def send_with_fd(sock: socket.socket, data: bytes, fd: int | None) -> None:
+    """Send ``data`` (small) with ``fd`` attached, in one message."""
+    fds = [] if fd is None else [fd]
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sent = sock.sendmsg([data], ancillary)
+    if sent < len(data):
+        sock.sendall(data[sent:])
 
 
-def read_header(shm: shared_memory.SharedMemory) -> tuple[int, int]:
-    """(segment_id, size) of a mapped segment; segment_id 0 once the owner unregistered it.
-
-    ValueError if the memory does not start with the kvflow header.
-    """
-    magic, segment_id, size = SHM_HEADER.unpack_from(shm.buf, 0)
-    if magic != _MAGIC:
-        raise ValueError(f"shm={shm.name} is not a kvflow transfer segment")
-    return int(segment_id), int(size)
-
-
-def tombstone(shm: shared_memory.SharedMemory) -> None:
-    """Mark a segment as unregistered for peers that still map it."""
-    SHM_HEADER.pack_into(shm.buf, 0, _MAGIC, 0, 0)
-
-
-def attach_shared(name: str) -> shared_memory.SharedMemory:
-    """Map an existing segment created by another engine; FileNotFoundError if there is none."""
-    shm = shared_memory.SharedMemory(name=name, create=False)
-    with _created_lock:
-        ours = shm.name in _created
-    if ours:  # the tracker entry is the creator's own: it must stay for its unlink
-        return shm
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:  # pragma: no cover - tracker internals differ across versions
-        logger.debug("could not unregister shm=%s from the resource tracker", name)
-    return shm
+def recv_with_fd(sock: socket.socket, size: int) -> tuple[bytes, int | None]:
+    """``size`` bytes and the descriptor sent with them (or None). Extra descriptors, which a
+    well-behaved server never sends, are closed."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, size, 4)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("the shm server closed the connection")
+    for extra in fds[1:]:
+        os.close(extra)
+    if len(data) < size:
+        data += recv_exact(sock, size - len(data))
+    return data, (fds[0] if fds else None)
 
 
-def close_shared(shm: shared_memory.SharedMemory, *, unlink: bool) -> None:
-    """Unmap (and, for the creator, unlink) a segment; a view still held elsewhere only warns."""
-    try:
-        shm.close()
-    except BufferError:
-        logger.warning("shm=%s still has views in use; unmapped at garbage collection", shm.name)
-    if unlink:
-        with _created_lock:
-            _created.discard(shm.name)
-        with contextlib.suppress(FileNotFoundError):
-            shm.unlink()
+def readonly_fd(fd: int) -> int:
+    """A new read-only descriptor of the file behind ``fd`` (through /proc): a mapping made
+    from it cannot be written, whatever the peer asks of mmap."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def map_fd(fd: int, length: int, writable: bool) -> mmap.mmap:
+    """Map the first ``length`` bytes of ``fd``, shared, read-only unless ``writable``."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=prot)
+
+
+class SlotTable:
+    """The owner's table of shared segment ids (one memfd of ``SLOTS`` u64). Not thread-safe:
+    the shm server calls it under its lock."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("kvflow-shm-slots", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, SLOTS * 8)
+            self._map = map_fd(self.fd, SLOTS * 8, writable=True)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._ids = memoryview(self._map).cast("Q")
+        self._free = list(range(SLOTS - 1, -1, -1))
+
+    def assign(self, segment_id: int) -> int | None:
+        """A slot now holding ``segment_id``; None when every slot is taken."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._ids[slot] = segment_id
+        return slot
+
+    def clear(self, slot: int) -> None:
+        self._ids[slot] = 0
+        self._free.append(slot)
+
+    def close(self) -> None:
+        self._ids.release()
+        self._map.close()
+        os.close(self.fd)
 
 
 @cache
 def host_id() -> str:
-    """Identifies this host (hostname and boot id), to tell whether a peer shares /dev/shm."""
+    """Identifies this host (hostname and boot id), to tell whether a peer may share memory."""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
             boot = handle.read().strip()

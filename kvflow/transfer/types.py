@@ -74,7 +74,8 @@ class MemoryHandle:
 
     ``buffer`` is a writable one-byte-per-item memoryview of the region, owned by the engine until
     unregister_memory; for segments registered with ``shm=True`` it is the only way to reach the
-    shared memory. ``shm_name`` is the host-wide shared memory name, or None.
+    shared memory. ``shm_name`` is the socket that serves it to same-host peers (the engine's
+    shm server), or None where it is not shared.
     """
 
     name: str

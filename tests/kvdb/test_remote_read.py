@@ -41,7 +41,11 @@ class Holder:
     """One node: shards, a transfer engine serving their DRAM pools, a gRPC BlockService."""
 
     def __init__(
-        self, tmp_path: Path, shard_ids: tuple[str, ...] = ("s0",), **service: Any
+        self,
+        tmp_path: Path,
+        shard_ids: tuple[str, ...] = ("s0",),
+        transfer: TransferConfig = TCP,
+        **service: Any,
     ) -> None:
         self.shards = {
             sid: Shard(
@@ -52,7 +56,7 @@ class Holder:
             for sid in shard_ids
         }
         self.shard = next(iter(self.shards.values()))
-        self.transfer = TransferEngine(TCP)
+        self.transfer = TransferEngine(transfer)
         self.transfer.start_server()
         source = StaticAdminSource(
             {sid: ShardRef(s, NodeId("holder"), "prefill") for sid, s in self.shards.items()}
@@ -82,11 +86,11 @@ class Holder:
 
 
 class Reader:
-    def __init__(self, holder: Holder, **cfg: Any) -> None:
+    def __init__(self, holder: Holder, transfer: TransferConfig = TCP, **cfg: Any) -> None:
         # these tests check what a read returns, not its deadlines (the tests of hung holders
         # bring their own budgets): the default 0.5 s lease deadline failed on a loaded box
         cfg.setdefault("budget", PeerCallBudget(base_s=10.0))
-        self.transfer = TransferEngine(TCP)
+        self.transfer = TransferEngine(transfer)
         self.client = RemoteClient(
             holder.address,
             self.transfer,

@@ -1,53 +1,116 @@
-"""The shm backend: a peer process on the same host, reached through POSIX shared memory.
+"""The shm backend: a peer process on the same host, its segments mapped through its socket.
 
-The owner registers a segment with ``shm=True`` (it lives in /dev/shm under a name derived from
-its engine name, see kvflow.transfer.shared); this backend maps it by that name and copies with
-one memcpy, no socket. A header in the segment carries its id, which the owner zeroes when it
-unregisters, so a stale mapping fails with UnknownSegmentError instead of reading dead memory.
+The owner shares a segment whose memory is a shared pool (``pool_memory``) through its shm
+server (``shm_server.py``); this backend connects to the owner's abstract unix socket
+(``shm://<engine_name>``, or the socket a tcp peer's DESCRIBE names), passes the same key
+check as a tcp connection, receives the pool's descriptor and maps it: a transfer is one
+memcpy, no socket. Before each copy it checks that the owner is alive (its connection open)
+and the segment still registered (its id in the owner's slot table), so neither a dead owner's
+nor an unregistered segment's memory is read. WRITEs into a segment the owner shared
+read-only fail with ReadOnlySegmentError (the mapping could not be written anyway).
+
+One connection per owner engine, kept while any of its segments is open; mappings are cached
+per (peer, name) and closed by close(). Thread-safe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
+import os
+import select
+import socket
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 
-from kvflow.transfer.backends.base import Backend, BackendContext, TransferTask, copy_tasks
-from kvflow.transfer.errors import OutOfBoundsError, UnknownSegmentError
+from kvflow.transfer.backends.base import (
+    Backend,
+    BackendContext,
+    TransferTask,
+    copy_tasks,
+    settle_failed,
+)
+from kvflow.transfer.errors import (
+    EngineClosedError,
+    HandshakeError,
+    OutOfBoundsError,
+    ProtocolError,
+    ReadOnlySegmentError,
+    UnknownSegmentError,
+)
+from kvflow.transfer.handshake import client_handshake
 from kvflow.transfer.registry import register_backend
 from kvflow.transfer.shared import (
-    attach_shared,
-    close_shared,
-    data_view,
-    read_header,
-    shm_segment_name,
+    HELLO,
+    MAGIC,
+    OK,
+    REPLY,
+    REQUEST,
+    abstract_address,
+    map_fd,
+    recv_with_fd,
+    socket_name,
 )
-from kvflow.transfer.types import SHM_SCHEME, SegmentHandle
+from kvflow.transfer.types import SHM_SCHEME, OpCode, SegmentHandle, TransferRequest
 
 logger = logging.getLogger(__name__)
+
+COPY_THREADS = 2
+
+
+class _Owner:
+    """The connection to one owner engine and its slot table, mapped read-only."""
+
+    def __init__(self, sock: socket.socket, slots: mmap.mmap) -> None:
+        self.sock = sock
+        self.slots = slots
+        self.ids = memoryview(slots).cast("Q")
+        self.lock = threading.Lock()  # one request at a time on the socket
+
+    def alive(self) -> bool:
+        """Whether the owner still holds its end (its exit, SIGKILL included, closes it)."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN | select.POLLRDHUP)
+        for _fd, events in poller.poll(0):
+            if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                return False
+        return True
+
+    def close(self) -> None:
+        self.ids.release()
+        with contextlib.suppress(BufferError):
+            self.slots.close()
+        self.sock.close()
 
 
 @dataclass
 class _Mapping:
-    shm: shared_memory.SharedMemory
+    owner: _Owner
+    region: mmap.mmap
     data: memoryview
+    slot: int
+    segment_id: int
+    writable: bool
 
 
 @register_backend
 class ShmBackend(Backend):
-    """Maps same-host peers' shared memory segments (peers named ``shm://<engine_name>``).
+    """Maps same-host peers' shared segments (peers named ``shm://<engine_name>``).
 
-    submit copies synchronously on the calling thread. Mappings are cached per (peer, name) and
-    closed by close(). Thread-safe.
-    """
+    submit hands the copies to ``COPY_THREADS`` threads and returns: numpy copies without
+    the GIL, so a reader verifies one chunk while the next is copied (kvdb/remote/reader.py),
+    and two chunks copy at once (a single thread copied at 5.9 GB/s here, two 9.9)."""
 
     name = "shm"
 
     def __init__(self, context: BackendContext) -> None:
         super().__init__(context)
+        self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="shm-copy")
         self._lock = threading.Lock()
+        self._owners: dict[str, _Owner] = {}
         self._mappings: dict[tuple[str, str], _Mapping] = {}
 
     def handles(self, peer: str) -> bool:
@@ -57,62 +120,149 @@ class ShmBackend(Backend):
         engine_name = peer[len(SHM_SCHEME) :]
         if not engine_name:
             raise ValueError(f"shm peer must be 'shm://<engine_name>', got {peer!r}")
-        return self.attach(peer, name, shm_segment_name(engine_name, name))
+        return self.attach(peer, name, socket_name(engine_name))
 
     def attach(self, peer: str, name: str, shm_name: str) -> SegmentHandle:
-        """Map ``shm_name`` (segment ``name`` of ``peer``); UnknownSegmentError if it is absent."""
-        key = (peer, name)
+        """Map segment ``name`` of ``peer``, served on socket ``shm_name``; UnknownSegmentError
+        when the owner cannot be reached, refuses us, or does not share it."""
+        owner = self._owner(peer, shm_name)
+        try:
+            with owner.lock:
+                encoded = name.encode()
+                owner.sock.sendall(REQUEST.pack(len(encoded)) + encoded)
+                reply, fd = recv_with_fd(owner.sock, REPLY.size)
+                status, writable, slot, segment_id, size, offset = REPLY.unpack(reply)
+                if status != OK:
+                    if fd is not None:
+                        os.close(fd)
+                    message = owner.sock.recv(min(size, 4096)).decode("utf-8", "replace")
+                    raise UnknownSegmentError(f"segment {name!r} of {peer}: {message}")
+        except (OSError, ProtocolError) as exc:
+            self._drop_owner(peer, owner)
+            raise UnknownSegmentError(
+                f"segment {name!r} of {peer}: shm owner lost: {exc}"
+            ) from None
+        if fd is None:
+            raise UnknownSegmentError(f"segment {name!r} of {peer}: no descriptor came")
+        try:
+            region = map_fd(fd, offset + size, bool(writable))
+        except (OSError, ValueError) as exc:
+            raise UnknownSegmentError(f"segment {name!r} of {peer}: cannot map it: {exc}") from None
+        finally:
+            os.close(fd)
+        mapping = _Mapping(
+            owner,
+            region,
+            memoryview(region)[offset : offset + size],
+            slot,
+            segment_id,
+            bool(writable),
+        )
         with self._lock:
-            old = self._mappings.pop(key, None)
+            old = self._mappings.pop((peer, name), None)
+            self._mappings[(peer, name)] = mapping
         if old is not None:
             self._close_mapping(old)
-        try:
-            shm = attach_shared(shm_name)
-        except FileNotFoundError:
-            raise UnknownSegmentError(
-                f"segment {name!r} of {peer} is not in shared memory (no {shm_name})"
-            ) from None
-        try:
-            segment_id, size = read_header(shm)
-        except ValueError as exc:
-            close_shared(shm, unlink=False)
-            raise UnknownSegmentError(str(exc)) from None
-        if segment_id == 0:
-            close_shared(shm, unlink=False)
-            raise UnknownSegmentError(f"segment {name!r} of {peer} was unregistered")
-        with self._lock:
-            self._mappings[key] = _Mapping(shm, data_view(shm, size))
         return SegmentHandle(self.name, peer, name, segment_id, size)
 
-    def submit(self, tasks: Sequence[TransferTask]) -> None:
-        copy_tasks(tasks, lambda req: self._window(req.target, req.remote_offset, req.length))
+    def _owner(self, peer: str, shm_name: str) -> _Owner:
+        with self._lock:
+            owner = self._owners.get(peer)
+        if owner is not None and owner.alive():
+            return owner
+        if owner is not None:
+            self._drop_owner(peer, owner)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.context.config.connect_timeout_s)
+            sock.connect(abstract_address(shm_name))
+            key = self.context.config.secret
+            if key is not None:
+                client_handshake(sock, key)
+            hello, fd = recv_with_fd(sock, HELLO.size)
+            magic, slots = HELLO.unpack(hello)
+            if magic != MAGIC or fd is None:
+                if fd is not None:
+                    os.close(fd)
+                raise ProtocolError(f"{shm_name} is not a kvflow shm server")
+            try:
+                table = map_fd(fd, slots * 8, writable=False)
+            finally:
+                os.close(fd)
+            sock.settimeout(self.context.config.io_timeout_s)
+        except (OSError, HandshakeError, ProtocolError) as exc:
+            sock.close()
+            raise UnknownSegmentError(f"{peer}: no shm owner on {shm_name!r}: {exc}") from None
+        owner = _Owner(sock, table)
+        with self._lock:
+            raced = self._owners.get(peer)
+            if raced is None:
+                self._owners[peer] = owner
+        if raced is not None:
+            owner.close()
+            return raced
+        return owner
 
-    def _window(self, target: SegmentHandle, offset: int, length: int) -> memoryview:
+    def _drop_owner(self, peer: str, owner: _Owner) -> None:
+        with self._lock:
+            if self._owners.get(peer) is owner:
+                del self._owners[peer]
+            stale = [key for key, m in self._mappings.items() if m.owner is owner]
+            mappings = [self._mappings.pop(key) for key in stale]
+        for mapping in mappings:
+            self._close_mapping(mapping)
+        owner.close()
+
+    def submit(self, tasks: Sequence[TransferTask]) -> None:
+        for task in tasks:
+            try:
+                self._copiers.submit(copy_tasks, (task,), self._window)
+            except RuntimeError:  # closed: the task still ends, FAILED
+                settle_failed(task, EngineClosedError("the shm backend is closed"))
+
+    def _window(self, request: TransferRequest) -> memoryview:
+        target = request.target
         with self._lock:
             mapping = self._mappings.get((target.peer, target.name))
-        if mapping is None:
+        if mapping is None or mapping.segment_id != target.segment_id:
             raise UnknownSegmentError(f"segment {target.name!r} of {target.peer} is not open")
-        segment_id, size = read_header(mapping.shm)
-        if segment_id != target.segment_id:
+        if not mapping.owner.alive():
+            raise UnknownSegmentError(
+                f"segment {target.name!r} of {target.peer}: the owner is gone"
+            )
+        if mapping.owner.ids[mapping.slot] != mapping.segment_id:
             raise UnknownSegmentError(
                 f"segment {target.name!r} of {target.peer} was unregistered (id "
                 f"{target.segment_id} is gone)"
             )
-        if offset + length > size:
+        offset, length = request.remote_offset, request.length
+        if offset < 0 or length < 0 or offset + length > mapping.data.nbytes:
             raise OutOfBoundsError(
-                f"segment {target.name!r} (size {size}): offset {offset} + length {length} "
-                "is out of bounds"
+                f"segment {target.name!r} (size {mapping.data.nbytes}): offset {offset} + "
+                f"length {length} is out of bounds"
+            )
+        if request.opcode is OpCode.WRITE and not mapping.writable:
+            raise ReadOnlySegmentError(
+                f"segment {target.name!r} of {target.peer} is read-only for peers"
             )
         return mapping.data[offset : offset + length]
 
     def close(self) -> None:
+        self._copiers.shutdown(wait=True)  # copies already handed over finish first
         with self._lock:
             mappings = list(self._mappings.values())
+            owners = list(self._owners.values())
             self._mappings.clear()
+            self._owners.clear()
         for mapping in mappings:
             self._close_mapping(mapping)
+        for owner in owners:
+            owner.close()
 
     @staticmethod
     def _close_mapping(mapping: _Mapping) -> None:
         mapping.data.release()
-        close_shared(mapping.shm, unlink=False)
+        try:
+            mapping.region.close()
+        except BufferError:
+            logger.warning("a shm mapping still has views in use; unmapped at collection")
