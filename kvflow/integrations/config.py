@@ -40,6 +40,8 @@ class MemberConfig:
         pool when the member opens (the pool is committed memory from the start; no page
         fault on the put path). verify_dram_hits: checksum every read of this member's own
         DRAM blocks (SSD and peer reads are verified always; see kvdb's StoreConfig).
+        same_host_shm: read a peer on this host by mapping its DRAM pool (one memcpy,
+        ``kvflow/transfer/README.md``); False: over tcp like any peer.
     """
 
     node_id: str
@@ -56,6 +58,7 @@ class MemberConfig:
     peer_dead_after_s: float = 5.0
     dram_prefault: bool = False
     verify_dram_hits: bool = True
+    same_host_shm: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not _NODE_RE.fullmatch(self.node_id):
@@ -87,7 +90,7 @@ class MemberConfig:
             raise ValueError(
                 f"tenant must be 1-64 characters of [A-Za-z0-9_.-], got {self.tenant!r}"
             )
-        for name in ("dram_prefault", "verify_dram_hits"):
+        for name in ("dram_prefault", "verify_dram_hits", "same_host_shm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.heartbeat_s > 0:
@@ -124,7 +127,8 @@ class MemberConfig:
         (``kvflow_meta`` "a:1,b:2" or a list, ``kvflow_node_id``, ``kvflow_host``,
         ``kvflow_port``, ``kvflow_transfer_port``, ``kvflow_data_dir``, ``kvflow_dram_bytes``,
         ``kvflow_ssd_bytes``, ``kvflow_engine``, ``kvflow_tenant``, ``kvflow_heartbeat_s``,
-        ``kvflow_peer_dead_after_s``, ``kvflow_dram_prefault``, ``kvflow_verify_dram_hits``);
+        ``kvflow_peer_dead_after_s``, ``kvflow_dram_prefault``, ``kvflow_verify_dram_hits``,
+        ``kvflow_same_host_shm``);
         other keys are ignored. ``defaults`` fill fields the mapping leaves out. Raises
         ValueError naming the key."""
         known = {f.name for f in fields(cls)}

@@ -157,7 +157,7 @@ class ClusterMember:
         self._closers.append(metadata.close)
         metadata.start()
         metadata.wait_ready(METADATA_READY_S)
-        self.transfer = TransferEngine(TransferConfig())
+        self.transfer = TransferEngine(TransferConfig(prefer_shm=c.same_host_shm))
         self._closers.append(self.transfer.close)
         host, tport = self.transfer.start_server(c.host, c.transfer_port)
         self.server = grpc.server(
@@ -317,7 +317,7 @@ class ClusterMember:
         if not len(keys) == len(bufs) == len(sizes):
             raise ValueError(f"{len(keys)} keys, {len(bufs)} buffers, {len(sizes)} sizes")
         shard = self.store.shard
-        out = [self._read_local(shard, k, b, n) for k, b, n in zip(keys, bufs, sizes, strict=True)]
+        out = self._read_locals(shard, keys, bufs, sizes)
         missing = [i for i, f in enumerate(out) if f == MISS]
 
         def read(node: NodeId, idx: list[int], patience_s: float) -> bool:
@@ -380,6 +380,30 @@ class ClusterMember:
                         silent.setdefault(i, []).append(node)
             pending = {i: r[1:] for i, r in pending.items() if len(r) > 1 and still_missing(i)}
         return silent
+
+    @classmethod
+    def _read_locals(
+        cls,
+        shard: Any,
+        keys: Sequence[bytes],
+        bufs: Sequence[np.ndarray],
+        sizes: Sequence[int | None],
+    ) -> list[Fetched]:
+        """This shard's values of ``keys``: the keys whose size is known and fits their buffer
+        in one batch read (``Shard.get_many_into``), the others (and stale size hints) one by
+        one."""
+        batch = [i for i, (b, n) in enumerate(zip(bufs, sizes, strict=True)) if n and n <= len(b)]
+        got = shard.get_many_into([keys[i] for i in batch], [bufs[i][: sizes[i]] for i in batch])
+        out: list[Fetched | None] = [None] * len(keys)
+        for i, tier in zip(batch, got, strict=True):
+            if isinstance(tier, Tier):
+                out[i] = Fetched("dram" if tier is Tier.DRAM else "ssd", sizes[i])
+            elif tier is None:
+                out[i] = MISS
+        return [
+            f if f is not None else cls._read_local(shard, keys[i], bufs[i], sizes[i])
+            for i, f in enumerate(out)
+        ]
 
     @staticmethod
     def _read_local(shard: Any, key: bytes, buf: np.ndarray, size: int | None) -> Fetched:

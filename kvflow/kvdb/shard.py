@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from kvflow.kvdb.buffers import readable_bytes, writable_bytes
 from kvflow.kvdb.codec import copy_and_checksum, key_seed, verified_copy
 from kvflow.kvdb.config import StoreConfig
+from kvflow.kvdb.copier import run_all
 from kvflow.kvdb.dram import DramTier
 from kvflow.kvdb.engines import StorageEngine
 from kvflow.kvdb.entry import BlockInfo, Entry
@@ -326,6 +328,46 @@ class Shard:
                 self._release()
                 result = self._after_read(e, tier, ok, dst)
         return result
+
+    def get_many_into(self, keys: Sequence[bytes], bufs: Sequence[Any]) -> list[Tier | int | None]:
+        """``get_into`` for many keys: the lock taken twice for the batch, not twice a key, and
+        the copies of a large batch on two threads (copier.py). Per key: the tier that served
+        it; None on a miss or a corrupted record (as ``get_into``); or, where its buffer's
+        size is not the value's, that size (an int; nothing written to the buffer)."""
+        if len(keys) != len(bufs):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        checked = [check_key(k) for k in keys]
+        dsts = [writable_bytes(b) for b in bufs]
+        out: list[Tier | int | None] = [None] * len(checked)
+        reads: list[tuple[int, Entry, Tier, int | None]] = []
+        s = self._state
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(checked):
+                e = s.index.get(key)
+                if e is None:
+                    s.dram_counters.misses += 1
+                    s.ssd_counters.misses += 1
+                elif e.nbytes != dsts[i].shape[0]:
+                    out[i] = e.nbytes
+                else:
+                    e.last_access = self._tick()
+                    e.readers += 1
+                    self._inflight += 1
+                    reads.append((i, e, e.tier, e.dram))
+        oks = [False] * len(reads)
+        try:
+            oks = run_all(
+                [partial(self._read, e, tier, offset, dsts[i]) for i, e, tier, offset in reads],
+                [e.nbytes for _, e, _, _ in reads],
+            )
+        finally:
+            with self._lock:
+                for (i, e, tier, _), ok in zip(reads, oks, strict=True):
+                    e.readers -= 1
+                    self._release()
+                    out[i] = self._after_read(e, tier, ok, dsts[i])
+        return out
 
     def _read(self, e: Entry, tier: Tier, offset: int | None, dst: np.ndarray) -> bool:
         """The copy + verification, outside the lock."""

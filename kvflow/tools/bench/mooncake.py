@@ -12,7 +12,10 @@ values per size, more than the L3 cache):
 - remote: a holder process per system (spawned) puts the same values into its own store; a
   reader store in this process that contributes no memory (Mooncake: a 0-byte segment;
   kvflow: a member that does not hold the keys) ``batch_get_into``s them into a registered
-  array, over TCP on loopback.
+  array. Mooncake reads over TCP on loopback; kvflow, its holder being on this host, maps
+  the holder's DRAM pool (same-host shm, its default), and a second kvflow reader
+  ("kvflow-tcp", ``kvflow_same_host_shm`` False) reads over TCP on loopback as it would
+  from another host.
 
 Reads run in rounds: each round times every contender once, back to back, so both see the
 same background load; the first round is dropped; reported are the medians of ``--repeat``
@@ -45,6 +48,8 @@ from kvflow.tools.bench import mooncake_stores as stores
 from kvflow.tools.bench._net import stop_server_process
 
 HOLDER_READY_S = 300.0
+TCP_READER = "kvflow-tcp"
+"""kvflow's second remote reader: over TCP although the holder is on this host."""
 
 
 def parse_size(text: str) -> int:
@@ -201,6 +206,8 @@ def run_remote(
                 raise RuntimeError(f"{name} holder did not get ready in {HOLDER_READY_S} s")
         for name in systems:
             readers[name] = stores.open_store(name, control, 0)
+        if "kvflow" in systems:
+            readers[TCP_READER] = stores.open_store("kvflow", control, 0, same_host_shm=False)
         results = []
         for size, count in zip(sizes, counts, strict=True):
             values = stores.values_for(size, count, seed)
@@ -212,11 +219,12 @@ def run_remote(
                 dsts[name] = np.zeros_like(values)
                 calls[name] = _Reader(store, keys, size, dsts[name])
             runs = _rounds(dict(calls), values.nbytes, repeat)
-            for name in systems:
+            for name in readers:
                 _check(dsts[name], values, f"remote {name}")
-            results.append(
-                {"size": size, "count": count, "get": runs, "ratios": _ratios(runs, systems, None)}
-            )
+            ratios = _ratios(runs, systems, None)
+            if TCP_READER in runs and "mooncake" in runs:
+                ratios[f"{TCP_READER}/mooncake"] = _per_round(runs, TCP_READER, "mooncake")
+            results.append({"size": size, "count": count, "get": runs, "ratios": ratios})
             for call in calls.values():
                 call.close()
             del calls, dsts
@@ -240,6 +248,10 @@ def summary(report: dict[str, Any]) -> str:
                 cell += f" (x{r['ratios']['kvflow/mooncake']:.2f})"
             else:
                 cell += " GB/s"
+            if TCP_READER in get:
+                cell += f"; over tcp {get[TCP_READER]['gbps']:.2f}"
+                if f"{TCP_READER}/mooncake" in r["ratios"]:
+                    cell += f" (x{r['ratios'][f'{TCP_READER}/mooncake']:.2f})"
             if "memcpy" in get:
                 cell += f", {100 * r['ratios']['kvflow/memcpy']:.0f}% of memcpy"
                 cell += f" {get['memcpy']['gbps']:.2f}"

@@ -138,9 +138,12 @@ def _start_master(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.05)
 
 
-def open_store(system: str, control: Control, segment_bytes: int) -> Any:
+def open_store(
+    system: str, control: Control, segment_bytes: int, same_host_shm: bool = True
+) -> Any:
     """A set-up store of ``system`` contributing ``segment_bytes`` (0: a pure reader) to its
-    cluster. Raises RuntimeError if setup fails."""
+    cluster; kvflow's with ``same_host_shm`` False reads its peers over tcp even on this host
+    (as from another host). Raises RuntimeError if setup fails."""
     if system == "kvflow":
         from kvflow.integrations.mooncake import MooncakeDistributedStore
 
@@ -153,6 +156,7 @@ def open_store(system: str, control: Control, segment_bytes: int) -> Any:
                 "protocol": "tcp",
                 "kvflow_ssd_bytes": 0,
                 "kvflow_heartbeat_s": 0.5,
+                "kvflow_same_host_shm": same_host_shm,
             }
         )
     elif system == "mooncake":
