@@ -389,15 +389,32 @@ class ClusterMember:
         bufs: Sequence[np.ndarray],
         sizes: Sequence[int | None],
     ) -> list[Fetched]:
-        """This shard's values of ``keys``: the keys whose size is known and fits their buffer
-        in one batch read (``Shard.get_many_into``), the others (and stale size hints) one by
-        one."""
-        batch = [i for i, (b, n) in enumerate(zip(bufs, sizes, strict=True)) if n and n <= len(b)]
-        got = shard.get_many_into([keys[i] for i in batch], [bufs[i][: sizes[i]] for i in batch])
+        """This shard's values of ``keys`` in one batch read (``Shard.get_many_into``): the keys
+        without a size hint are sized first (``Shard.value_sizes``, one lock for all; one not
+        held is a miss there); a value larger than its buffer is reported too small; a stale
+        hint is read one by one."""
+        unknown = [i for i, n in enumerate(sizes) if not n]
+        sized = list(sizes)
+        for i, n in zip(unknown, shard.value_sizes([keys[i] for i in unknown]), strict=True):
+            sized[i] = n
         out: list[Fetched | None] = [None] * len(keys)
+        batch: list[int] = []
+        for i, n in enumerate(sized):
+            if n is None:  # not held (sized: counted as a miss), or a hint for a key not held
+                if not sizes[i]:
+                    out[i] = MISS
+                else:
+                    batch.append(i)
+            elif n > len(bufs[i]):
+                out[i] = Fetched(None, n) if not sizes[i] else None
+            else:
+                batch.append(i)
+        got = shard.get_many_into(
+            [keys[i] for i in batch], [bufs[i][: sized[i] or len(bufs[i])] for i in batch]
+        )
         for i, tier in zip(batch, got, strict=True):
             if isinstance(tier, Tier):
-                out[i] = Fetched("dram" if tier is Tier.DRAM else "ssd", sizes[i])
+                out[i] = Fetched("dram" if tier is Tier.DRAM else "ssd", sized[i] or len(bufs[i]))
             elif tier is None:
                 out[i] = MISS
         return [

@@ -56,6 +56,8 @@ OBJECT_HAS_LEASE = int(ErrorCode.OBJECT_HAS_LEASE)
 TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
 NOT_SUPPORTED = int(ErrorCode.NOT_SUPPORTED)
 
+DERIVED_KEYS = 1 << 16
+"""Keys derived from names read (not written) through a store, kept for the next read."""
 _LAYOUT = KVLayout(1, 1, 1, 1, "uint8")  # values are opaque bytes of any size
 _DEFAULT = ReplicateConfig()
 _EMBEDDED = ("", "embedded")
@@ -76,6 +78,7 @@ class MooncakeDistributedStore:
         self._named: NamedKeys | None = None
         self._args: SetupArgs | None = None
         self._names: dict[str, bytes] = {}  # objects written through this store (regex/all)
+        self._derived: dict[str, bytes] = {}  # other names' keys, as read (a bounded cache)
         self._sizes: dict[bytes, int] = {}  # their sizes: hints for reads
         self._regions = Regions()
         self._leases = Leases(0)
@@ -149,6 +152,7 @@ class MooncakeDistributedStore:
             config = MemberConfig.from_mapping(args.kvflow, **defaults)
             self._ns = Namespace(config.tenant, "mooncake-store", _LAYOUT)
             self._named = named_key_prefix(self._ns)
+            self._derived.clear()
             # b"" tells a Mooncake client the object is gone: a holder that is only slow
             # gets a last-resort try before a get answers that (Misses.ANSWER)
             self._member = ClusterMember(config, self._ns, misses=Misses.ANSWER)
@@ -169,6 +173,7 @@ class MooncakeDistributedStore:
             member.close()
         with self._lock:
             self._names.clear()
+            self._derived.clear()
             self._sizes.clear()
         self._leases.clear()
         self._regions.clear()
@@ -196,12 +201,16 @@ class MooncakeDistributedStore:
     def _key(self, name: Any) -> bytes | None:
         if not isinstance(name, str) or not name:
             return None
-        known = self._names.get(name)
+        known = self._names.get(name) or self._derived.get(name)
         if known is not None:
             return known
         self._ready()
         assert self._named is not None
-        return self._named.key(name.encode("utf-8"))
+        key = self._named.key(name.encode("utf-8"))
+        if len(self._derived) >= DERIVED_KEYS:
+            self._derived.clear()
+        self._derived[name] = key
+        return key
 
     # ----------------------------------------------------------------- buffers
 

@@ -410,6 +410,19 @@ class Shard:
             self._mover.discard_corrupt(e, tier)
         return None
 
+    def value_sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's value size, or None where it is not held (counted as a miss, as a read
+        would be; no recency update): one lock for the batch."""
+        checked = [check_key(k) for k in keys]
+        with self._lock:
+            self._check_open()
+            index = self._state.index
+            out = [None if (e := index.get(k)) is None else e.nbytes for k in checked]
+            missed = out.count(None)
+            self._state.dram_counters.misses += missed
+            self._state.ssd_counters.misses += missed
+        return out
+
     def get(self, key: bytes) -> bytes | None:
         """The value as new bytes, or None (miss or corruption)."""
         key = check_key(key)

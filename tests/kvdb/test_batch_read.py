@@ -9,8 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvflow.kvdb import Tier, ValueSizeError
-from kvflow.kvdb import copier
+from kvflow.kvdb import Tier, ValueSizeError, copier
 from tests.kvdb.conftest import NBYTES, ShardFactory, keys, value
 
 
