@@ -21,6 +21,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,7 @@ from kvflow.transfer.types import SHM_SCHEME, OpCode, SegmentHandle, TransferReq
 logger = logging.getLogger(__name__)
 
 COPY_THREADS = 2
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class _Owner:
@@ -176,6 +178,11 @@ class ShmBackend(Backend):
         try:
             sock.settimeout(self.context.config.connect_timeout_s)
             sock.connect(abstract_address(shm_name))
+            _pid, uid, _gid = _PEERCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+            if uid != os.geteuid():  # a socket squatted by another user's process
+                raise HandshakeError(f"{shm_name} is served by uid {uid}, not this user")
             key = self.context.config.secret
             if key is not None:
                 client_handshake(sock, key)
