@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvflow.kvdb import Tier, ValueSizeError, copier
+from kvflow.kvdb import shard as shard_module
 from tests.kvdb.conftest import NBYTES, ShardFactory, keys, value
 
 
@@ -51,13 +52,13 @@ def test_a_large_batch_is_copied_on_two_threads(
     for i, k in enumerate(ks):
         shard.put(k, value(i))
     seen: set[str] = set()
-    real = shard._read
+    real = shard_module._copy
 
-    def spy(*args: object) -> bool:
+    def spy(dst: np.ndarray, src: np.ndarray) -> bool:
         seen.add(threading.current_thread().name)
-        return real(*args)  # type: ignore[arg-type]
+        return real(dst, src)
 
-    monkeypatch.setattr(shard, "_read", spy)
+    monkeypatch.setattr(shard_module, "_copy", spy)
     bufs = [np.zeros(NBYTES, np.uint8) for _ in ks]
     assert shard.get_many_into(ks, bufs) == [Tier.DRAM] * 16
     assert all(b.tobytes() == value(i).tobytes() for i, b in enumerate(bufs))
