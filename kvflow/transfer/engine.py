@@ -197,6 +197,19 @@ class TransferEngine:
                 logger.info("segment=%s of %s: shm not mappable, using tcp", name, peer)
         return SegmentHandle(tcp.name, peer, name, description.segment_id, description.size)
 
+    def mapped_window(self, target: SegmentHandle, offset: int, length: int) -> memoryview:
+        """The bytes ``[offset, offset + length)`` of a same-host segment (a ``shm`` handle),
+        read-only, checked now as a transfer would be (owner alive, segment registered, in
+        bounds): for a caller that copies and verifies them itself on its own threads (the
+        kvdb reader copies a block and checksums it while it is in cache). Copy at once; a
+        later copy must ask again. ValueError for a handle of another backend; the transfer
+        errors otherwise."""
+        self._check_open()
+        if target.backend != "shm" or "shm" not in self._backends:
+            raise ValueError(f"mapped_window needs a shm segment handle, got {target.backend!r}")
+        view = self._backends["shm"].window(target, offset, length)  # type: ignore[attr-defined]
+        return view.toreadonly()  # type: ignore[no-any-return]
+
     def _backend_for_peer(self, peer: str) -> Backend:
         for backend in self._backends.values():
             if backend.handles(peer):

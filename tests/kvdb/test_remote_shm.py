@@ -1,6 +1,7 @@
 """The remote read path between two members on one host: the holder's DRAM tier is a shared
-pool, so the reader maps it through the holder's shm socket (transfer/shm_server.py) and a
-read is one memcpy; the lease and the checksum of every block stay as over tcp."""
+pool, so the reader maps it through the holder's shm socket (transfer/shm_server.py) and
+copies each block straight into its buffer, checksummed there (reader.py `_read_mapped`); the
+lease and the checksum of every block stay as over tcp."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from kvflow.kvdb import Tier
 from kvflow.transfer import TransferConfig
-from tests.kvdb.conftest import value
+from tests.kvdb.conftest import NBYTES, value
 from tests.kvdb.test_remote_read import Holder, Reader
 
 SAME_HOST = TransferConfig(request_timeout_s=5.0)  # prefer_shm, the default
@@ -31,6 +32,11 @@ def test_a_same_host_reader_maps_the_dram_tier_and_still_checks_every_block(
         assert all(np.array_equal(p, value(i)) for i, p in enumerate(reader.pages(4)))
         segment = next(iter(reader.client._targets.values()))
         assert segment.backend == "shm", segment  # no socket copy
+
+        loose = [bytearray(NBYTES) for _ in range(4)]  # not registered: no staging either
+        assert reader.client.batch_get_into(ks, loose) == [Tier.DRAM] * 4
+        assert [bytes(b) for b in loose] == [value(i).tobytes() for i in range(4)]
+        assert reader.client.stats().staged_bytes == 0
 
         lease = reader.client.lease(ks)
         holder.shard._state.dram.pool[lease.blocks[1].offset] ^= 0xFF  # bad bytes in DRAM

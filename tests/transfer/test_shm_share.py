@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvflow.transfer import TransferState, UnknownSegmentError
+from kvflow.transfer import OutOfBoundsError, TransferState, UnknownSegmentError
 from kvflow.transfer.handshake import client_handshake
 from kvflow.transfer.pool_memory import pool_bytes, shared_region
 from kvflow.transfer.shared import (
@@ -156,7 +156,15 @@ def test_an_unshared_name_and_a_closed_owner_fail_clearly(make_engine: EngineFac
     target = user.open_segment("shm://closing_owner", "kv")
     user.register_memory("local", bytearray(4096))
     assert user.transfer([read("local", 0, target, 0, 4096)], timeout=5)[0].ok
+    window = user.mapped_window(target, 16, 32)  # for a caller that copies it itself
+    assert window.readonly and window.nbytes == 32
+    with pytest.raises(OutOfBoundsError):
+        user.mapped_window(target, 4090, 16)
+    with pytest.raises(ValueError, match="shm segment handle"):
+        user.mapped_window(user.open_segment("local", "local"), 0, 16)
     owner.close()
+    with pytest.raises(UnknownSegmentError, match="owner is gone"):
+        user.mapped_window(target, 0, 16)
     status = user.transfer([read("local", 0, target, 0, 16)], timeout=5)[0]
     assert status.state is TransferState.FAILED and "owner is gone" in (status.error or "")
     with pytest.raises(UnknownSegmentError, match="no shm owner"):

@@ -228,7 +228,17 @@ class ShmBackend(Backend):
                 settle_failed(task, EngineClosedError("the shm backend is closed"))
 
     def _window(self, request: TransferRequest) -> memoryview:
-        target = request.target
+        return self.window(
+            request.target, request.remote_offset, request.length,
+            request.opcode is OpCode.WRITE,
+        )  # fmt: skip
+
+    def window(
+        self, target: SegmentHandle, offset: int, length: int, write: bool = False
+    ) -> memoryview:
+        """The mapped bytes ``[offset, offset + length)`` of ``target``, checked now: its owner
+        alive, the segment still registered, in bounds, writable if ``write``. Raises
+        UnknownSegmentError, OutOfBoundsError, ReadOnlySegmentError."""
         with self._lock:
             mapping = self._mappings.get((target.peer, target.name))
         if mapping is None or mapping.segment_id != target.segment_id:
@@ -242,13 +252,12 @@ class ShmBackend(Backend):
                 f"segment {target.name!r} of {target.peer} was unregistered (id "
                 f"{target.segment_id} is gone)"
             )
-        offset, length = request.remote_offset, request.length
         if offset < 0 or length < 0 or offset + length > mapping.data.nbytes:
             raise OutOfBoundsError(
                 f"segment {target.name!r} (size {mapping.data.nbytes}): offset {offset} + "
                 f"length {length} is out of bounds"
             )
-        if request.opcode is OpCode.WRITE and not mapping.writable:
+        if write and not mapping.writable:
             raise ReadOnlySegmentError(
                 f"segment {target.name!r} of {target.peer} is read-only for peers"
             )
