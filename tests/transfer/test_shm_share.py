@@ -8,8 +8,6 @@ import mmap
 import os
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +27,7 @@ from kvflow.transfer.shared import (
 )
 
 from .conftest import EngineFactory
-from .helpers import random_bytes, read, write
+from .helpers import random_bytes, read, start_peer, write
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 4 << 20
@@ -55,22 +53,13 @@ def test_a_shared_pool_names_its_memfd_and_a_private_one_does_not() -> None:
 def test_a_peer_process_reads_a_shared_pool_by_memcpy_and_stops_when_the_owner_dies(
     make_engine: EngineFactory,
 ) -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.transfer.peer_process", str(SIZE), "7", "shared"],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    child, address = start_peer(SIZE, 7, "shared")
     try:
-        assert child.stdout is not None
-        ready = child.stdout.readline().split()
-        assert ready[:1] == ["READY"], ready
         expected = np.random.default_rng(7).integers(0, 256, size=SIZE, dtype=np.uint8)
         client = make_engine()  # prefer_shm: a same-host tcp peer's shared segment maps
         local = np.zeros(SIZE, dtype=np.uint8)
         client.register_memory("local", local)
-        target = client.open_segment(ready[1], "remote")
+        target = client.open_segment(address, "remote")
         assert target.backend == "shm" and target.size == SIZE
         statuses = client.transfer(
             [read("local", i << 20, target, (3 - i) << 20, 1 << 20) for i in range(4)], timeout=20

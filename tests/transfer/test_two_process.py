@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from .conftest import EngineFactory
-from .helpers import random_bytes, read, write
+from .helpers import random_bytes, read, start_peer, write
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 6 << 20
@@ -18,22 +16,13 @@ SIZE = 6 << 20
 def test_read_and_write_across_processes(
     make_engine: EngineFactory, rng: np.random.Generator
 ) -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.transfer.peer_process", str(SIZE), "99"],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    child, address = start_peer(SIZE, 99)
     try:
-        assert child.stdout is not None
-        ready = child.stdout.readline().split()
-        assert ready[:1] == ["READY"], ready
         expected = np.random.default_rng(99).integers(0, 256, size=SIZE, dtype=np.uint8)
         client = make_engine(prefer_shm=False, slice_size=256 << 10)
         local = np.zeros(SIZE, dtype=np.uint8)
         client.register_memory("local", local)
-        target = client.open_segment(ready[1], "remote")
+        target = client.open_segment(address, "remote")
         values = [read("local", i << 20, target, (5 - i) << 20, 1 << 20) for i in range(6)]
         assert all(s.ok for s in client.transfer(values, timeout=20))
         for i in range(6):
