@@ -8,7 +8,6 @@ import mmap
 import os
 import signal
 import socket
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +28,6 @@ from kvflow.transfer.shared import (
 from .conftest import EngineFactory
 from .helpers import random_bytes, read, start_peer, write
 
-ROOT = Path(__file__).resolve().parents[2]
 SIZE = 4 << 20
 KEY_A = b"a" * 32
 KEY_B = b"b" * 32

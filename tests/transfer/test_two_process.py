@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from .conftest import EngineFactory
 from .helpers import random_bytes, read, start_peer, write
 
-ROOT = Path(__file__).resolve().parents[2]
 SIZE = 6 << 20
 
 
