@@ -42,6 +42,10 @@ class StoreConfig:
         dram_alignment: DRAM extents start on multiples of this (power of two, >= 8).
         dram_prefault: touch every page of the pool at open (slower open, no page faults on
             the first puts).
+        dram_shared: the pool is a shared pool (a sealed memfd, ``transfer/pool_memory.py``)
+            that the transfer engine hands to authenticated same-host peers, which then read
+            it by memcpy (default); False: private memory, for a store no other process reads
+            (the embedded server's; its first writes fault ~10% faster).
         verify_dram_hits: verify a DRAM block's checksum on every local read (default). False:
             a DRAM hit is one copy. The pool is written by this shard's puts alone (peers
             read it through a segment registered read-only for them), so the check guards
@@ -68,6 +72,7 @@ class StoreConfig:
     max_value_size: int = 64 * 1024 * 1024
     dram_alignment: int = 256
     dram_prefault: bool = False
+    dram_shared: bool = True
     verify_dram_hits: bool = True
     flush_on_close: bool = True
     event_outbox_capacity: int = 65536
@@ -118,6 +123,9 @@ class StoreConfig:
         a = self.dram_alignment
         if not isinstance(a, int) or a < 8 or a & (a - 1):
             raise ValueError(f"StoreConfig.dram_alignment must be a power of two >= 8, got {a!r}")
+        for flag in ("dram_prefault", "dram_shared", "verify_dram_hits"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"StoreConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         _check_int(self, "event_outbox_capacity", 1)
         if not self.metadata_flush_interval_s > 0:
             raise ValueError("StoreConfig.metadata_flush_interval_s must be > 0")

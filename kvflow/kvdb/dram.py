@@ -16,10 +16,13 @@ from kvflow.transfer.pool_memory import pool_bytes
 
 class DramTier:
     """A pool of ``capacity`` bytes. ``prefault`` touches every page now rather than on first
-    use (fewer page faults on the hot path, slower start)."""
+    use (fewer page faults on the hot path, slower start); ``shared``: a shared pool that
+    same-host peers can map (``pool_memory``), else private memory."""
 
-    def __init__(self, capacity: int, alignment: int, prefault: bool = False) -> None:
-        self.pool = pool_bytes(capacity, shared=True)
+    def __init__(
+        self, capacity: int, alignment: int, prefault: bool = False, shared: bool = True
+    ) -> None:
+        self.pool = pool_bytes(capacity, shared=shared)
         if prefault and capacity:
             self.pool.fill(0)
         self.allocator = ExtentAllocator(capacity, alignment)

@@ -130,7 +130,10 @@ class Shard:
         fingerprint = self.fingerprint
         if config.data_dir is not None:
             check_manifest(config, fingerprint)
-        dram = DramTier(config.dram_capacity_bytes, config.dram_alignment, config.dram_prefault)
+        dram = DramTier(
+            config.dram_capacity_bytes, config.dram_alignment, config.dram_prefault,
+            config.dram_shared,
+        )  # fmt: skip
         ssd: SsdTier | None = None
         map_size = config.lmdb_map_size_bytes or (2 * config.ssd_capacity_bytes + (64 << 20))
         if config.ssd_capacity_bytes > 0:

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvflow.kvdb import StoreConfig
 from kvflow.kvdb.dram import DramTier
 from kvflow.stages.engine.pages import lazy_zeros
-from kvflow.transfer.pool_memory import pool_bytes
+from kvflow.transfer.pool_memory import pool_bytes, shared_region
 
 MIB = 1 << 20
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads smaps")
@@ -84,3 +85,9 @@ def test_the_kv_page_pool_and_the_dram_tier_are_pool_memory() -> None:
     assert mapping_kib(kv.data_ptr()).get("nh") == 1
     tier = DramTier(8 * MIB, 256)
     assert mapping_kib(tier.pool.ctypes.data).get("nh") == 1
+    assert shared_region(tier.pool) is not None  # same-host peers can be handed it
+    private = DramTier(8 * MIB, 256, shared=False)  # the embedded server's shards
+    assert shared_region(private.pool) is None
+    assert mapping_kib(private.pool.ctypes.data).get("nh") == 1
+    with pytest.raises(ValueError, match="dram_shared must be a bool"):
+        StoreConfig(engine="memory", dram_shared="yes")  # type: ignore[arg-type]

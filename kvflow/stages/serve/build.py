@@ -97,9 +97,12 @@ def open_shard(
     engine: Engine,
     metadata: object,
     closers: Closers,
+    shared_dram: bool = True,
 ) -> Store:
     """The instance's kvdb shard under ``data_dir/shards/<instance>``, reporting to
-    ``metadata`` (a MetadataGroup or RemoteMetadata); closed by ``closers``."""
+    ``metadata`` (a MetadataGroup or RemoteMetadata); closed by ``closers``.
+    ``shared_dram``: its DRAM tier can be mapped by same-host peers (a node's; the embedded
+    server, whose shards no other process reads, passes False)."""
     shard_dir = config.data_dir / "shards" / instance_id
     store = open_store(
         StoreConfig(
@@ -108,6 +111,7 @@ def open_shard(
             ssd_capacity_bytes=config.ssd_capacity_bytes,
             engine=engine_for(shard_dir, config.storage_engine),
             value_size=engine.page_nbytes,
+            dram_shared=shared_dram,
         ),
         namespace_for(DEFAULT_TENANT, engine.model_fingerprint, kv_layout(engine)),
         node_id=NodeId(instance_id),

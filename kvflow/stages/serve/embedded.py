@@ -173,7 +173,7 @@ class EmbeddedCluster:
         )
         worker = open_engine(self.model_dir, engine_config, instance_id, self._closers, threads)
         engine = worker.engine
-        store = open_shard(c, instance_id, engine, self.metadata, self._closers)
+        store = open_shard(c, instance_id, engine, self.metadata, self._closers, False)
         pool = engine.pool_tensor
         self.transfer.register_memory(
             pool_segment_name(instance_id), pool.view(torch.uint8).numpy()
@@ -199,7 +199,7 @@ class EmbeddedCluster:
             threads = self._threads["decode"]
             worker = open_engine(self.model_dir, c, instance_id, self._closers, threads)
         engine = worker.engine
-        store = open_shard(c, instance_id, engine, self.metadata, self._closers)
+        store = open_shard(c, instance_id, engine, self.metadata, self._closers, False)
         staging = StagingArea(
             instance_id,
             c.staging_pages,
