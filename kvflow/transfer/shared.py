@@ -39,6 +39,7 @@ OK, UNKNOWN = 0, 1
 SLOTS = 4096
 """Shared segments one engine can serve at once (a page of 32 KiB of u64 ids)."""
 MAX_NAME = 1024
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 def socket_name(engine_name: str) -> str:
@@ -49,6 +50,14 @@ def socket_name(engine_name: str) -> str:
 def abstract_address(name: str) -> str:
     """The address of abstract socket ``name`` (no file: it lives in the network namespace)."""
     return "\0" + name
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a unix socket (``SO_PEERCRED``)."""
+    _pid, uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    return int(uid)
 
 
 def send_with_fd(sock: socket.socket, data: bytes, fd: int | None) -> None:

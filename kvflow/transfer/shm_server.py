@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import threading
 
 from kvflow.transfer.errors import HandshakeError, ProtocolError
@@ -32,6 +31,7 @@ from kvflow.transfer.shared import (
     UNKNOWN,
     SlotTable,
     abstract_address,
+    peer_uid,
     readonly_fd,
     send_with_fd,
     socket_name,
@@ -40,7 +40,6 @@ from kvflow.transfer.shared import (
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class ShmServer:
@@ -144,11 +143,9 @@ class ShmServer:
             conn.close()
 
     def _admit(self, conn: socket.socket) -> None:
-        pid, uid, _gid = _PEERCRED.unpack(
-            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        )
+        uid = peer_uid(conn)
         if uid != os.geteuid():
-            logger.warning("shm: refused a connection from pid %d of uid %d", pid, uid)
+            logger.warning("shm: refused a connection from a process of uid %d", uid)
             raise HandshakeError(f"peer uid {uid} is not this process's user")
         if self._key is not None:
             server_handshake(conn, self._key, self._timeout_s)

@@ -21,7 +21,6 @@ import mmap
 import os
 import select
 import socket
-import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +51,7 @@ from kvflow.transfer.shared import (
     REQUEST,
     abstract_address,
     map_fd,
+    peer_uid,
     recv_with_fd,
     socket_name,
 )
@@ -60,7 +60,6 @@ from kvflow.transfer.types import SHM_SCHEME, OpCode, SegmentHandle, TransferReq
 logger = logging.getLogger(__name__)
 
 COPY_THREADS = 2
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class _Owner:
@@ -178,9 +177,7 @@ class ShmBackend(Backend):
         try:
             sock.settimeout(self.context.config.connect_timeout_s)
             sock.connect(abstract_address(shm_name))
-            _pid, uid, _gid = _PEERCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            )
+            uid = peer_uid(sock)
             if uid != os.geteuid():  # a socket squatted by another user's process
                 raise HandshakeError(f"{shm_name} is served by uid {uid}, not this user")
             key = self.context.config.secret
