@@ -50,6 +50,7 @@ def test_a_same_host_reader_maps_the_dram_tier_and_still_checks_every_block(
         reader.pages(1)[0][:] = 0
         assert reader.client.read_into(lease, reader.pages(1)) == [None]
         assert not reader.pages(1)[0].any()
+        assert reader.client.stats().transfer_failures == 1  # the block, counted once
     finally:
         reader.close()
         holder.close()

@@ -51,7 +51,7 @@ from kvflow.kvdb.proto import pb2, pb2_grpc
 from kvflow.kvdb.remote.config import RemoteClientConfig
 from kvflow.kvdb.remote.destinations import Destinations
 from kvflow.kvdb.remote.peer_budget import PeerCallBudget
-from kvflow.kvdb.remote.read_plan import RUN_BYTES, chunk_runs, plan_runs
+from kvflow.kvdb.remote.read_plan import Run, chunk_runs, plan_runs
 from kvflow.kvdb.remote.types import RemoteBlock, RemoteLease, RemoteStats
 from kvflow.kvdb.shard import check_key
 from kvflow.replication import CircuitBreaker, Tier
@@ -299,39 +299,31 @@ class RemoteClient:
         the segment registered."""
         blocks = lease.blocks
         errors: list[str] = []
+        failed: list[int] = []  # blocks of the runs whose window could not be had
         corrupt: list[int] = []
-        groups: list[list[int]] = []  # blocks back to back in the segment, one window each
-        end = -1
-        for i, block in enumerate(blocks):
-            if groups and block.offset == end and end - blocks[groups[-1][0]].offset < RUN_BYTES:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-            end = block.offset + block.length
+        # runs of blocks back to back in the segment, one window (one check) each: the
+        # local side is each block's own buffer, so only the remote offsets decide
+        runs = plan_runs([("", b.offset, b.offset, b.length) for b in blocks])
 
-        def read(group: list[int]) -> bool:
-            start = blocks[group[0]].offset
-            last = blocks[group[-1]]
-            length = last.offset + last.length - start
+        def read(run: Run) -> bool:
             try:
-                window = self._transfer.mapped_window(target, start, length)
+                window = self._transfer.mapped_window(target, run.remote_offset, run.length)
             except TransferError as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
+                failed.extend(range(run.first, run.first + run.count))
                 return False
             src = np.frombuffer(window, dtype=np.uint8)
-            for i in group:
+            for i in range(run.first, run.first + run.count):
                 block = blocks[i]
-                np.copyto(dsts[i], src[block.offset - start : block.offset - start + block.length])
+                at = block.offset - run.remote_offset
+                np.copyto(dsts[i], src[at : at + block.length])
                 if checksum(dsts[i], block.seed) == block.checksum:  # while it is in cache
                     ok[i] = True
                 else:
                     corrupt.append(i)
             return True
 
-        run_all(
-            [partial(read, group) for group in groups],
-            [sum(blocks[i].length for i in group) for group in groups],
-        )
+        run_all([partial(read, run) for run in runs], [run.length for run in runs])
         if errors:
             health.failed = True
             first = errors[0]
@@ -342,7 +334,7 @@ class RemoteClient:
         if corrupt:
             logger.info("lease=%d: %d blocks failed their checksum", lease.lease_id, len(corrupt))
         with self._lock:
-            self._counts["transfer_failures"] += len(errors)
+            self._counts["transfer_failures"] += len(failed)
             self._counts["checksum_failures"] += len(corrupt)
 
     def _read_rounds(
