@@ -68,9 +68,7 @@ class _DecodeRun:
             if out.finished and out.finish_reason != "abort":
                 # Full blocks past the prompt's: their KV is only here. Views of retained pages.
                 end = out.num_computed_tokens // self._block_size
-                pages = {
-                    b: engine.export_page(out.request_id, b) for b in range(first_new_block, end)
-                }
+                pages = engine.export_pages(out.request_id, range(first_new_block, end))
                 generated = (engine.token_ids(out.request_id), pages)
             loop.call_soon_threadsafe(self.events.put_nowait, (out, generated))
 

@@ -103,14 +103,14 @@ class PrefillStage(Stage):
         def on_admitted(engine: Engine) -> None:
             # Imported prefix pages are never reported as completed: hand them on now.
             rid = state.engine_request_id
-            pages = {b: engine.export_page(rid, b) for b in range(state.num_cached_tokens // bs)}
+            pages = engine.export_pages(rid, range(state.num_cached_tokens // bs))
             loop.call_soon_threadsafe(events.put_nowait, ("admitted", pages))
 
         def sink(engine: Engine, out: RequestOutput) -> None:
-            pages = {b: engine.export_page(out.request_id, b) for b in out.completed_blocks}
-            last = (prompt_len - 1) // bs
+            blocks = list(out.completed_blocks)
             if out.finished and out.finish_reason != "abort" and prompt_len % bs:
-                pages[last] = engine.export_page(out.request_id, last)
+                blocks.append((prompt_len - 1) // bs)  # the partial last block
+            pages = engine.export_pages(out.request_id, blocks)
             loop.call_soon_threadsafe(events.put_nowait, (out, pages))
 
         def on_error(exc: BaseException) -> None:

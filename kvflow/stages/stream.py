@@ -6,9 +6,10 @@ moves: the decode adopts the prefill's pages in place, and this stage only waits
 Writes into ``state.stream_target``, which the route stage (embedded: the decode instance's
 staging slots in this process) or the node's Prefill call (the decode node's reserved slots)
 set before. Consumes ``state.block_queue`` (filled by the background prefill stage) and
-writes each page from the prefill engine's pool (a registered transfer segment) into its
-target slot through the transfer engine: a batch per prefill step, so transfers of early
-chunks overlap the computation of later ones. When the prefill is done and every page
+writes each page from the prefill engine's host pool (a registered transfer segment: the
+page pool itself on the CPU, its host mirror on a GPU, `Engine.host_pool`) into its target
+slot through the transfer engine: a batch per prefill step, so transfers of early chunks
+overlap the computation of later ones. When the prefill is done and every page
 has moved, the prefill engine's pages are released.
 
 A hung decode side (SIGSTOP, a stuck host) must not hold the prefill for long: each batch has
@@ -29,7 +30,7 @@ import torch
 from kvflow.kvdb import PeerBreakers
 from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.errors import StreamTargetFailed
-from kvflow.stages.runtime.instances import PrefillInstance, pool_segment_name
+from kvflow.stages.runtime.instances import pool_segment_name
 from kvflow.stages.state import GenerateState
 from kvflow.transfer import (
     OpCode,
@@ -61,7 +62,7 @@ class StreamStage(Stage):
         breakers: PeerBreakers | None = None,
     ) -> None:
         self._transfer = transfer
-        self._pools = pools  # prefill instance id -> its engine's page pool tensor
+        self._pools = pools  # prefill instance id -> its engine's host_pool (a segment)
         self._block_size = block_size
         self._breakers = breakers or PeerBreakers()
 
@@ -181,8 +182,3 @@ def open_stream_target(
         raise
     breaker.success()
     return handle
-
-
-def prefill_pool(inst: PrefillInstance) -> torch.Tensor:
-    """The prefill engine's page pool tensor (registered as a transfer segment)."""
-    return inst.worker.engine.pool_tensor

@@ -37,10 +37,6 @@ from kvflow.transfer import TransferConfig, TransferEngine
 BLOCK = 16
 
 
-
-
-
-
 class Rig:
     """``prefill`` and ``decode`` instances (ids prefill-0.., decode-0) of one model."""
 
@@ -78,9 +74,9 @@ class Rig:
         worker = open_engine(self.config.model_dir, self.config, iid, self.closers)  # type: ignore[arg-type]
         e = worker.engine
         store = open_shard(self.config, iid, e, None, self.closers)
-        pool = e.pool_tensor.view(torch.uint8).numpy()
+        pool = e.host_pool.view(torch.uint8).numpy()
         self.transfer.register_memory(pool_segment_name(iid), pool)
-        self.pools[iid] = e.pool_tensor
+        self.pools[iid] = e.host_pool
         load = StagingArea(iid, 64, e.page_shape, e.page_dtype, None, name=f"{iid}/load")
         self.prefill[iid] = PrefillInstance(iid, worker, store, InstanceState(iid, "prefill"), load)
 

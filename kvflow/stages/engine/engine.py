@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kvflow.stages.engine.allocator import tune_malloc
-from kvflow.stages.engine.config import EngineConfig, SamplingParams
+from kvflow.stages.engine.config import EngineConfig, SamplingParams, require_device
 from kvflow.stages.engine.decode_graphs import DecodeGraphs, graph_pages, graphs_apply
 from kvflow.stages.engine.errors import (
     InvalidRequestError,
@@ -149,8 +149,10 @@ class Engine:
         generation.
 
         Raises ModelLoadError naming a missing file, an unsupported architecture or a weight
-        mismatch; ValueError for a max_model_len above the model's."""
+        mismatch; ValueError for a max_model_len above the model's, or a device this process
+        cannot run on (`require_device`)."""
         config = config or EngineConfig()
+        device = require_device(config.device)
         path = Path(model_dir)
         if path.suffix.lower() == ".gguf" and path.is_file():
             raise gguf_hint(path)
@@ -165,9 +167,7 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the model's "
                 f"max_position_embeddings {spec.max_position_embeddings}"
             )
-        model = load_weights(
-            path, spec, config.torch_dtype, torch.device(config.device), quant=config.precision
-        )
+        model = load_weights(path, spec, config.torch_dtype, device, quant=config.precision)
         fp = fingerprint(path, config_bytes, config.dtype)
         return cls(model, tokenizer, config, fp, card)
 
@@ -220,6 +220,14 @@ class Engine:
         contiguous. Page ``p`` starts at byte ``p * page_nbytes``; transfer engines register it
         as one segment. Read-only use: only the engine writes it."""
         return self._pool.tensor
+
+    @property
+    def host_pool(self) -> torch.Tensor:
+        """The host-memory tensor (``pool_tensor``'s shape) whose views `export_pages`
+        returns: the pool itself on the CPU; on a GPU its mirror in host memory. Transfer
+        engines register this one as the instance's segment (page ``p`` at byte
+        ``p * page_nbytes``). Read-only use."""
+        return self._pool.host
 
     def has_unfinished(self) -> bool:
         """True while some request still has work (or an abort is not yet reported)."""
@@ -699,6 +707,15 @@ class Engine:
         (contiguous, page_shape, page_dtype), valid until the request's pages are freed.
         Slots past num_computed_tokens hold stale data. Copy it to keep it longer."""
         return self._pool.page(self._page_id(request_id, block_index))
+
+    def export_pages(self, request_id: str, blocks: Seq[int]) -> dict[int, torch.Tensor]:
+        """The request's pages ``blocks`` (block index -> page) in host memory: views into
+        ``host_pool``, valid until the request's pages are freed. On the CPU the pool's own
+        pages (no copy, as `export_page`); on a GPU copied to the host mirror first, all in
+        one device-to-host copy. What the serving stages store and stream."""
+        blocks = list(blocks)
+        views = self._pool.export([self._page_id(request_id, b) for b in blocks])
+        return dict(zip(blocks, views, strict=True))
 
     def export_page_bytes(self, request_id: str, block_index: int) -> bytes:
         """A copy of the page's raw bytes (page_nbytes long), importable by add_request."""

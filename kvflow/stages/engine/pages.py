@@ -21,6 +21,8 @@ from kvflow.transfer.pool_memory import pool_bytes
 
 PageData = bytes | bytearray | memoryview | torch.Tensor
 
+_CPU = torch.device("cpu")
+
 
 TRANSFER_BYTES = 64 << 20
 """The most bytes of imported pages one host-to-device copy takes (`PagePool.check_pages`):
@@ -101,7 +103,11 @@ class PagePool:
         (decode_graphs.py), where no request reads."""
         self.layout = layout
         self.dtype = dtype
-        self.tensor = lazy_zeros((num_pages + spare, *layout.page_shape), dtype, device, resident)
+        shape = (num_pages + spare, *layout.page_shape)
+        self.tensor = lazy_zeros(shape, dtype, device, resident)
+        # Where `export` puts pages: the pool itself on the CPU; for a pool on another device
+        # (a GPU) a mirror of it in host memory, mapped as it is written (`lazy_zeros`).
+        self.host = self.tensor if device.type == "cpu" else lazy_zeros(shape, dtype, _CPU)
         self._num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refs: dict[int, int] = {}  # allocated page -> holders (requests sharing it)
@@ -171,6 +177,18 @@ class PagePool:
     def page(self, page_id: int) -> torch.Tensor:
         """A view of one page (contiguous); valid while the page stays allocated."""
         return self.tensor[page_id]
+
+    def export(self, page_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Views of pages ``page_ids`` in host memory (`host`), valid while the pages stay
+        allocated: the pool's own pages on the CPU (no copy); for a pool on another device,
+        the pages are copied into the mirror's pages of the same ids first (one gather and one
+        device-to-host copy, which waits for the device)."""
+        if not page_ids:
+            return []
+        if self.host is not self.tensor:
+            ids = torch.tensor(page_ids, dtype=torch.long)
+            self.host[ids] = self.tensor.index_select(0, ids.to(self.tensor.device)).cpu()
+        return [self.host[p] for p in page_ids]
 
     def page_bytes(self, page_id: int) -> bytes:
         """A copy of one page's raw bytes in the pool dtype."""

@@ -174,7 +174,7 @@ class EmbeddedCluster:
         worker = open_engine(self.model_dir, engine_config, instance_id, self._closers, threads)
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers, False)
-        pool = engine.pool_tensor
+        pool = engine.host_pool  # the pages export_pages hands on (on a GPU: a host mirror)
         self.transfer.register_memory(
             pool_segment_name(instance_id), pool.view(torch.uint8).numpy()
         )

@@ -142,7 +142,7 @@ class NodeServer:
 
     def _build_prefill(self) -> None:
         c, engine = self.config, self.engine
-        pool = engine.pool_tensor
+        pool = engine.host_pool  # the pages export_pages hands on (on a GPU: a host mirror)
         self.transfer.register_memory(pool_segment_name(c.node_id), pool.view(torch.uint8).numpy())
         load = StagingArea(
             c.node_id,

@@ -8,7 +8,6 @@ BENCHMARKS.md ("The engine on a GPU").
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,20 +20,13 @@ from kvflow.stages.engine.attention import PagedPrefill
 from kvflow.stages.engine.model import RMSNorm
 from kvflow.stages.engine.pages import KVLayout, PagePool
 from kvflow.tools.bench.precision import equivalence_prompt, greedy, teacher_forced_hits
+from tests.device import DEVICE, MARKS
 from tests.stages.engine.conftest import open_engine
 from tests.stages.engine.hf_models import hf_logits, make_hf_model
 from tests.stages.engine.test_hf_equivalence import CASES
-from tests.stages.engine.test_paging import _prompt, _run
+from tests.stages.engine.test_paging import _prompt, _run, _tokens_logits
 
-DEVICE = os.environ.get("KVFLOW_TEST_DEVICE", "cuda")
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        DEVICE.startswith("cuda") and not torch.cuda.is_available(),
-        reason="no CUDA device (torch.cuda.is_available() is False)",
-    ),
-]
+pytestmark = MARKS
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -61,6 +53,34 @@ def test_weights_pages_and_logits_live_on_the_device(llama_dir: Path) -> None:
     outs = _run(engine)["r"]
     assert outs[0].logits is not None and outs[0].logits.device.type == "cpu"  # the caller's
     assert engine.export_page("r", 0).device.type == want
+
+
+def test_exported_pages_cross_to_a_host_mirror_of_the_pool(llama_dir: Path) -> None:
+    """`export_pages` on a device engine: host views of a mirror of the pool (the segment a
+    server registers), holding the device pages' bytes at the same page ids; a second engine
+    that imports them continues exactly as the first."""
+    engine = open_engine(llama_dir, device=DEVICE)
+    prompt = _prompt(30, seed=6)
+    engine.add_request("a", prompt, GREEDY, retain_pages=True)
+    expected, _ = _tokens_logits(_run(engine)["a"])
+    host = engine.host_pool
+    assert host.device.type == "cpu" and host.shape == engine.pool_tensor.shape
+    pages = engine.export_pages("a", range(3))
+    nbytes = engine.page_nbytes
+    for b, view in pages.items():
+        device_page = engine.export_page("a", b)
+        assert view.device.type == "cpu" and torch.equal(view, device_page.cpu())
+        offset = view.data_ptr() - host.data_ptr()
+        assert offset % nbytes == 0 and host[offset // nbytes].data_ptr() == view.data_ptr()
+    second = open_engine(llama_dir, device=DEVICE, num_pages=16)
+    second.add_request(
+        "b",
+        prompt,
+        GREEDY,
+        prefix_pages=[pages[b] for b in range(3)],
+        num_prefix_tokens=24,
+    )
+    assert _tokens_logits(_run(second)["b"])[0] == expected
 
 
 @pytest.mark.parametrize("case", ["llama", "llama3-rope", "mistral-sliding", "qwen2-bias"])

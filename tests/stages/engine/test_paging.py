@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.stages.engine import Engine, RequestOutput, SamplingParams
+from kvflow.stages.engine import Engine, InvalidRequestError, RequestOutput, SamplingParams
 from tests.stages.engine.conftest import open_engine
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -94,6 +94,22 @@ def test_page_tensor_export_imports_into_second_engine(llama_dir: Path) -> None:
         assert torch.equal(got, want)  # same KV bytes, same kernels: bit-identical
     first.release("a")
     assert first.num_free_pages == first.num_pages
+
+
+def test_export_pages_on_the_cpu_are_the_pools_own_pages(llama_dir: Path) -> None:
+    """`export_pages` (what the serving stages store and stream) hands out views into
+    `host_pool`, which on the CPU is the pool itself: no copy."""
+    engine = open_engine(llama_dir)
+    assert engine.host_pool is engine.pool_tensor
+    engine.add_request("a", _prompt(20, seed=4), GREEDY, retain_pages=True)
+    _run(engine)
+    pages = engine.export_pages("a", [2, 0])
+    assert list(pages) == [2, 0]
+    for b, view in pages.items():
+        assert view.data_ptr() == engine.export_page("a", b).data_ptr()
+    assert engine.export_pages("a", []) == {}
+    with pytest.raises(InvalidRequestError, match="block_index 9 is out of range"):
+        engine.export_pages("a", [0, 9])
 
 
 def test_batched_decode_equals_one_at_a_time(llama_dir: Path) -> None:
