@@ -37,6 +37,12 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         help="float32, bfloat16, float16; int8/int4: weight-only quantized linears, bf16 "
         "activations and KV (docs/performance.md)",
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:N]: where the engines' weights, KV pages and forward passes live "
+        "(docs/performance.md, 'On a GPU')",
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument(
         "--num-pages",
@@ -85,6 +91,7 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
     return {
         "data_dir": args.data_dir,
         "dtype": args.dtype,
+        "device": args.device,
         "block_size": args.block_size,
         "num_pages": plan.num_pages,
         "staging_pages": plan.staging_pages,
@@ -113,6 +120,7 @@ def memory_plan(args: argparse.Namespace, model_dir: Path, engines: int, shards:
     return plan_for_model(
         model_dir,
         dtype=args.dtype,
+        device=args.device,
         block_size=args.block_size,
         engines=engines,
         shards=shards,

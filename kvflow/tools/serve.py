@@ -208,7 +208,7 @@ def colocated(args: argparse.Namespace) -> bool:
     from kvflow.stages.runtime.threads import cores
     from kvflow.stages.serve.colocation import embedded_colocate
 
-    return embedded_colocate(args.colocate, args.prefill, args.decode, cores())
+    return embedded_colocate(args.colocate, args.prefill, args.decode, cores(), args.device)
 
 
 def weight_copies(num_prefill: int, num_decode: int, colocate: bool) -> int:
@@ -557,6 +557,10 @@ def run(args: argparse.Namespace) -> int:
         if args.role in ("embedded", "router"):
             check_api_exposure(args)
         apply_tls(args)
+        if args.role in ("embedded", "node"):  # before a model is fetched or read
+            from kvflow.stages.engine.config import require_device
+
+            require_device(args.device)
     except (OSError, ValueError) as exc:
         print(f"kvflow serve: {exc}")
         return 2

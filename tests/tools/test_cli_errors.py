@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvflow import __version__
 
@@ -44,6 +45,8 @@ def test_version(tmp_path: Path) -> None:
         (["trace", "report", "--file", "missing.json"], "missing.json"),
         (["serve", "--model", "no-model-here"], "no-model-here has no config.json"),
         (["serve", "--model", "no-model-here", "--num-pages", "0"], "--num-pages must be positive"),
+        (["serve", "--device", "tpu"], "device 'tpu': an engine runs on 'cpu' or 'cuda[:N]'"),
+        (["serve", "--role", "node", "--device", "gpu"], "device 'gpu': an engine runs on"),
     ],
 )
 def test_a_mistake_is_one_line(tmp_path: Path, args: list[str], names: str) -> None:
@@ -64,3 +67,12 @@ def _tiny(tmp_path: Path) -> Path:
     from kvflow.stages.engine import write_demo_model
 
     return write_demo_model(tmp_path / "tiny", preset="tiny", seed=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    out = kvflow("serve", "--device", "cuda:0", "--model", str(_tiny(tmp_path)), cwd=tmp_path)
+    text = (out.stderr + out.stdout).strip()
+    assert out.returncode == 2, text
+    assert "device 'cuda:0': this torch" in text and "sees no CUDA device" in text
+    assert "Traceback" not in text

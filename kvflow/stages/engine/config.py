@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,23 @@ DECODE_GRAPH_MODES = ("auto", "off", "static")
 """EngineConfig.decode_graphs: what each means is in decode_graphs.py."""
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+def require_device(device: str) -> torch.device:
+    """``device`` as a torch device this process can run an engine on: the CPU, or a CUDA
+    device that torch sees. ValueError naming what is wrong otherwise (checked before any
+    weight is read)."""
+    if not (isinstance(device, str) and re.fullmatch(r"cpu|cuda(:[0-9]+)?", device)):
+        raise ValueError(f"device {device!r}: an engine runs on 'cpu' or 'cuda[:N]'")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device {device!r}: torch sees {count} CUDA device(s), 0-{count - 1}")
+    return dev
 
 
 def _positive(name: str, value: int) -> None:

@@ -77,6 +77,7 @@ def open_engine(
             tbt_target_ms=config.tbt_target_ms or None,  # 0: none
             max_batch=config.max_batch,
             seed=config.seed,
+            device=config.device,
         ),
     )
     worker = EngineWorker(instance_id, engine, intra_op_threads=intra_op_threads)

@@ -15,9 +15,16 @@ the concurrency rows 17-36%, docs/performance.md); a prompt alone gets the full
 ``--prefill-chunk``. The decode takes
 over the prefill's KV pages in place (``state.py:GenerateState.colocated``): nothing staged.
 
-The rule (measured on a 2-core machine, docs/performance.md "Concurrency"): the embedded
-server colocates by default when it may run on at most ``SMALL_MACHINE_CORES`` cores and
-has as many prefill as decode instances; ``--colocate`` / ``--no-colocate`` decide outright.
+On a GPU (``--device cuda``) two engines in one process contend for the interpreter lock
+instead: each step is many short launches from Python, and a decode engine stepping at a
+small batch held the prefill engine's 512-token steps at 54 ms against 7-11 ms alone (an
+H200, docs/performance.md "On a GPU"); colocated, the same load was served at 1.5-1.9x the
+rate.
+
+The rule (measured on a 2-core machine, docs/performance.md "Concurrency", and on an H200):
+the embedded server colocates by default when it has as many prefill as decode instances
+and its engines run on a GPU or on at most ``SMALL_MACHINE_CORES`` cores;
+``--colocate`` / ``--no-colocate`` decide outright.
 """
 
 from __future__ import annotations
@@ -31,17 +38,19 @@ COLOCATED_MIXED_CHUNK = 256
 
 
 def embedded_colocate(
-    requested: bool | None, num_prefill: int, num_decode: int, ncores: int
+    requested: bool | None, num_prefill: int, num_decode: int, ncores: int, device: str = "cpu"
 ) -> bool:
     """Whether an embedded server of ``num_prefill`` + ``num_decode`` instances on ``ncores``
-    cores colocates; ``requested`` (the flag) decides when given."""
+    cores, its engines on ``device``, colocates; ``requested`` (the flag) decides when given."""
     if requested is not None:
         return requested
-    chosen = ncores <= SMALL_MACHINE_CORES and num_prefill == num_decode
+    small = ncores <= SMALL_MACHINE_CORES or device != "cpu"
+    chosen = small and num_prefill == num_decode
     logger.info(
-        "embedded server: %s (%d cores; --colocate / --no-colocate decide outright)",
+        "embedded server: %s (%d cores, engines on %s; --colocate / --no-colocate decide outright)",
         "colocated: one engine per prefill/decode pair" if chosen else "disaggregated",
         ncores,
+        device,
     )
     return chosen
 

@@ -3,6 +3,7 @@ store fields (``EngineStoreConfig``), each field validated in ``__post_init__``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,9 @@ DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 """The engine dtypes (``stages/engine/precision.py:PRECISIONS`` says what each means; named here
 too so that flag parsing imports no torch)."""
 STORAGE_ENGINES = ("lmdb", "rocksdb", "memory")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
+"""The devices an engine runs on, named here so that flag parsing imports no torch (the
+engine's `require_device` checks the same and, at start, that this machine has it)."""
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -91,6 +95,9 @@ class EngineStoreConfig:
             the engine each shard's directory already holds, else kvdb's ``DEFAULT_ENGINE``
             (``kvdb.manifest.engine_for``).
         seed: seeds the engines.
+        device: where each engine's weights, KV pages and forward passes live: "cpu" or
+            "cuda[:N]" (pages are stored and streamed from a host mirror of the pool,
+            `Engine.host_pool`).
     """
 
     model_dir: Path | None = None
@@ -107,8 +114,11 @@ class EngineStoreConfig:
     ssd_capacity_bytes: int = 8 << 30
     storage_engine: str | None = None
     seed: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.device, str) and DEVICE_PATTERN.fullmatch(self.device)):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in (
             "block_size",
             "num_pages",

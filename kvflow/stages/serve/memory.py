@@ -73,6 +73,7 @@ class MemoryPlan:
     auto: tuple[str, ...]
     prepack_bytes: int = 0
     weight_copies: int | None = None
+    device: str = "cpu"
 
     @property
     def copies(self) -> int:
@@ -99,8 +100,10 @@ class MemoryPlan:
                 f" + {mib(self.copies * self.prepack_bytes)} prepacked for prefill "
                 "(KVFLOW_LINEAR=gemv drops it)"
             )
+        where = "" if self.device == "cpu" else f" on {self.device}"
         return (
-            f"memory: {self.engines} instance(s) x ({self.num_pages} KV pages{tag('num_pages')} "
+            f"memory{where}: {self.engines} instance(s) x ({self.num_pages} KV pages"
+            f"{tag('num_pages')} "
             f"+ {self.staging_pages} staging) x {self.page_nbytes / MIB:.2f} MiB = "
             f"{mib(self.kv_bytes)} reserved, weights about "
             f"{mib(self.copies * self.weights_bytes)}{prepacked}; DRAM tier "
@@ -136,16 +139,20 @@ def plan_memory(
     free_disk: int | None = None,
     linear_params: int = 0,
     weight_copies: int | None = None,
+    device: str = "cpu",
 ) -> MemoryPlan:
     """The plan for a process of ``engines`` engines and ``shards`` shards of this model.
     ``available`` / ``free_disk``: the machine's (None: unknown; the caps are used);
     ``linear_params``: the decoder linears' weights (`ModelSpec.linear_params`), which a
-    float32 engine copies prepacked where `prepack_planned` says."""
+    float32 engine copies prepacked where `prepack_planned` says (on the CPU only).
+    ``device``: the engines' ("cpu" or "cuda[:N]"); on a GPU the pages and weights are
+    in its memory, sized the same way (the host holds a mirror of each pool, mapped as it
+    is written)."""
     from kvflow.stages.engine.onednn_linear import prepack_planned
 
     page = page_nbytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
     prepack = 4 * linear_params
-    if not prepack_planned(dtype, prepack, available):
+    if device != "cpu" or not prepack_planned(dtype, prepack, available):
         prepack = 0
     auto: list[str] = []
     if num_pages is None:
@@ -173,6 +180,7 @@ def plan_memory(
         auto=tuple(auto),
         prepack_bytes=prepack,
         weight_copies=weight_copies,
+        device=device,
     )
 
 
@@ -184,6 +192,7 @@ def plan_for_model(
     engines: int,
     shards: int,
     data_dir: Path,
+    device: str = "cpu",
     num_pages: int | None = None,
     dram_bytes: int | None = None,
     ssd_bytes: int | None = None,
@@ -201,6 +210,7 @@ def plan_for_model(
         num_params=spec.num_params,
         linear_params=spec.linear_params,
         dtype=dtype,
+        device=device,
         block_size=block_size,
         engines=engines,
         shards=shards,

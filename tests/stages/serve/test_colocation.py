@@ -24,6 +24,10 @@ def test_a_small_machine_colocates_by_default_a_larger_one_does_not() -> None:
     assert embedded_colocate(None, 1, 1, SMALL_MACHINE_CORES)
     assert not embedded_colocate(None, 1, 1, SMALL_MACHINE_CORES + 1)
     assert not embedded_colocate(None, 2, 1, 2)  # colocation pairs instances
+    # on a GPU two engines in one process contend for the interpreter lock: colocated
+    assert embedded_colocate(None, 1, 1, 16, "cuda")
+    assert embedded_colocate(None, 2, 2, 16, "cuda:1")
+    assert not embedded_colocate(None, 2, 1, 16, "cuda")
 
 
 @pytest.mark.parametrize("ncores", [1, 2, 16])
@@ -59,7 +63,9 @@ def test_serve_flags_reach_the_config(flags: list[str], expected: bool, tmp_path
     )  # fmt: skip
     config = config_from_args(args, plan)
     assert config.colocate is expected and config.mixed_chunk == 96
-    assert config.tbt_target_ms == 120.0
+    assert config.tbt_target_ms == 120.0 and config.device == "cpu"
+    args.device = "cuda:1"  # checked against the machine at start (serve.run), not here
+    assert config_from_args(args, plan).device == "cuda:1"
     with pytest.raises(ValueError, match="tbt_target_ms"):
         config_from_args(build_parser("serve").parse_args(
             ["serve", "--model", str(tmp_path), "--data-dir", str(tmp_path),

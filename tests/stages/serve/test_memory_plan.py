@@ -95,6 +95,8 @@ def test_float32_plans_the_prepacked_copy_where_it_fits(monkeypatch: pytest.Monk
     small = smol(available=PREPACK_SHARE * copy - 1)
     assert small.prepack_bytes == 0 and "prepacked" not in small.describe()  # type: ignore[attr-defined]
     assert smol(dtype="bfloat16", available=24 * GIB).prepack_bytes == 0  # type: ignore[attr-defined]
+    on_gpu = smol(available=24 * GIB, device="cuda")  # the weights are the GPU's: no copy
+    assert on_gpu.prepack_bytes == 0 and on_gpu.describe().startswith("memory on cuda: ")  # type: ignore[attr-defined]
     monkeypatch.setenv(ENV_LINEAR, "gemv")
     assert smol(available=24 * GIB).prepack_bytes == 0  # type: ignore[attr-defined]
 
