@@ -39,6 +39,9 @@ OK, UNKNOWN = 0, 1
 SLOTS = 4096
 """Shared segments one engine can serve at once (a page of 32 KiB of u64 ids)."""
 MAX_NAME = 1024
+MAX_REFUSAL = 4096
+"""The longest refusal message (UTF-8 bytes) a server sends after an UNKNOWN reply; a client
+reads it whole, and takes a longer one as a broken connection."""
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 

@@ -24,6 +24,7 @@ from kvflow.transfer.shared import (
     HELLO,
     MAGIC,
     MAX_NAME,
+    MAX_REFUSAL,
     OK,
     REPLY,
     REQUEST,
@@ -154,7 +155,7 @@ class ShmServer:
         with self._lock:
             entry = self._shared.get(name)
         if entry is None:
-            message = f"segment {name!r} is not shared here".encode()
+            message = f"segment {name!r} is not shared here".encode()[:MAX_REFUSAL]
             conn.sendall(REPLY.pack(UNKNOWN, 0, 0, 0, len(message), 0) + message)
             return
         segment, slot = entry

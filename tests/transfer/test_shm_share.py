@@ -140,6 +140,11 @@ def test_an_unshared_name_and_a_closed_owner_fail_clearly(make_engine: EngineFac
     user = make_engine()
     with pytest.raises(UnknownSegmentError, match="not shared here"):
         user.open_segment("shm://closing_owner", "plain")
+    # a refusal longer than one read (the name's repr: 4 bytes a character) is read whole
+    # and capped: the connection stays in step for the next request
+    with pytest.raises(UnknownSegmentError, match="segment '") as refused:
+        user.open_segment("shm://closing_owner", "\x01" * 1024)  # MAX_NAME bytes
+    assert len(str(refused.value).encode()) > 4096
     target = user.open_segment("shm://closing_owner", "kv")
     user.register_memory("local", bytearray(4096))
     assert user.transfer([read("local", 0, target, 0, 4096)], timeout=5)[0].ok

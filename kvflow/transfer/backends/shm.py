@@ -42,10 +42,12 @@ from kvflow.transfer.errors import (
     UnknownSegmentError,
 )
 from kvflow.transfer.handshake import client_handshake
+from kvflow.transfer.protocol import recv_exact
 from kvflow.transfer.registry import register_backend
 from kvflow.transfer.shared import (
     HELLO,
     MAGIC,
+    MAX_REFUSAL,
     OK,
     REPLY,
     REQUEST,
@@ -136,7 +138,9 @@ class ShmBackend(Backend):
                 if status != OK:
                     if fd is not None:
                         os.close(fd)
-                    message = owner.sock.recv(min(size, 4096)).decode("utf-8", "replace")
+                    if size > MAX_REFUSAL:
+                        raise ProtocolError(f"a refusal of {size} bytes (at most {MAX_REFUSAL})")
+                    message = recv_exact(owner.sock, size).decode("utf-8", "replace")
                     raise UnknownSegmentError(f"segment {name!r} of {peer}: {message}")
         except (OSError, ProtocolError) as exc:
             self._drop_owner(peer, owner)
