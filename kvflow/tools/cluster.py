@@ -59,6 +59,11 @@ def register(subparsers: Any) -> None:
         help="handed to every router: clients' keys, lines 'KEY TENANT user|admin'",
     )
     p.add_argument("--data-dir", type=Path, default=Path("data/cluster"))
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:N]: where the prefill and decode nodes run their engines",
+    )
     p.add_argument("--policy", default="cache-aware")
     p.add_argument(
         "--tls",
@@ -75,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     from kvflow.tools.supervise import LocalCluster, check_port_base
 
     check_port_base(args.port_base)  # the user's mistakes, before the model import (seconds)
+    if args.device != "cpu":
+        from kvflow.stages.engine.config import require_device
+
+        require_device(args.device)
     if args.api_key_file is not None:  # refused here, in one line, not in every router's log
         ApiKeys.load(args.api_key_file)
         args.api_key_file = args.api_key_file.resolve()
@@ -94,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         args.decode,
         args.model,
         args.port,
+        extra=() if args.device == "cpu" else ("--device", args.device),
         router_extra=("--policy", args.policy),
         routers=args.routers,
         tls=args.tls,

@@ -71,8 +71,12 @@ def _tiny(tmp_path: Path) -> Path:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(tmp_path: Path) -> None:
-    out = kvflow("serve", "--device", "cuda:0", "--model", str(_tiny(tmp_path)), cwd=tmp_path)
+    model = str(_tiny(tmp_path))
+    out = kvflow("serve", "--device", "cuda:0", "--model", model, cwd=tmp_path)
     text = (out.stderr + out.stdout).strip()
     assert out.returncode == 2, text
     assert "device 'cuda:0': this torch" in text and "sees no CUDA device" in text
     assert "Traceback" not in text
+    out = kvflow("cluster", "--device", "cuda:0", "--model", model, cwd=tmp_path)
+    text = (out.stderr + out.stdout).strip()
+    assert out.returncode == 2 and "sees no CUDA device" in text and "Traceback" not in text
