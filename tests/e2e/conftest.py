@@ -35,8 +35,6 @@ class ServerThread(BackgroundServer):
         return ids, msgs[-1].usage, "".join(m.text for m in msgs)
 
 
-
-
 def base_config(model: Path, data_dir: Path, **overrides: Any) -> ServeConfig:
     config = ServeConfig(
         model_dir=model,
@@ -143,13 +141,15 @@ def serve_one(cluster: Any) -> None:
     wait_recorded(cluster, "prefill-0")
 
 
-def wait_recorded(cluster: Any, node: str, timeout_s: float = 60.0) -> None:
-    """Until the metadata lists blocks on ``node``: a node reports what it stored in batches
-    (heartbeat, replicator), later than the answer on a loaded machine."""
-    request = meta_pb2.NodeBlocksRequest(node=node, include_keys=True)
+def wait_recorded(cluster: Any, node: str, timeout_s: float = 60.0, blocks: int = 1) -> None:
+    """Until the metadata lists at least ``blocks`` blocks on ``node``: a node reports what it
+    stored in batches (heartbeat, replicator), later than the answer on a loaded machine."""
+    request = meta_pb2.NodeBlocksRequest(node=node)
     deadline = time.monotonic() + timeout_s
     with cluster_channel(cluster.meta_addresses[0], cluster.secret) as channel:
         stub = meta_pb2_grpc.MetadataServiceStub(channel)
-        while not stub.NodeBlocks(request, timeout=10).keys.blob:
-            assert time.monotonic() < deadline, f"no block of {node} recorded in {timeout_s} s"
+        while (n := stub.NodeBlocks(request, timeout=10).num_blocks) < blocks:
+            assert time.monotonic() < deadline, (
+                f"{n} of {blocks} blocks of {node} recorded in {timeout_s} s"
+            )
             time.sleep(0.1)
