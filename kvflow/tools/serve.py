@@ -267,14 +267,16 @@ def _http_line(http: Any) -> str:
 
 def _started(what: str, serve: Callable[[], None]) -> int:
     """Run ``serve``; 0 when it returns. A start that cannot proceed (a data dir held by
-    another process or damaged beyond repair, a port in use, no metadata group) is one
-    line on stderr, naming the cause, and exit code 1; the supervisor reads that line."""
+    another process or damaged beyond repair, a port in use, no metadata group, a model the
+    engine cannot load on its device) is one line on stderr, naming the cause, and exit code
+    1; the supervisor reads that line."""
     from kvflow.kvdb.errors import KVDBError
     from kvflow.replication.errors import ReplicationError
+    from kvflow.stages.engine import EngineError
 
     try:
         serve()
-    except (KVDBError, ReplicationError, OSError) as exc:
+    except (KVDBError, ReplicationError, EngineError, OSError) as exc:
         print(f"{what}: cannot start: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
         return 1
     return 0

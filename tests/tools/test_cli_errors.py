@@ -80,3 +80,18 @@ def test_a_device_this_machine_lacks_is_refused_before_the_model_loads(tmp_path:
     out = kvflow("cluster", "--device", "cuda:0", "--model", model, cwd=tmp_path)
     text = (out.stderr + out.stdout).strip()
     assert out.returncode == 2 and "sees no CUDA device" in text and "Traceback" not in text
+
+
+def test_a_model_the_engine_cannot_load_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    """The memory plan reads config.json alone; the engine then finds no tokenizer.json."""
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    (model / "config.json").write_bytes((_tiny(tmp_path) / "config.json").read_bytes())
+    out = kvflow(
+        "serve", "--model", str(model), "--port", "0", "--http-port", "0", "--metrics-port", "0",
+        cwd=tmp_path,
+    )  # fmt: skip
+    text = (out.stderr + out.stdout).strip()
+    assert out.returncode == 1, text
+    assert "Traceback" not in text
+    assert f"kvflow serve: cannot start: model directory {model} has no tokenizer.json" in text
