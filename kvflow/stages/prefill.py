@@ -101,9 +101,14 @@ class PrefillStage(Stage):
         state.engine_request_id = f"{ctx.request_id}/prefill"
 
         def on_admitted(engine: Engine) -> None:
-            # Imported prefix pages are never reported as completed: hand them on now.
-            rid = state.engine_request_id
-            pages = engine.export_pages(rid, range(state.num_cached_tokens // bs))
+            # Imported prefix pages are never reported as completed: hand them on now (to
+            # stream; kvdb already holds them). Colocated, stream only counts them: the
+            # engine's own views, not copies to the host (on a GPU, export_pages copies).
+            rid, imported = state.engine_request_id, range(state.num_cached_tokens // bs)
+            if state.colocated:
+                pages = {b: engine.export_page(rid, b) for b in imported}
+            else:
+                pages = engine.export_pages(rid, imported)
             loop.call_soon_threadsafe(events.put_nowait, ("admitted", pages))
 
         def sink(engine: Engine, out: RequestOutput) -> None:
