@@ -189,3 +189,24 @@ def test_side_by_side_with_a_second_server(
     assert "greedy texts identical in" in lines[-1]
     with pytest.raises(OSError):  # the other server was stopped
         urllib.request.urlopen(url + "/health", timeout=5)
+
+
+@pytest.mark.slow
+def test_interleaved_rounds_alternate_the_servers_row_by_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--interleave: both servers are up at once and each row group runs on one and then on
+    the other, the order swapped from group to group (a second kvflow as the other here)."""
+    argv = [
+        "bench-side", *SMALL, "--rows", "single,clients,burst",
+        "--interleave", "--compare-server-args=--mixed-chunk 16",
+    ]  # fmt: skip
+    doc, _ = _run(argv, tmp_path / "side.json", capsys)
+    (r,) = doc["rounds"]
+    mine, other = r["kvflow"], r["other"]
+    assert not mine["failed"] and not other["failed"]
+    assert mine["values"]["startup_s"] > 0 and other["values"]["startup_s"] > 0
+    assert mine["values"]["burst_all_done_s"] > 0 and other["values"]["burst_all_done_s"] > 0
+    at = [(mine["groups_at"][g], other["groups_at"][g]) for g in ("single", "clients", "burst")]
+    assert at[0][0] < at[0][1] < at[1][1] < at[1][0] < at[2][0] < at[2][1]  # A B, B A, A B
+    assert r["greedy"]["identical"] == r["greedy"]["compared"] > 0

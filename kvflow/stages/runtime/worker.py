@@ -74,13 +74,16 @@ class EngineWorker:
         self,
         name: str,
         engine: Engine,
-        idle_wait_s: float = 0.01,
+        idle_wait_s: float = 1.0,
         intra_op_threads: int | EngineThreads | None = None,
     ) -> None:
         """``intra_op_threads``: torch's intra-op threads for this engine's forward passes
         (set on the worker thread before each step; ``runtime/threads.py`` decides); an int
         is a fixed count; None: the process's default (``openmp.default_threads``). How
-        the threads wait at barriers follows the steps' CPU share (``engine/openmp.py``)."""
+        the threads wait at barriers follows the steps' CPU share (``engine/openmp.py``).
+        ``idle_wait_s``: how long an idle loop waits for a command before it looks at the
+        stop flag again (every command, ``stop`` included, wakes it at once; a short wait
+        only burns an idle server's CPU)."""
         self.name = name
         self.engine = engine
         if isinstance(intra_op_threads, int):

@@ -170,6 +170,7 @@ class Run:
     failed: dict[str, int] = field(default_factory=dict)
     prompt_tokens: dict[str, int | None] = field(default_factory=dict)  # as the server said
     prefix_cache: dict[str, Any] = field(default_factory=dict)
+    groups_at: dict[str, float] = field(default_factory=dict)  # row group -> its start (epoch s)
 
     def keep(self, key: str, outcome: Outcome) -> Outcome:
         if outcome.status == "200":
@@ -206,20 +207,30 @@ ROW_GROUPS = ("single", "clients", "long", "shared", "burst")
 """``--rows`` choices: the single-request rows (TTFT and decode), then each concurrency row."""
 
 
-async def rows(args: argparse.Namespace, target: Target, texts: Texts, run: Run) -> None:
-    """Every row of ``args.rows`` but start-up, in the table's order, against ``target``."""
-    chosen = set(args.rows)
-    if "single" in chosen:
+async def rows(
+    args: argparse.Namespace, target: Target, texts: Texts, run: Run,
+    groups: list[str] | None = None,
+) -> None:  # fmt: skip
+    """Every row of ``groups`` (default ``args.rows``) but start-up, in the table's order,
+    against ``target``."""
+    chosen = set(args.rows if groups is None else groups)
+
+    def starts(group: str) -> bool:
+        if group in chosen:
+            run.groups_at[group] = time.time()
+        return group in chosen
+
+    if starts("single"):
         await _single_rows(args, target, texts, run)
-    if "clients" in chosen:
+    if starts("clients"):
         await _level(args, target, texts, run, "clients", args.client_prompt_tokens)
-    if "long" in chosen:
+    if starts("long"):
         await _level(args, target, texts, run, "long", args.long_tokens, per_client=1)
-    if "shared" in chosen:
+    if starts("shared"):
         prefix = texts.text("shared-prefix", args.system_tokens) + " "
         await _prime(target, run, prefix + texts.text("shared-prime", args.tail_tokens))
         await _level(args, target, texts, run, "shared", args.tail_tokens, prefix=prefix)
-    if "burst" in chosen:
+    if starts("burst"):
         burst = [
             [texts.text(f"burst-{c}-{r}", args.burst_tokens) for r in range(args.burst_requests)]
             for c in range(args.burst)
@@ -313,17 +324,28 @@ def _prefix_counters(url: str | None, names: tuple[str, str]) -> dict[str, float
 
 def measure(args: argparse.Namespace, server: Server, texts: Texts, kvflow: bool) -> Run:
     """Start-up (the server was started at ``server.started_at``), then every row."""
+    run = started_up(args, server)
+    asyncio.run(rows(args, Target.of(server), texts, run))
+    cache_report(server, run, kvflow)
+    return run
+
+
+def started_up(args: argparse.Namespace, server: Server) -> Run:
+    """A new Run holding ``server``'s start-up: its process start to its first served
+    request."""
     run = Run()
-    target = Target.of(server)
-    served_at = asyncio.run(first_served(target, args.compare_start_s))
+    served_at = asyncio.run(first_served(Target.of(server), args.compare_start_s))
     run.values["startup_s"] = served_at - server.started_at if server.started_at else None
-    asyncio.run(rows(args, target, texts, run))
+    return run
+
+
+def cache_report(server: Server, run: Run, kvflow: bool) -> None:
+    """What ``server`` said of its prefix cache, into ``run``."""
     metrics = server.metrics_url if kvflow else server.url + "/metrics"
     run.prefix_cache["counters"] = _prefix_counters(metrics, KVFLOW_CACHE if kvflow else VLLM_CACHE)
     if server.log is not None and not kvflow:
         found = re.findall(r"enable_prefix_caching=(\w+)", log_tail(server.log, 10**6))
         run.prefix_cache["logged_enable_prefix_caching"] = found[0] if found else None
-    return run
 
 
 def run_kvflow(args: argparse.Namespace, model: Path, data_dir: Path, texts: Texts) -> Run:
@@ -342,6 +364,66 @@ def run_other(args: argparse.Namespace, log_dir: Path, texts: Texts, model: Path
         finally:
             stop_embedded(server.proc)
     return against_other(args, log_dir, lambda server: measure(args, server, texts, kvflow=False))
+
+
+def run_interleaved(
+    args: argparse.Namespace, model: Path, where: Path, texts: Texts, first: str
+) -> dict[str, Run]:
+    """Both servers up at once (kvflow started first, then the other, each start-up timed
+    while the other server idles); then each row group runs on one server and then on the
+    other, ``first`` first in the first group and the order swapped in every next group
+    (A B, B A, A B, ...), so that a change in the machine's pace lands on both columns."""
+    second = "other" if first == "kvflow" else "kvflow"
+    kvflow = start_embedded(model, where / "kvflow", args.server_args.split())
+    try:
+        runs = {"kvflow": started_up(args, kvflow)}
+
+        def alternate(other: Server, other_is_kvflow: bool) -> dict[str, Run]:
+            runs["other"] = started_up(args, other)
+            servers = {"kvflow": kvflow, "other": other}
+            groups = [g for g in ROW_GROUPS if g in set(args.rows)]
+            for g, group in enumerate(groups):
+                for who in (first, second) if g % 2 == 0 else (second, first):
+                    target = Target.of(servers[who])
+                    asyncio.run(rows(args, target, texts, runs[who], [group]))
+            cache_report(kvflow, runs["kvflow"], kvflow=True)
+            cache_report(other, runs["other"], kvflow=other_is_kvflow)
+            return runs
+
+        if args.compare_server_args is None:
+            return against_other(args, where / "other", lambda s: alternate(s, False))
+        other = start_embedded(model, where / "other", args.compare_server_args.split())
+        try:
+            return alternate(other, True)
+        finally:
+            stop_embedded(other.proc)
+    finally:
+        stop_embedded(kvflow.proc)
+
+
+def _interleaved_round(
+    args: argparse.Namespace, model: Path, where: Path, texts: Texts, order: list[str]
+) -> tuple[dict[str, Run], str | None]:
+    """One interleaved round: both servers' runs, or none and what went wrong."""
+    try:
+        return run_interleaved(args, model, where, texts, order[0]), None
+    except RuntimeError as e:
+        error = f"{e}: {log_tail(where / 'other' / 'compare.log')}"
+        print(f"bench-side: {error}", file=sys.stderr)
+        return {}, error
+
+
+def _keep(result: dict[str, Any], who: str, run: Run, i: int) -> None:
+    """``who``'s run into the round's ``result``, and its numbers into the log (should a
+    later run not finish)."""
+    result[who] = {
+        "values": run.values, "failed": run.failed, "prefix_cache": run.prefix_cache,
+        "prompt_tokens": run.prompt_tokens, "texts": run.texts, "groups_at": run.groups_at,
+    }  # fmt: skip
+    logger.warning(
+        "round %d: %s measured: %s", i + 1, who,
+        ", ".join(f"{k} {_num(v)}" for k, v in run.values.items() if v is not None),
+    )  # fmt: skip
 
 
 def greedy_match(a: Run, b: Run) -> dict[str, Any]:
@@ -452,6 +534,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "measured); default: all",
     )
     p.add_argument("--rounds", type=int, default=1, help="round i: seed+i, the order swapped")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="both servers up at once, each row group run on one and then the other, the order "
+        "swapped from group to group (default: one server's every row, then the other's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold-tokens", type=int, default=512, help="the cold short prompt")
     p.add_argument("--long-tokens", type=int, default=2000, help="cold long prompts")
@@ -509,27 +597,27 @@ def run_bench(args: argparse.Namespace) -> int:
             order = ["kvflow", "other"] if two else ["kvflow"]
             order = order if i % 2 == 0 else order[::-1]
             result: dict[str, Any] = {"seed": seed, "order": order}
+            if args.interleave and two:
+                where = Path(tmp) / f"round{i}"
+                runs, failure = _interleaved_round(args, model, where, texts, order)
+                error = failure or error
+            else:
+                runs = {}
+                for who in order:
+                    where = Path(tmp) / f"round{i}-{who}"
+                    try:
+                        runs[who] = (
+                            run_kvflow(args, model, where, texts)
+                            if who == "kvflow"
+                            else run_other(args, where, texts, model)
+                        )
+                    except RuntimeError as e:  # the other's numbers are still reported
+                        error = f"{who}: {e}: {log_tail(where / 'compare.log')}"
+                        print(f"bench-side: {error}", file=sys.stderr)
             for who in order:
-                where = Path(tmp) / f"round{i}-{who}"
-                try:
-                    run = (
-                        run_kvflow(args, model, where, texts)
-                        if who == "kvflow"
-                        else run_other(args, where, texts, model)
-                    )
-                except RuntimeError as e:  # the other's numbers are still reported
-                    error = f"{who}: {e}: {log_tail(where / 'compare.log')}"
-                    print(f"bench-side: {error}", file=sys.stderr)
-                    result["order"] = [w for w in result["order"] if w != who]
-                    continue
-                result[who] = {
-                    "values": run.values, "failed": run.failed, "prefix_cache": run.prefix_cache,
-                    "prompt_tokens": run.prompt_tokens, "texts": run.texts,
-                }  # fmt: skip
-                logger.warning(  # the numbers so far, should a later run not finish
-                    "round %d: %s measured: %s", i + 1, who,
-                    ", ".join(f"{k} {_num(v)}" for k, v in run.values.items() if v is not None),
-                )  # fmt: skip
+                if who in runs:
+                    _keep(result, who, runs[who], i)
+            result["order"] = [w for w in order if w in result]
             if "kvflow" in result and "other" in result:
                 a, b = (Run(texts=result[w]["texts"]) for w in ("kvflow", "other"))
                 result["greedy"] = greedy_match(a, b)
