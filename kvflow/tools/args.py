@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvflow.stages.serve.config import DTYPES
+from kvflow.stages.serve.colocation import COLOCATED_MIXED_CHUNK
+from kvflow.stages.serve.config import DTYPES, ServeConfig
 from kvflow.stages.serve.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -50,14 +51,20 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         help="KV pages per engine (and staging slots per instance); default: one 4096-token "
         "sequence, more when free memory allows, at most 512 (printed at start)",
     )
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=ServeConfig.prefill_chunk,
+        help="prompt tokens an engine computes in one step (chunked prefill); default: "
+        f"{ServeConfig.prefill_chunk} (docs/performance.md, 'Step sizes')",
+    )
     p.add_argument(
         "--mixed-chunk",
         type=int,
         help="prefill tokens of a step that also decodes (an engine that does both: "
         "--colocate); smaller bounds running streams' time between tokens; while more than "
         "one prompt waits (no --tbt-target-ms) such a step takes up to --prefill-chunk; "
-        "default: 256 colocated, else --prefill-chunk",
+        f"default: {COLOCATED_MIXED_CHUNK} colocated, else --prefill-chunk",
     )
     p.add_argument(
         "--tbt-target-ms",

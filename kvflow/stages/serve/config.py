@@ -105,7 +105,7 @@ class EngineStoreConfig:
     dtype: str = "float32"
     block_size: int = 64
     num_pages: int = 512
-    prefill_chunk: int = 512
+    prefill_chunk: int = 1024
     mixed_chunk: int | None = None
     tbt_target_ms: float | None = None
     max_batch: int = 32
