@@ -196,11 +196,10 @@ def test_interleaved_rounds_alternate_the_servers_row_by_row(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--interleave: both servers are up at once and each row group runs on one and then on
-    the other, the order swapped from group to group (a second kvflow as the other here)."""
-    argv = [
-        "bench-side", *SMALL, "--rows", "single,clients,burst",
-        "--interleave", "--compare-server-args=--mixed-chunk 16",
-    ]  # fmt: skip
+    the other, the order swapped from group to group (a second kvflow as the other here:
+    the docs' command)."""
+    argv = shlex.split(block("benchmarks.md", "bench-side-interleave"))[1:]
+    assert argv[: len(SMALL)] == SMALL
     doc, _ = _run(argv, tmp_path / "side.json", capsys)
     (r,) = doc["rounds"]
     mine, other = r["kvflow"], r["other"]
