@@ -199,7 +199,7 @@ def test_interleaved_rounds_alternate_the_servers_row_by_row(
     the other, the order swapped from group to group (a second kvflow as the other here:
     the docs' command)."""
     argv = shlex.split(block("benchmarks.md", "bench-side-interleave"))[1:]
-    assert argv[: len(SMALL)] == SMALL
+    assert argv[1 : 1 + len(SMALL)] == SMALL
     doc, _ = _run(argv, tmp_path / "side.json", capsys)
     (r,) = doc["rounds"]
     mine, other = r["kvflow"], r["other"]
