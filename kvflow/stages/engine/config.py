@@ -23,11 +23,16 @@ DECODE_GRAPH_MODES = ("auto", "off", "static")
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
+DEVICE_FORM = re.compile(r"cpu|cuda(:[0-9]+)?")
+"""The devices an engine runs on (serve/config.py's torch-free ``DEVICE_PATTERN`` is the same;
+a test holds them equal)."""
+
+
 def require_device(device: str) -> torch.device:
     """``device`` as a torch device this process can run an engine on: the CPU, or a CUDA
     device that torch sees. ValueError naming what is wrong otherwise (checked before any
     weight is read)."""
-    if not (isinstance(device, str) and re.fullmatch(r"cpu|cuda(:[0-9]+)?", device)):
+    if not (isinstance(device, str) and DEVICE_FORM.fullmatch(device)):
         raise ValueError(f"device {device!r}: an engine runs on 'cpu' or 'cuda[:N]'")
     dev = torch.device(device)
     if dev.type == "cpu":

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvflow.tools.bench import _cli
 from kvflow.tools.bench._servers import (
@@ -64,6 +64,7 @@ from kvflow.tools.bench._stream import Outcome, one_request
 from kvflow.tools.bench.load import Level, Target, closed_loop, pct
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 VOCAB = [
     word
@@ -348,22 +349,34 @@ def cache_report(server: Server, run: Run, kvflow: bool) -> None:
         run.prefix_cache["logged_enable_prefix_caching"] = found[0] if found else None
 
 
-def run_kvflow(args: argparse.Namespace, model: Path, data_dir: Path, texts: Texts) -> Run:
-    server = start_embedded(model, data_dir, args.server_args.split())
+def with_kvflow(model: Path, data_dir: Path, flags: str, use: Callable[[Server], T]) -> T:
+    """``use`` of a ``kvflow serve`` started with ``flags`` (one string), stopped after."""
+    server = start_embedded(model, data_dir, flags.split())
     try:
-        return measure(args, server, texts, kvflow=True)
+        return use(server)
     finally:
         stop_embedded(server.proc)
 
 
+def with_other(
+    args: argparse.Namespace, where: Path, model: Path, use: Callable[[Server, bool], T]
+) -> T:
+    """``use(server, is_kvflow)`` of the other column's server: kvflow again with
+    ``--compare-server-args``, else the one at ``--compare-url`` (started by
+    ``--compare-cmd`` where given); stopped after where started here."""
+    if args.compare_server_args is not None:
+        return with_kvflow(model, where, args.compare_server_args, lambda s: use(s, True))
+    return against_other(args, where, lambda s: use(s, False))
+
+
+def run_kvflow(args: argparse.Namespace, model: Path, data_dir: Path, texts: Texts) -> Run:
+    return with_kvflow(
+        model, data_dir, args.server_args, lambda s: measure(args, s, texts, kvflow=True)
+    )
+
+
 def run_other(args: argparse.Namespace, log_dir: Path, texts: Texts, model: Path) -> Run:
-    if args.compare_server_args is not None:  # kvflow again, with other serve flags
-        server = start_embedded(model, log_dir, args.compare_server_args.split())
-        try:
-            return measure(args, server, texts, kvflow=True)
-        finally:
-            stop_embedded(server.proc)
-    return against_other(args, log_dir, lambda server: measure(args, server, texts, kvflow=False))
+    return with_other(args, log_dir, model, lambda s, k: measure(args, s, texts, kvflow=k))
 
 
 def run_interleaved(
@@ -374,31 +387,24 @@ def run_interleaved(
     other, ``first`` first in the first group and the order swapped in every next group
     (A B, B A, A B, ...), so that a change in the machine's pace lands on both columns."""
     second = "other" if first == "kvflow" else "kvflow"
-    kvflow = start_embedded(model, where / "kvflow", args.server_args.split())
-    try:
+    groups = [g for g in ROW_GROUPS if g in set(args.rows)]
+
+    def both(kvflow: Server) -> dict[str, Run]:
         runs = {"kvflow": started_up(args, kvflow)}
 
         def alternate(other: Server, other_is_kvflow: bool) -> dict[str, Run]:
             runs["other"] = started_up(args, other)
             servers = {"kvflow": kvflow, "other": other}
-            groups = [g for g in ROW_GROUPS if g in set(args.rows)]
             for g, group in enumerate(groups):
                 for who in (first, second) if g % 2 == 0 else (second, first):
-                    target = Target.of(servers[who])
-                    asyncio.run(rows(args, target, texts, runs[who], [group]))
+                    asyncio.run(rows(args, Target.of(servers[who]), texts, runs[who], [group]))
             cache_report(kvflow, runs["kvflow"], kvflow=True)
             cache_report(other, runs["other"], kvflow=other_is_kvflow)
             return runs
 
-        if args.compare_server_args is None:
-            return against_other(args, where / "other", lambda s: alternate(s, False))
-        other = start_embedded(model, where / "other", args.compare_server_args.split())
-        try:
-            return alternate(other, True)
-        finally:
-            stop_embedded(other.proc)
-    finally:
-        stop_embedded(kvflow.proc)
+        return with_other(args, where / "other", model, alternate)
+
+    return with_kvflow(model, where / "kvflow", args.server_args, both)
 
 
 def _interleaved_round(

@@ -48,6 +48,21 @@ def test_engine_config_validation(fields: dict[str, object], name: str) -> None:
         EngineConfig(**fields)  # type: ignore[arg-type]
 
 
+def test_engine_devices_are_the_servers() -> None:
+    """The server's torch-free device check and the engine's accept the same names; the
+    engine's also refuses, in one line, a CUDA device this process does not have."""
+    from kvflow.stages.engine.config import DEVICE_FORM, require_device
+    from kvflow.stages.serve.config import DEVICE_PATTERN
+
+    assert DEVICE_FORM.pattern == DEVICE_PATTERN.pattern
+    assert require_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="'tpu': an engine runs on 'cpu' or 'cuda"):
+        require_device("tpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"'cuda:{count}'"):
+        require_device(f"cuda:{count}")
+
+
 def test_top_k_one_is_greedy_and_top_p_keeps_head() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=gen)
