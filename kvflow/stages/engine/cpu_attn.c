@@ -24,6 +24,15 @@
 #define PARALLEL_MIN 8192L
 /* A part of a row has at least this many keys (a work item pays for its own merge). */
 #define PART_MIN 256L
+/* Queries of a KV head computed together (grouped-query attention): each key and value row
+ * is read once for them. */
+#define GROUP 3
+
+/* Ask for a row of d floats (into the caches, for reading): a tile is a page of its own,
+ * where the hardware's prefetchers start over. */
+static inline void prefetch_row(const char *row, long d) {
+    for (long c = 0; c < (long)sizeof(float) * d; c += 64) __builtin_prefetch(row + c, 0, 3);
+}
 
 #ifdef __AVX512F__
 static inline float dot(const float *a, const float *b, long d) {
@@ -41,60 +50,84 @@ static inline float dot(const float *a, const float *b, long d) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-/* The sums of a[0..15] (16 lanes each) as one vector: lane j holds the sum of a[j]. Pairs
- * of vectors are interleaved and added (4 lanes of 128 bits each keep partial sums of 2, then
- * 4 vectors), then the 128-bit lanes are added across: 45 operations for 16 sums. */
-static inline __m512 sum16(__m512 *a) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
+/* The sums of a[0..7] (16 lanes each) as 8 lanes: lane j holds the sum of a[j]. Pairs of
+ * vectors are interleaved and added (each 128-bit lane keeps partial sums of 2, then of 4
+ * vectors), then the 128-bit lanes are added across: 25 operations for 8 sums. */
+static inline __m256 sum8(const __m512 *a) {
+    __m512 t[4], u[2];
+    for (int i = 0; i < 4; i++)
         t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
                              _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 2; i++) {
         __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
         u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
                              _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
     const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
-    __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], even),
-                               _mm512_shuffle_f32x4(u[0], u[1], odd));
-    __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], even),
-                               _mm512_shuffle_f32x4(u[2], u[3], odd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, even),
-                         _mm512_shuffle_f32x4(v01, v23, odd));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], even),
+                             _mm512_shuffle_f32x4(u[0], u[1], odd));
+    __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(v, v, even), _mm512_shuffle_f32x4(v, v, odd));
+    return _mm512_castps512_ps256(w);
 }
 
-/* s[j] = q.k[j] * scale for the n keys k (row stride ks); returns the largest. Keys go 16 at
- * a time, each with its own accumulator, summed across by `sum16`. */
-static inline float scores(const float *q, const float *k, long ks, long n, long d, float scale,
-                           float *s) {
-    __m512 top = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+static inline __mmask16 lanes(long left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1));
+}
+
+/* s[i][j] = q_i.k[j] * scale (s: [GROUP][TILE]) for nq (<= GROUP) queries q + i * qs and the
+ * n keys k (row stride ks); top[i]: the largest score of query i. Keys go 8 at a time, each
+ * element of a key loaded once for the nq queries (nq x 8 vector accumulators), summed
+ * across by `sum8`. nq is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void scores_n(const float *q, long qs, const int nq,
+                                                           const float *k, long ks, long n,
+                                                           long d, float scale, float *s,
+                                                           float *top) {
+    __m256 best[GROUP], sc = _mm256_set1_ps(scale);
+    for (int i = 0; i < nq; i++) best[i] = _mm256_set1_ps(-INFINITY);
     long j = 0;
-    for (; j + 16 <= n; j += 16) {
-        __m512 a[16];
-        for (int u = 0; u < 16; u++) a[u] = _mm512_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        __m512 a[GROUP][8];
+        for (int i = 0; i < nq; i++)
+            for (int u = 0; u < 8; u++) a[i][u] = _mm512_setzero_ps();
         for (long c = 0; c < d; c += 16) {
-            __mmask16 m = d - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - c)) - 1);
-            __m512 qc = _mm512_maskz_loadu_ps(m, q + c);
-            for (int u = 0; u < 16; u++)
-                a[u] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, k + (j + u) * ks + c), a[u]);
+            __mmask16 m = lanes(d - c);
+            __m512 qc[GROUP];
+            for (int i = 0; i < nq; i++) qc[i] = _mm512_maskz_loadu_ps(m, q + i * qs + c);
+            for (int u = 0; u < 8; u++) {
+                __m512 kc = _mm512_maskz_loadu_ps(m, k + (j + u) * ks + c);
+                for (int i = 0; i < nq; i++) a[i][u] = _mm512_fmadd_ps(qc[i], kc, a[i][u]);
+            }
         }
-        __m512 x = _mm512_mul_ps(sum16(a), sc);
-        _mm512_storeu_ps(s + j, x);
-        top = _mm512_max_ps(top, x);
+        for (int i = 0; i < nq; i++) {
+            __m256 x = _mm256_mul_ps(sum8(a[i]), sc);
+            _mm256_storeu_ps(s + i * TILE + j, x);
+            best[i] = _mm256_max_ps(best[i], x);
+        }
     }
-    float best = _mm512_reduce_max_ps(top);
-    for (; j < n; j++) {
-        s[j] = dot(q, k + j * ks, d) * scale;
-        best = s[j] > best ? s[j] : best;
+    for (int i = 0; i < nq; i++) {
+        float lane[8], b = -INFINITY;
+        _mm256_storeu_ps(lane, best[i]);
+        for (int u = 0; u < 8; u++) b = lane[u] > b ? lane[u] : b;
+        for (long r = j; r < n; r++) {
+            s[i * TILE + r] = dot(q + i * qs, k + r * ks, d) * scale;
+            b = s[i * TILE + r] > b ? s[i * TILE + r] : b;
+        }
+        top[i] = b;
     }
-    return best;
+}
+
+static void scores_group(const float *q, long qs, int nq, const float *k, long ks, long n, long d,
+                         float scale, float *s, float *top) {
+    if (nq == 3) scores_n(q, qs, 3, k, ks, n, d, scale, s, top);
+    else if (nq == 2) scores_n(q, qs, 2, k, ks, n, d, scale, s, top);
+    else scores_n(q, qs, 1, k, ks, n, d, scale, s, top);
 }
 
 /* s[j] = e^(s[j] - top) for j < n; returns their sum. */
 static inline float exp_shifted(float *s, long n, float top) {
     __m512 t = _mm512_set1_ps(top), sum = _mm512_setzero_ps();
     for (long j = 0; j < n; j += 16) {
-        __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        __mmask16 m = lanes(n - j);
         __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), t));
         _mm512_mask_storeu_ps(s + j, m, e);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
@@ -102,28 +135,47 @@ static inline float exp_shifted(float *s, long n, float top) {
     return _mm512_reduce_add_ps(sum);
 }
 
-/* acc[d] = acc * alpha + sum_j p[j] v[j] over the n rows of v (row stride vs). */
-static inline void accumulate(float *acc, float alpha, const float *p, const float *v, long vs,
-                              long n, long d) {
+/* acc_i[d] = acc_i * alpha[i] + sum_j p[i][j] v[j] for nq queries (acc_i = acc + i * d; p:
+ * [GROUP][TILE]) over the n rows of v (row stride vs): each value row loaded once for the nq
+ * queries, nq x 4 independent accumulators. The first pn rows of the next tile's K and V
+ * (pk, pv, same stride) are asked for on the way (`prefetch_row`). */
+static inline __attribute__((always_inline)) void accumulate_n(
+    float *acc, const float *alpha, const float *p, const float *v, long vs, long n, long d,
+    const int nq, const char *pk, const char *pv, long pn) {
     for (long c = 0; c < d; c += 64) {  /* 64 columns (4 registers) at a time */
-        long w = d - c < 64 ? d - c : 64;
         __mmask16 mk[4];
-        __m512 a[4];
-        for (int u = 0; u < 4; u++) {
-            long left = w - 16 * u;
-            mk[u] = left >= 16 ? (__mmask16)0xFFFF
-                               : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1));
-            a[u] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk[u], acc + c + 16 * u),
-                                 _mm512_set1_ps(alpha));
+        __m512 a[GROUP][4];
+        for (int u = 0; u < 4; u++) mk[u] = lanes(d - c - 16 * u);
+        for (int i = 0; i < nq; i++) {
+            __m512 al = _mm512_set1_ps(alpha[i]);
+            for (int u = 0; u < 4; u++)
+                a[i][u] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk[u], acc + i * d + c + 16 * u), al);
         }
         for (long j = 0; j < n; j++) {
-            __m512 pj = _mm512_set1_ps(p[j]);
+            if (c == 0 && j < pn) {
+                prefetch_row(pk + sizeof(float) * j * vs, d);
+                prefetch_row(pv + sizeof(float) * j * vs, d);
+            }
             const float *vj = v + j * vs + c;
-            for (int u = 0; u < 4; u++)
-                a[u] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(mk[u], vj + 16 * u), a[u]);
+            __m512 x[4];
+            for (int u = 0; u < 4; u++) x[u] = _mm512_maskz_loadu_ps(mk[u], vj + 16 * u);
+            for (int i = 0; i < nq; i++) {
+                __m512 pj = _mm512_set1_ps(p[i * TILE + j]);
+                for (int u = 0; u < 4; u++) a[i][u] = _mm512_fmadd_ps(pj, x[u], a[i][u]);
+            }
         }
-        for (int u = 0; u < 4; u++) _mm512_mask_storeu_ps(acc + c + 16 * u, mk[u], a[u]);
+        for (int i = 0; i < nq; i++)
+            for (int u = 0; u < 4; u++)
+                _mm512_mask_storeu_ps(acc + i * d + c + 16 * u, mk[u], a[i][u]);
     }
+}
+
+static void accumulate_group(float *acc, const float *alpha, const float *p, const float *v,
+                             long vs, long n, long d, int nq, const char *pk, const char *pv,
+                             long pn) {
+    if (nq == 3) accumulate_n(acc, alpha, p, v, vs, n, d, 3, pk, pv, pn);
+    else if (nq == 2) accumulate_n(acc, alpha, p, v, vs, n, d, 2, pk, pv, pn);
+    else accumulate_n(acc, alpha, p, v, vs, n, d, 1, pk, pv, pn);
 }
 #else
 static inline float dot(const float *a, const float *b, long d) {
@@ -162,6 +214,21 @@ static inline void accumulate(float *acc, float alpha, const float *p, const flo
         for (long c = 0; c < d; c++) acc[c] += p[j] * vj[c];
     }
 }
+
+static void scores_group(const float *q, long qs, int nq, const float *k, long ks, long n, long d,
+                         float scale, float *s, float *top) {
+    for (int i = 0; i < nq; i++) top[i] = scores(q + i * qs, k, ks, n, d, scale, s + i * TILE);
+}
+
+static void accumulate_group(float *acc, const float *alpha, const float *p, const float *v,
+                             long vs, long n, long d, int nq, const char *pk, const char *pv,
+                             long pn) {
+    for (long j = 0; j < pn; j++) {
+        prefetch_row(pk + sizeof(float) * j * vs, d);
+        prefetch_row(pv + sizeof(float) * j * vs, d);
+    }
+    for (int i = 0; i < nq; i++) accumulate(acc + i * d, alpha[i], p + i * TILE, v, vs, n, d);
+}
 #endif
 
 /* Where the pool is and how it is strided (elements): page, k/v, head, slot; head_dim is
@@ -176,7 +243,7 @@ typedef struct {
 static void attend_part(const Pool *pool, const long *table, long h, const float *q, long qs,
                         long Q, long d, float scale, long a, long b, float *state) {
     float *m = state, *l = state + Q, *acc = state + 2 * Q;
-    float s[TILE];
+    float s[GROUP * TILE], top[GROUP], alpha[GROUP];
     for (long i = 0; i < Q; i++) {
         m[i] = -INFINITY;
         l[i] = 0.0f;
@@ -190,13 +257,29 @@ static void attend_part(const Pool *pool, const long *table, long h, const float
         if (n > TILE) n = TILE;
         const float *k = pool->base + page * pool->page + h * pool->head + slot * pool->slot;
         const float *v = k + pool->kv;
-        for (long i = 0; i < Q; i++) {
-            float top = scores(q + i * qs, k, pool->slot, n, d, scale, s);
-            float m_new = top > m[i] ? top : m[i];
-            float alpha = m[i] == m_new ? 1.0f : expf(m[i] - m_new);  /* first tile: e^-inf = 0 */
-            l[i] = l[i] * alpha + exp_shifted(s, n, m_new);
-            accumulate(acc + i * d, alpha, s, v, pool->slot, n, d);
-            m[i] = m_new;
+        /* the next tile (another page), asked for while this one is computed */
+        const char *pk = NULL, *pv = NULL;
+        long pn = 0;
+        if (t + n < b) {
+            long u = t + n, next = table[u / pool->block];
+            pn = pool->block - u % pool->block;
+            if (pn > b - u) pn = b - u;
+            if (pn > TILE) pn = TILE;
+            pk = (const char *)(pool->base + next * pool->page + h * pool->head +
+                                (u % pool->block) * pool->slot);
+            pv = pk + sizeof(float) * pool->kv;
+        }
+        for (long i0 = 0; i0 < Q; i0 += GROUP) {
+            int nq = Q - i0 < GROUP ? (int)(Q - i0) : GROUP;
+            scores_group(q + i0 * qs, qs, nq, k, pool->slot, n, d, scale, s, top);
+            for (int i = 0; i < nq; i++) {
+                float m_old = m[i0 + i], m_new = top[i] > m_old ? top[i] : m_old;
+                alpha[i] = m_old == m_new ? 1.0f : expf(m_old - m_new); /* first tile: 0 */
+                l[i0 + i] = l[i0 + i] * alpha[i] + exp_shifted(s + i * TILE, n, m_new);
+                m[i0 + i] = m_new;
+            }
+            accumulate_group(acc + i0 * d, alpha, s, v, pool->slot, n, d, nq,
+                             i0 == 0 ? pk : NULL, pv, i0 == 0 ? pn : 0);
         }
         t += n;
     }
