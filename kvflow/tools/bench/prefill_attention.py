@@ -17,18 +17,15 @@ Seeded; one summary line; `--json PATH` writes every number.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from kvflow.stages.engine.attention import PagedPrefill
-from kvflow.stages.engine.cpu_attn import ATTN_SETTINGS, ENV_ATTN
+from kvflow.stages.engine.cpu_attn import ENV_ATTN
 from kvflow.stages.engine.pages import KVLayout, PagePool
-from kvflow.tools.bench import _cli
-from kvflow.tools.bench._meta import run_meta
+from kvflow.tools.bench._attention import add_shape_arguments, report
 
 
 def chunk_flops(start: int, t: int, heads: int, d: int) -> int:
@@ -104,33 +101,13 @@ def summary(args: argparse.Namespace, results: dict) -> str:
 
 def _main(args: argparse.Namespace) -> int:
     results = run(args)
-    line = summary(args, results)
-    print(line)
-    if args.json:
-        payload = {"summary": line, "meta": run_meta(args), "results": results}
-        args.json.write_text(json.dumps(payload, indent=2))
-    return 0
+    return report(args, summary(args, results), results)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=2000, help="prompt length")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--heads", type=int, default=9, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block", type=int, default=64, help="tokens a page")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--rounds", type=int, default=4, help="alternating rounds (best of)")
-    p.add_argument(
-        "--attention",
-        type=_cli.names_of("attention setting", ATTN_SETTINGS),
-        default=list(ATTN_SETTINGS),
-        help="settings, comma-separated: paged, torch (both by default)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="write full results here")
-    return p
+    return add_shape_arguments(p, rounds=4)
 
 
 def main(argv: list[str] | None = None) -> int:
