@@ -43,7 +43,7 @@ static inline float dot(const float *a, const float *b, long d) {
         acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j + 16), _mm512_loadu_ps(b + j + 16), acc1);
     }
     for (; j < d; j += 16) {
-        __mmask16 m = d - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - j)) - 1);
+        __mmask16 m = lanes(d - j);
         acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + j), _mm512_maskz_loadu_ps(m, b + j),
                                acc0);
     }
@@ -68,10 +68,6 @@ static inline __m256 sum8(const __m512 *a) {
                              _mm512_shuffle_f32x4(u[0], u[1], odd));
     __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(v, v, even), _mm512_shuffle_f32x4(v, v, odd));
     return _mm512_castps512_ps256(w);
-}
-
-static inline __mmask16 lanes(long left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1));
 }
 
 /* s[i][j] = q_i.k[j] * scale (s: [GROUP][TILE]) for nq (<= GROUP) queries q + i * qs and the

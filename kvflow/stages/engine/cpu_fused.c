@@ -44,7 +44,7 @@ static inline float sum_squares(const float *x, long n) {
 static inline void silu_mul_row(const float *g, const float *u, float *o, long n) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (long j = 0; j < n; j += 16) {
-        __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        __mmask16 m = lanes(n - j);
         __m512 x = _mm512_maskz_loadu_ps(m, g + j);
         __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
         _mm512_mask_storeu_ps(o + j, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + j)));

@@ -130,11 +130,7 @@ static inline void values_rows(Scratch *w, long r0, long c0, long d, const float
                                long n) {
     long width = d - c0 < 64 ? d - c0 : 64;
     __mmask16 mk[4];
-    for (int u = 0; u < 4; u++) {
-        long left = width - 16 * u;
-        mk[u] = left >= 16 ? (__mmask16)0xFFFF
-                           : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1));
-    }
+    for (int u = 0; u < 4; u++) mk[u] = lanes(width - 16 * u);
     __m512 a[6][4];
     for (int r = 0; r < 6; r++) {
         __m512 al = _mm512_set1_ps(w->alpha[r0 + r]);

@@ -40,5 +40,11 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The lanes of a 16-float vector that hold the first `left` floats (all 16, or none). */
+static inline __mmask16 lanes(long left) {
+    return left >= 16 ? (__mmask16)0xFFFF
+                      : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1));
+}
+
 #endif /* __AVX512F__ */
 #endif /* KVFLOW_CPU_SIMD_H */

@@ -39,29 +39,15 @@ def kv_bytes(rows: int, context: int, layers: int, kv_heads: int, d: int) -> int
     return rows * context * layers * 2 * kv_heads * d * 4
 
 
-def _time_step(
+def _step(
     pool: PagePool, table: torch.Tensor, positions: torch.Tensor, qkv: torch.Tensor, layers: int
-) -> float:
-    """Seconds for one decode step's attention through every layer (the backend built once,
-    as a forward builds it)."""
-    heads = qkv.shape[1] - 2 * pool.layout.num_kv_heads
-    kvh = pool.layout.num_kv_heads
-    q, k, v = qkv.split((heads, kvh, kvh), dim=1)
-    began = time.perf_counter()
-    backend = PagedDecode(pool, table, positions, None)
-    for layer in range(layers):
-        backend.attend(layer, q, k, v)
-    return time.perf_counter() - began
-
-
-def _outputs(
-    pool: PagePool, table: torch.Tensor, positions: torch.Tensor, qkv: torch.Tensor, layers: int
-) -> torch.Tensor:
-    """Every layer's attention output of the step [layers, rows, heads * d]."""
+) -> list[torch.Tensor]:
+    """One decode step's attention through every layer (the backend built once, as a forward
+    builds it): each layer's output [rows, heads * d]."""
     kvh = pool.layout.num_kv_heads
     q, k, v = qkv.split((qkv.shape[1] - 2 * kvh, kvh, kvh), dim=1)
     backend = PagedDecode(pool, table, positions, None)
-    return torch.stack([backend.attend(layer, q, k, v) for layer in range(layers)])
+    return [backend.attend(layer, q, k, v) for layer in range(layers)]
 
 
 def _time_read(pool: PagePool) -> float:
@@ -86,6 +72,7 @@ def run(args: argparse.Namespace) -> dict:
     qkv = torch.randn(args.rows, args.heads + 2 * kvh, d, generator=gen)
     runs = [*args.attention, READ]
     best = {name: float("inf") for name in runs}
+    outputs: dict[str, torch.Tensor] = {}  # each setting's last step, compared below
     saved = os.environ.get(ENV_ATTN)
     try:
         for r in range(args.rounds):
@@ -94,12 +81,11 @@ def run(args: argparse.Namespace) -> dict:
                     took = _time_read(pool)
                 else:
                     os.environ[ENV_ATTN] = name
-                    took = _time_step(pool, table, positions, qkv, args.layers)
+                    began = time.perf_counter()
+                    out = _step(pool, table, positions, qkv, args.layers)
+                    took = time.perf_counter() - began
+                    outputs[name] = torch.stack(out)
                 best[name] = min(best[name], took)
-        outputs = {}
-        for name in args.attention:
-            os.environ[ENV_ATTN] = name
-            outputs[name] = _outputs(pool, table, positions, qkv, args.layers)
     finally:
         if saved is None:
             os.environ.pop(ENV_ATTN, None)
