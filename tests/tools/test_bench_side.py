@@ -71,7 +71,7 @@ def test_two_kvflow_configurations_on_chosen_rows(
     for who in ("kvflow", "other"):
         assert set(r[who]["values"]) == measured and not r[who]["failed"]
         assert all(v is not None and v > 0 for v in r[who]["values"].values())
-    assert r["greedy"]["compared"] == 2 * 1 + 4 * 2  # clients x 1, burst x 2 requests
+    assert r["greedy"]["compared"] == 1 + 2 * 1 + 4 * 2  # settle, clients x 1, burst x 2
     assert r["greedy"]["identical"] == r["greedy"]["compared"]
 
 
@@ -146,6 +146,7 @@ def test_doc_block_runs_every_row_against_kvflow(
     assert all(v is not None and v > 0 for v in values.values()), values
     assert r["kvflow"]["prefix_cache"]["hit_row_cached_tokens"] > 0
     assert r["kvflow"]["prefix_cache"]["counters"]["hit_tokens"] > 0
+    assert r["kvflow"]["texts"]["settle/0"]  # the untimed cold prompt before the rows
     assert printed.splitlines()[-1].startswith("bench side kvflow (round 1, seed 0)")
 
 
@@ -208,4 +209,5 @@ def test_interleaved_rounds_alternate_the_servers_row_by_row(
     assert mine["values"]["burst_all_done_s"] > 0 and other["values"]["burst_all_done_s"] > 0
     at = [(mine["groups_at"][g], other["groups_at"][g]) for g in ("single", "clients", "burst")]
     assert at[0][0] < at[0][1] < at[1][1] < at[1][0] < at[2][0] < at[2][1]  # A B, B A, A B
+    assert mine["texts"]["settle/0"] == other["texts"]["settle/0"]  # each settled, untimed
     assert r["greedy"]["identical"] == r["greedy"]["compared"] > 0

@@ -19,6 +19,10 @@ requests (chat where the row is chat) at temperature 0:
   TTFT p99;
 - 32 clients x 2 requests of ~505-token prompts: the time until all are done.
 
+Before the first row each server serves one untimed cold prompt (``--settle-tokens``; with
+``--interleave`` once both servers are up), so that no row pays a server's first large
+forward pass after an idle spell.
+
 Also: whether the two servers' greedy texts are the same, request by request; what each said
 of its prefix cache (Prometheus counters, the other server's logged ``enable_prefix_caching``,
 the cached tokens of the prefix-hit row where the server reports them). ``--rounds 2`` runs a
@@ -280,10 +284,23 @@ async def _single_rows(args: argparse.Namespace, target: Target, texts: Texts, r
         run.values["decode_tok_s"] = 1 / d.tpot_s if d.status == "200" and d.tpot_s else None
 
 
-async def _prime(target: Target, run: Run, prompt: str) -> None:
-    """One request that puts a shared prefix in the server's cache before its row."""
-    level = await closed_loop(target, [[prompt]], 1, "prime", GREEDY)
-    run.keep_level("prime", level, {prompt: "0"})
+async def _prime(
+    target: Target, run: Run, prompt: str, name: str = "prime", tokens: int = 1
+) -> None:
+    """One untimed request before a row (by default one that puts a shared prefix in the
+    server's cache); its text is kept under ``name``."""
+    level = await closed_loop(target, [[prompt]], tokens, name, GREEDY)
+    run.keep_level(name, level, {prompt: "0"})
+
+
+def settle(args: argparse.Namespace, server: Server, texts: Texts, run: Run) -> None:
+    """Untimed, once a server is up: one cold prompt of ``--settle-tokens`` (its own seeded
+    text, a prefix of no row's) served and dropped, so that no timed row pays the server's
+    first large forward pass (its buffers, its pages) after an idle spell."""
+    size = args.long_tokens if args.settle_tokens is None else args.settle_tokens
+    if size > 0:
+        prompt = texts.text("settle", size)
+        asyncio.run(_prime(Target.of(server), run, prompt, "settle", args.ttft_max_tokens))
 
 
 async def _level(
@@ -326,6 +343,7 @@ def _prefix_counters(url: str | None, names: tuple[str, str]) -> dict[str, float
 def measure(args: argparse.Namespace, server: Server, texts: Texts, kvflow: bool) -> Run:
     """Start-up (the server was started at ``server.started_at``), then every row."""
     run = started_up(args, server)
+    settle(args, server, texts, run)
     asyncio.run(rows(args, Target.of(server), texts, run))
     cache_report(server, run, kvflow)
     return run
@@ -395,6 +413,8 @@ def run_interleaved(
         def alternate(other: Server, other_is_kvflow: bool) -> dict[str, Run]:
             runs["other"] = started_up(args, other)
             servers = {"kvflow": kvflow, "other": other}
+            for who in (first, second):  # after both start-ups: each one's idle spell ends
+                settle(args, servers[who], texts, runs[who])
             for g, group in enumerate(groups):
                 for who in (first, second) if g % 2 == 0 else (second, first):
                     asyncio.run(rows(args, Target.of(servers[who]), texts, runs[who], [group]))
@@ -551,6 +571,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", type=int, default=2000, help="cold long prompts")
     p.add_argument("--system-tokens", type=int, default=1500, help="and the shared prefix")
     p.add_argument("--questions", type=int, default=7, help="after the system prompt")
+    p.add_argument(
+        "--settle-tokens",
+        type=int,
+        help="an untimed cold prompt of this many tokens served by each server once it is up "
+        "(interleaved: once both are), before any row; 0: none; default: --long-tokens",
+    )
     p.add_argument("--ttft-max-tokens", type=int, default=8, help="output of the TTFT rows")
     p.add_argument("--decode-max-tokens", type=int, default=128, help="output of the decode row")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients")
