@@ -582,7 +582,10 @@ class Engine:
         mixed = cfg.mixed_chunk if budget is None else budget.tokens()
         # a queue of prompts beside streams: the whole chunk (not with a step-time target)
         queued = cfg.prefill_chunk if budget is None else None
-        plan = plan_step(list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, mixed, queued)
+        plan = plan_step(
+            list(self._seqs.values()), cfg.prefill_chunk, cfg.max_batch, mixed, queued,
+            timed=budget is not None,
+        )  # fmt: skip
         self._steps += 1
         self.last_plan = plan
         self._run(plan, outputs)

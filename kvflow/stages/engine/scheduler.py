@@ -15,10 +15,14 @@ decode batch, so fewer, larger steps answer a queue of prompts sooner (measured 
 docs/performance.md "A queue of prompts beside running streams"). One long prompt beside
 streams still gets ``mixed_budget``.
 
-No stream waiting, a prompt whose rest exceeds the budget by at most `tail_slack(budget)`
-tokens (1/8 of it) takes the rest in this chunk: a 513-token prompt under a 512-token budget
-would otherwise pay a whole second forward pass (every weight read again, ~0.09 s here for
-one token, docs/performance.md "Cold TTFT") before its first token.
+A prompt whose rest exceeds the budget by at most `tail_slack(budget)` tokens (1/8 of it)
+takes the rest in this chunk: a 513-token prompt under a 512-token budget would otherwise pay
+a whole second forward pass (every weight read again, ~0.09 s here for one token,
+docs/performance.md "Cold TTFT") before its first token. Beside running streams too (their
+step grows by at most 1/8; the step the tail would have cost them is a plain decode step
+instead): four 257-token prompts under a 1,024-token queue budget would otherwise leave
+4 tokens of the last for one more step before its first token (measured in the 8-client
+row). Only a budget sized by a step-time target (``timed``) stays exact beside streams.
 """
 
 from __future__ import annotations
@@ -54,10 +58,13 @@ def plan_step(
     max_batch: int,
     mixed_budget: int | None = None,
     queued_budget: int | None = None,
+    timed: bool = False,
 ) -> StepPlan:
     """Plan one step over the live sequences (given in arrival order). ``mixed_budget``:
     the prefill budget of a step that also decodes (None: ``prefill_budget``);
-    ``queued_budget``: instead, while more than one prompt waits (None: ``mixed_budget``)."""
+    ``queued_budget``: instead, while more than one prompt waits (None: ``mixed_budget``);
+    ``timed``: ``mixed_budget`` was sized by a step-time target, so a step beside streams
+    takes no tail slack."""
     prefill: list[tuple[Sequence, int]] = []
     waiting: list[Sequence] = []
     decoding: list[Sequence] = []
@@ -71,7 +78,7 @@ def plan_step(
     if decoding and mixed_budget is not None:
         queued = queued_budget is not None and len(waiting) > 1
         budget = min(budget, queued_budget if queued else mixed_budget)
-    slack = 0 if decoding else tail_slack(budget)
+    slack = 0 if decoding and timed else tail_slack(budget)
     for seq in waiting:
         if budget <= 0:
             break

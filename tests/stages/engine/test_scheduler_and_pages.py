@@ -113,8 +113,7 @@ def test_plan_policy_over_random_mixes() -> None:
         decoding = [s for s in seqs if s.phase is Phase.DECODE]
         prompts = [s for s in seqs if s.phase is Phase.PREFILL]
         planned = {s.request_id: n for s, n in plan.prefill}
-        slack = 0 if decoding else tail_slack(budget)
-        assert sum(planned.values()) <= budget + slack
+        assert sum(planned.values()) <= budget + tail_slack(budget)
         assert all(n >= 1 for _, n in plan.prefill)
         if sum(planned.values()) > budget:  # only by a last prompt taking all it needs
             last = plan.prefill[-1][0]
@@ -170,14 +169,16 @@ def test_a_queue_of_prompts_beside_streams_gets_the_queued_budget() -> None:
     a, b, c = _seq("a", 257, 0, 0), _seq("b", 257, 0, 1), _seq("c", 257, 0, 2)
     running = _seq("d", 10, 9, 3)
     plan = plan_step([a, b, c, running], 512, 8, mixed_budget=256, queued_budget=512)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 257), ("b", 255)]
+    # b's last 2 tokens ride along (tail slack) rather than cost b one more step
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 257), ("b", 257)]
     assert [s.request_id for s in plan.decode] == ["d"]
-    # without a queued budget (a step-time target), the mixed budget as before
-    plan = plan_step([a, b, c, running], 512, 8, mixed_budget=256)
+    # without a queued budget (a step-time target), the mixed budget as before, exact
+    plan = plan_step([a, b, c, running], 512, 8, mixed_budget=256, timed=True)
     assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 256)]
     # one prompt beside streams keeps the mixed budget
-    plan = plan_step([a, running], 512, 8, mixed_budget=256, queued_budget=512)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 256)]
+    e = _seq("e", 400, 0, 0)
+    plan = plan_step([e, running], 512, 8, mixed_budget=256, queued_budget=512)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("e", 256)]
     # never more than the step's budget
     plan = plan_step([a, b, running], 300, 8, mixed_budget=256, queued_budget=512)
     assert sum(n for _, n in plan.prefill) == 300
@@ -185,7 +186,8 @@ def test_a_queue_of_prompts_beside_streams_gets_the_queued_budget() -> None:
 
 def test_a_lone_prompt_just_over_the_budget_takes_its_tail_in_one_chunk() -> None:
     """513 tokens under a 512 budget: one chunk (no second forward pass for one token);
-    past the slack it is split as before; with a stream decoding, the budget is exact."""
+    past the slack it is split as before; with a stream decoding too, unless the budget was
+    sized by a step-time target (then it is exact)."""
     assert tail_slack(512) == 64
     just_over = _seq("p", 513, 0, 0)
     plan = plan_step([just_over], prefill_budget=512, max_batch=8)
@@ -198,7 +200,13 @@ def test_a_lone_prompt_just_over_the_budget_takes_its_tail_in_one_chunk() -> Non
     assert [n for _, n in plan_step([long], 512, 8).prefill] == [536]
     running = _seq("d", 10, 9, 1)
     plan = plan_step([just_over, running], prefill_budget=512, max_batch=8)
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("p", 513)]
+    plan = plan_step([just_over, running], 512, 8, mixed_budget=512, timed=True)
     assert [(s.request_id, n) for s, n in plan.prefill] == [("p", 512)]
+    # the 8-client row: four 257-token prompts under the queue budget beside streams
+    queue = [_seq(f"q{i}", 257, 0, 2 + i) for i in range(4)]
+    plan = plan_step([running, *queue], 1024, 8, mixed_budget=512, queued_budget=1024)
+    assert [n for _, n in plan.prefill] == [257, 257, 257, 257]
     # a later prompt gets no tokens once the budget is spent by the first one's tail
     other = _seq("o", 50, 0, 1)
     plan = plan_step([just_over, other], prefill_budget=512, max_batch=8)
