@@ -423,11 +423,13 @@ async def serve_embedded(
 def run_node(args: argparse.Namespace) -> int:
     from kvflow.pipeline.health import node_ready
     from kvflow.stages.engine import EngineError, openmp
+    from kvflow.stages.engine.allocator import tune_malloc
     from kvflow.stages.serve.build import ensure_model
     from kvflow.stages.serve.config import EngineStoreConfig, NodeConfig
     from kvflow.stages.serve.node import NodeServer
 
     openmp.reserve()  # for the process's life: only the engine's thread builds a team
+    tune_malloc()  # before any thread: one malloc arena (allocator.py)
     try:
         args.model = ensure_model(
             EngineStoreConfig(model_dir=args.model, data_dir=args.data_dir, seed=args.seed)
@@ -573,9 +575,11 @@ def run(args: argparse.Namespace) -> int:
     if args.role == "router":
         return run_router(args)
     from kvflow.stages.engine import EngineError, openmp
+    from kvflow.stages.engine.allocator import tune_malloc
     from kvflow.stages.engine.default_model import ensure_default_model
 
     openmp.reserve()  # for the process's life: only engine threads build teams
+    tune_malloc()  # before any thread: one malloc arena (allocator.py)
     try:
         if args.model is None:
             args.model = ensure_default_model(args.data_dir, progress=_say)

@@ -10,11 +10,23 @@ by the kernel again on the next op: up to ~90k minor faults and 0.26 s of system
 (docs/performance.md). A fixed, larger threshold (which also turns off glibc's dynamic one)
 keeps those tensors in the heap, where the next pass reuses the same, already mapped pages.
 
-What it costs: up to `TRIM_THRESHOLD` bytes of freed memory stay with the process per heap
-instead of returning to the system between requests. `KVFLOW_MALLOC=system` keeps glibc's
+**One arena.** The threshold and the trim keep memory only in glibc's main arena. A thread
+other than the first gets an arena of its own, made of heaps of at most 64 MiB, and a heap
+whose memory is all free again is unmapped whatever the trim threshold: the engine's forward
+runs on its worker thread, so a step whose activations outgrew the current heap (a chunk of
+four prompts, rows not a multiple of the last step's) mapped a new heap per layer and faulted
+it in: ~90k minor faults in one 1,028-token step on the 2-core development machine, the step
+1.6 s instead of 0.74 s beside an idle vLLM, where each fault cost ~2.7x (docs/performance.md,
+"One malloc arena"). ``M_ARENA_MAX`` 1 puts every thread's allocations in the main arena;
+the serving roles set it before they start any thread. Python's small objects do not go
+through malloc's arenas (pymalloc), torch's tensors do, a few per op.
+
+What it costs: up to `TRIM_THRESHOLD` bytes of freed memory stay with the process
+instead of returning to the system between requests; threads that allocate at once take
+turns at one arena's lock. `KVFLOW_MALLOC=system` keeps glibc's
 defaults; so do ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` in the environment
 (the operator decided), and an allocator other than glibc's (there ``mallopt`` is absent or
-does nothing).
+does nothing); ``MALLOC_ARENA_MAX`` in the environment keeps the operator's arena count.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ TRIM_THRESHOLD = 128 << 20
 """Free memory at the top of a heap beyond this is returned to the system."""
 _M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+ARENA_MAX = 1
 _OPERATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 _lock = threading.Lock()
@@ -78,5 +92,7 @@ def _apply() -> bool:
         return False
     if not mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD):
         log.info("malloc: glibc refused a trim threshold of %d bytes", TRIM_THRESHOLD)
+    if "MALLOC_ARENA_MAX" not in os.environ and not mallopt(_M_ARENA_MAX, ARENA_MAX):
+        log.info("malloc: glibc refused an arena count of %d", ARENA_MAX)
     log.debug("malloc: mmap threshold %d, trim threshold %d", MMAP_THRESHOLD, TRIM_THRESHOLD)
     return True

@@ -36,10 +36,34 @@ print(json.dumps({"applied": applied, "again": tune_malloc(), "faults": faults[2
 """
 
 
-def _probe(mode: str, **env: str) -> dict:
+# Tensors allocated on a thread other than the first (as the engine worker's forward), then
+# the number of glibc malloc arenas (malloc_info's heaps).
+_ARENAS = """
+import ctypes, json, sys, tempfile, threading, torch
+from kvflow.stages.engine.allocator import tune_malloc
+applied = tune_malloc() if sys.argv[1] == "tune" else None
+kept = []
+worker = threading.Thread(target=lambda: kept.extend(torch.ones(1 << 18) for _ in range(4)))
+worker.start()
+worker.join()
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
+libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+libc.fclose.argtypes = (ctypes.c_void_p,)
+with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+    stream = libc.fopen(f.name.encode(), b"w")
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    arenas = open(f.name).read().count("<heap nr=")
+print(json.dumps({"applied": applied, "arenas": arenas}))
+"""
+
+
+def _probe(mode: str, code: str = _PROBE, **env: str) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "KVFLOW_MALLOC"))}
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, mode],
+        [sys.executable, "-c", code, mode],
         env={**base, **env},
         capture_output=True,
         text=True,
@@ -57,6 +81,15 @@ def test_tuned_process_reuses_pages_of_freed_tensors() -> None:
     # not every one: a small allocation of another thread that lands in the freed space can
     # make one round extend the heap (seen once beside two busy processes: [10240, 0]).
     assert sorted(tuned["faults"])[1] < 500, tuned
+
+
+@glibc
+def test_tuned_process_allocates_in_one_arena() -> None:
+    """A worker thread's tensors come from the main arena, whose freed memory the trim
+    threshold keeps; with the operator's MALLOC_ARENA_MAX the thread gets an arena of its
+    own (glibc's default)."""
+    assert _probe("tune", _ARENAS) == {"applied": True, "arenas": 1}
+    assert _probe("tune", _ARENAS, MALLOC_ARENA_MAX="8")["arenas"] > 1
 
 
 @pytest.mark.slow  # two interpreters with torch: ~8 s on a loaded 2-core machine
