@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -210,4 +212,34 @@ def test_interleaved_rounds_alternate_the_servers_row_by_row(
     at = [(mine["groups_at"][g], other["groups_at"][g]) for g in ("single", "clients", "burst")]
     assert at[0][0] < at[0][1] < at[1][1] < at[1][0] < at[2][0] < at[2][1]  # A B, B A, A B
     assert mine["texts"]["settle/0"] == other["texts"]["settle/0"]  # each settled, untimed
+    # each server's group waited for quiet cores first, within --quiet-s (default 10 s)
+    for run in (mine, other):
+        assert set(run["quiet_s"]) == {"single", "clients", "burst"}
+        assert all(0 <= w < 10 + 5 for w in run["quiet_s"].values()), run["quiet_s"]
     assert r["greedy"]["identical"] == r["greedy"]["compared"] > 0
+
+
+def test_wait_quiet_waits_to_its_limit_while_the_cores_are_busy() -> None:
+    """Against the host's own /proc/stat: a spinning process on every core keeps it waiting
+    to the limit; a limit of 0 does not wait."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    started = [ctx.Event() for _ in range(os.cpu_count() or 1)]
+    busy = [ctx.Process(target=_spin, args=(e,), daemon=True) for e in started]
+    for p in busy:
+        p.start()
+    try:
+        assert all(e.wait(120) for e in started)  # every one spinning before the wait starts
+        assert side.wait_quiet(1.5) >= 1.5
+    finally:
+        for p in busy:
+            p.kill()
+            p.join()
+    assert side.wait_quiet(0) < 0.1
+
+
+def _spin(started: Any) -> None:
+    started.set()
+    while True:
+        pass

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvflow.stages.runtime.step_trace import host_busy_s
 from kvflow.tools.bench import _cli
 from kvflow.tools.bench._servers import (
     Server,
@@ -176,6 +177,7 @@ class Run:
     prompt_tokens: dict[str, int | None] = field(default_factory=dict)  # as the server said
     prefix_cache: dict[str, Any] = field(default_factory=dict)
     groups_at: dict[str, float] = field(default_factory=dict)  # row group -> its start (epoch s)
+    quiet_s: dict[str, float] = field(default_factory=dict)  # row group -> wait for quiet cores
 
     def keep(self, key: str, outcome: Outcome) -> Outcome:
         if outcome.status == "200":
@@ -403,7 +405,8 @@ def run_interleaved(
     """Both servers up at once (kvflow started first, then the other, each start-up timed
     while the other server idles); then each row group runs on one server and then on the
     other, ``first`` first in the first group and the order swapped in every next group
-    (A B, B A, A B, ...), so that a change in the machine's pace lands on both columns."""
+    (A B, B A, A B, ...), so that a change in the machine's pace lands on both columns; each
+    server's group first waits for quiet cores (``wait_quiet``, ``--quiet-s``)."""
     second = "other" if first == "kvflow" else "kvflow"
     groups = [g for g in ROW_GROUPS if g in set(args.rows)]
 
@@ -417,6 +420,7 @@ def run_interleaved(
                 settle(args, servers[who], texts, runs[who])
             for g, group in enumerate(groups):
                 for who in (first, second) if g % 2 == 0 else (second, first):
+                    runs[who].quiet_s[group] = wait_quiet(args.quiet_s)
                     asyncio.run(rows(args, Target.of(servers[who]), texts, runs[who], [group]))
             cache_report(kvflow, runs["kvflow"], kvflow=True)
             cache_report(other, runs["other"], kvflow=other_is_kvflow)
@@ -425,6 +429,28 @@ def run_interleaved(
         return with_other(args, where / "other", model, alternate)
 
     return with_kvflow(model, where / "kvflow", args.server_args, both)
+
+
+QUIET_BUSY = 0.15
+"""The share of the host's cores (all of them together) below which they count as quiet."""
+
+
+def wait_quiet(max_s: float, busy_below: float = QUIET_BUSY, window_s: float = 0.5) -> float:
+    """Wait, at most ``max_s``, until the host's cores were busy less than ``busy_below`` of a
+    ``window_s`` window (``/proc/stat``; no wait where it cannot be read); returns the
+    seconds waited. Interleaved, a server can keep the cores busy for a while after its last
+    answer (vLLM's CPU build spun ~1 s on both cores here), which the next server's row would
+    otherwise pay for."""
+    start = time.monotonic()
+    cores = os.cpu_count() or 1
+    before, at = host_busy_s(), start
+    while before is not None and time.monotonic() - start < max_s:
+        time.sleep(window_s)
+        busy, now = host_busy_s(), time.monotonic()
+        if busy is None or (busy - before) / ((now - at) * cores) < busy_below:
+            break
+        before, at = busy, now
+    return time.monotonic() - start
 
 
 def _interleaved_round(
@@ -445,6 +471,7 @@ def _keep(result: dict[str, Any], who: str, run: Run, i: int) -> None:
     result[who] = {
         "values": run.values, "failed": run.failed, "prefix_cache": run.prefix_cache,
         "prompt_tokens": run.prompt_tokens, "texts": run.texts, "groups_at": run.groups_at,
+        "quiet_s": run.quiet_s,
     }  # fmt: skip
     logger.warning(
         "round %d: %s measured: %s", i + 1, who,
@@ -565,6 +592,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="both servers up at once, each row group run on one and then the other, the order "
         "swapped from group to group (default: one server's every row, then the other's)",
+    )
+    p.add_argument(
+        "--quiet-s",
+        type=float,
+        default=10.0,
+        help="interleaved: before each server's row group, wait up to this long for the "
+        f"host's cores to be quiet (under {QUIET_BUSY:.0%} busy over half a second); 0: no wait",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold-tokens", type=int, default=512, help="the cold short prompt")
