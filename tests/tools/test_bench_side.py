@@ -219,6 +219,7 @@ def test_interleaved_rounds_alternate_the_servers_row_by_row(
     assert r["greedy"]["identical"] == r["greedy"]["compared"] > 0
 
 
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads the host's /proc/stat")
 def test_wait_quiet_waits_to_its_limit_while_the_cores_are_busy() -> None:
     """Against the host's own /proc/stat: a spinning process on every core keeps it waiting
     to the limit; a limit of 0 does not wait."""
