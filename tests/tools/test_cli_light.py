@@ -3,6 +3,7 @@ second): only the module of the command being run is imported."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -39,3 +40,22 @@ def test_serve_flags_are_light_and_the_check_sees_torch() -> None:
     serve = "from kvflow.tools.cli import build_parser\nbuild_parser('serve')"
     assert _imports_torch(serve) is False
     assert _imports_torch("import kvflow.stages.engine")
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parser and every subcommand's parser below it."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _parsers(sub)
+    return found
+
+
+def test_every_commands_help_formats() -> None:
+    """``--help`` of each command and subcommand renders (a stray ``%`` in a flag's help
+    breaks argparse's formatting only when the help is shown)."""
+    parsers = _parsers(build_parser(None))
+    assert len(parsers) > len(COMMANDS)
+    for parser in parsers:
+        assert parser.prog in parser.format_help()

@@ -598,7 +598,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="interleaved: before each server's row group, wait up to this long for the "
-        f"host's cores to be quiet (under {QUIET_BUSY:.0%} busy over half a second); 0: no wait",
+        f"host's cores to be quiet (under {QUIET_BUSY * 100:.0f}%% busy over half a second); "
+        "0: no wait",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold-tokens", type=int, default=512, help="the cold short prompt")
