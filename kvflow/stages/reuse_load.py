@@ -13,6 +13,9 @@
    corrupt record, or a valid one stored under another key): the shard drops it, the prefix
    ends before it (the rest is recomputed), every pin past it is released at once, and the
    event is counted (``corrupt_blocks``, the ``reuse_corrupt_blocks`` metric, the span).
+   Requests of the same prefix at the same time share one read and its buffers
+   (``runtime/shared_loads.py``; the ``reuse_shared_loads`` metric, ``shared`` on the span):
+   the questions after one system prompt read it once, not once each.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +33,8 @@ from kvflow.kvdb import BlockKey, EmbeddedClient, Tier
 from kvflow.pipeline import Metrics, RequestContext, Stage
 from kvflow.stages.errors import NoCapacity
 from kvflow.stages.runtime.instances import ShardOwner
+from kvflow.stages.runtime.shared_loads import Read, SharedLoads
+from kvflow.stages.runtime.staging import StagingArea
 from kvflow.stages.state import GenerateState
 
 logger = logging.getLogger(__name__)
@@ -68,6 +74,15 @@ class ReuseLoadStage(Stage):
             if metrics is not None
             else None
         )
+        self._loads = SharedLoads()
+        self._shared_metric = (
+            metrics.counter(
+                "reuse_shared_loads",
+                "Prefix reads in reuse-load taken from a concurrent request of the same prefix",
+            )
+            if metrics is not None
+            else None
+        )
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state
@@ -101,10 +116,14 @@ class ReuseLoadStage(Stage):
                 span.set_attrs(blocks=copied, source=source)
             pulled.update(range(start, start + copied))
         with ctx.span("reuse-load.local") as span:
-            hits, tiers, corrupt = await asyncio.to_thread(self._load_local, client, usable, state)
+            hits, tiers, corrupt, shared = await self._load_local(client, usable, state)
             span.set_attrs(blocks=hits, bytes=hits * self._page_nbytes())
             if corrupt:
                 span.set_attrs(corrupt_blocks=corrupt)
+            if shared:  # another request of this prefix read it: no bytes read here
+                span.set_attrs(shared=True)
+                if self._shared_metric is not None:
+                    self._shared_metric.inc()
         by_tier: dict[str, int] = {}
         for i, tier in enumerate(tiers[:hits]):
             name = "remote" if i in pulled else tier.name.lower()
@@ -123,17 +142,27 @@ class ReuseLoadStage(Stage):
     def _new_pages(self, n: int) -> list[torch.Tensor]:
         return [torch.empty(self._page_shape, dtype=self._page_dtype) for _ in range(n)]
 
-    def _load_buffers(self, state: GenerateState, n: int) -> list[torch.Tensor]:
-        """n page buffers: leased from the instance's load staging (allocated once), or
-        fresh when it is short of slots."""
-        staging = state.prefill.load_staging if state.prefill is not None else None
-        if staging is not None and n:
+    def _read_buffers(
+        self, staging: StagingArea | None, client: EmbeddedClient, keys: list[BlockKey]
+    ) -> Read:
+        """Read ``keys``' blocks into page buffers leased from the instance's load staging
+        (allocated once), or fresh ones when it is short of slots."""
+        bufs, free = None, _nothing
+        if staging is not None:
             try:
-                state.load_lease = staging.lease(n)
+                lease = staging.lease(len(keys))
             except NoCapacity:
-                return self._new_pages(n)
-            return staging.pages(state.load_lease, n)
-        return self._new_pages(n)
+                pass
+            else:
+                bufs, free = staging.pages(lease, len(keys)), partial(staging.release, lease)
+        if bufs is None:
+            bufs = self._new_pages(len(keys))
+        try:
+            tiers = client.batch_get_into(keys, bufs)
+        except BaseException:
+            free()
+            raise
+        return bufs, tiers, free
 
     def _planned_pull(
         self,
@@ -225,30 +254,42 @@ class ReuseLoadStage(Stage):
             local.batch_put(want[:n], bufs[:n], parents=parents)
         return n
 
-    def _load_local(
-        self, client: EmbeddedClient, keys: list[BlockKey], state: GenerateState
-    ) -> tuple[int, list[Tier], int]:
-        """Pin and read the local prefix: (blocks usable, their tiers, blocks found corrupt)."""
+    def _pin_local(self, client: EmbeddedClient, keys: list[BlockKey], state: GenerateState) -> int:
+        """Pin the local prefix; the blocks pinned (``state.pinned_keys``)."""
         n = client.match_prefix(keys)
         if n == 0:
-            return 0, [], 0
+            return 0
         pinned = client.pin(keys[:n])
         # A block evicted between match and pin ends the usable run.
         n = next((i for i, ok in enumerate(pinned) if not ok), n)
         client.unpin([keys[i] for i in range(n, len(pinned)) if pinned[i]])
         state.pinned_keys = list(keys[:n])
-        bufs = self._load_buffers(state, n)
-        tiers = client.batch_get_into(keys[:n], bufs)
+        return n
+
+    async def _load_local(
+        self, client: EmbeddedClient, keys: list[BlockKey], state: GenerateState
+    ) -> tuple[int, list[Tier], int, bool]:
+        """Pin and read the local prefix: (blocks usable, their tiers, blocks found corrupt,
+        whether the read was another request's). Requests of the same prefix at the same time
+        share one read (SharedLoads)."""
+        assert state.prefill is not None
+        n = await asyncio.to_thread(self._pin_local, client, keys, state)
+        if n == 0:
+            return 0, [], 0, False
+        read = partial(self._read_buffers, state.prefill.load_staging, client, keys[:n])
+        key = (state.prefill.instance_id, state.namespace, n, keys[n - 1])
+        (bufs, tiers, _), state.load_share, led = await self._loads.load(key, read)
         # Pinned blocks are never evicted: a miss failed its checksum (the shard dropped it,
         # its pin stays owed until unpinned). The run ends there; the rest is recomputed.
         hits = next((i for i, t in enumerate(tiers) if t is None), n)
-        corrupt = sum(1 for t in tiers[hits:] if t is None)
+        corrupt = sum(1 for t in tiers[hits:] if t is None) if led else 0
         if hits < n:
             state.pinned_keys = list(keys[:hits])
             client.unpin(keys[hits:n])
-            self._count_corrupt(state, keys[hits], corrupt)
+            if corrupt:
+                self._count_corrupt(state, keys[hits], corrupt)
         state.prefix_pages = bufs[:hits]
-        return hits, [t for t in tiers[:hits] if t is not None], corrupt
+        return hits, [t for t in tiers[:hits] if t is not None], corrupt, not led
 
     def _count_corrupt(self, state: GenerateState, first: BlockKey, n: int) -> None:
         with self._lock:
@@ -269,12 +310,16 @@ class ReuseLoadStage(Stage):
 
 
 def release_load_buffers(state: GenerateState) -> None:
-    """Return the leased load-staging slots (idempotent); the engine has copied them."""
-    if state.load_lease is not None and state.prefill is not None:
-        lease, state.load_lease = state.load_lease, None
-        state.prefix_pages = []
-        assert state.prefill.load_staging is not None
-        state.prefill.load_staging.release(lease)
+    """Let go of the prefix's page buffers (idempotent): the engine has copied them, or the
+    request failed. The last request holding a shared read returns its staging slots."""
+    state.prefix_pages = []
+    if state.load_share is not None:
+        share, state.load_share = state.load_share, None
+        share.release()
+
+
+def _nothing() -> None:
+    """Freeing fresh page buffers: the garbage collector's."""
 
 
 def unpin_prefix(state: GenerateState) -> None:

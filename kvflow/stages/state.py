@@ -20,6 +20,7 @@ from kvflow.stages.engine import SamplingParams
 
 if TYPE_CHECKING:
     from kvflow.stages.runtime.instances import DecodeInstance, PrefillInstance
+    from kvflow.stages.runtime.shared_loads import LoadShare
     from kvflow.stages.runtime.staging import StagingLease
 
 
@@ -139,7 +140,7 @@ class GenerateState:
     pulled_tokens: int = 0
     prefix_pages: list[Any] = field(default_factory=list)
     pinned_keys: list[BlockKey] = field(default_factory=list)
-    load_lease: StagingLease | None = None
+    load_share: LoadShare | None = None  # the prefix's page buffers, maybe shared
 
     # -- prefill / stream -------------------------------------------------------------------------
     engine_request_id: str = ""

@@ -103,3 +103,42 @@ def test_a_plan_the_holder_cannot_serve_falls_back_to_other_holders(rig: Rig) ->
     assert state.pulled_tokens == 6 * BLOCK and state.num_cached_tokens == 6 * BLOCK
     asyncio.run(stage.cleanup(ctx, None))  # type: ignore[arg-type]
     assert rig.prefill["prefill-1"].store.shard.num_pinned() == 0
+
+
+def test_requests_of_one_prefix_at_once_read_it_once(rig: Rig) -> None:
+    """Two requests whose prompts share 7 cached blocks and then differ, run together: one
+    read into the load staging, the same buffers for both; the slots go back after the
+    second cleanup, every pin dropped. A third, with nothing held any more, reads again."""
+    states = [rig.state(PROMPT[: 7 * BLOCK] + [900 + i] * (2 * BLOCK)) for i in range(3)]
+    pages = _store(rig, "prefill-0", states[0], 7)
+    stage = _stage(rig)
+    load = rig.prefill["prefill-0"].load_staging
+    shard = rig.prefill["prefill-0"].store.shard
+    assert load is not None
+
+    async def both() -> list[object]:
+        ctxs = []
+        for i, state in enumerate(states[:2]):
+            state.prefill = rig.prefill["prefill-0"]
+            ctxs.append(context(f"req-{i}", state))
+        await asyncio.gather(*(stage.run(c) for c in ctxs))  # type: ignore[arg-type]
+        return ctxs
+
+    ctxs = asyncio.run(both())
+    a, b = states[:2]
+    assert a.num_cached_tokens == b.num_cached_tokens == 7 * BLOCK
+    assert all(x is y for x, y in zip(a.prefix_pages, b.prefix_pages, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a.prefix_pages, pages, strict=True))
+    assert load.num_free == 64 - 7 and shard.num_pinned() == 7
+    asyncio.run(stage.cleanup(ctxs[0], None))  # type: ignore[arg-type]
+    assert load.num_free == 64 - 7  # b still holds the buffers
+    asyncio.run(stage.cleanup(ctxs[1], None))  # type: ignore[arg-type]
+    assert load.num_free == 64 and shard.num_pinned() == 0
+    c = states[2]
+    c.prefill = rig.prefill["prefill-0"]
+    ctx = context("req-2", c)
+    asyncio.run(stage.run(ctx))
+    assert c.num_cached_tokens == 7 * BLOCK and load.num_free == 64 - 7
+    assert (stage._loads.reads, stage._loads.joins) == (2, 1)
+    asyncio.run(stage.cleanup(ctx, None))  # type: ignore[arg-type]
+    assert load.num_free == 64
