@@ -76,7 +76,8 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument(
         "--dram-mb",
         type=int,
-        help="DRAM tier per shard, MiB; default: 1/32 of the free memory, 64-256 (printed)",
+        help="DRAM tier per shard, MiB; default: a quarter of the free memory over the "
+        "shards, 64-16384 each (printed)",
     )
     p.add_argument(
         "--ssd-mb",

@@ -8,7 +8,12 @@ fixed default: ``plan_memory`` sizes each one left unset.
   budget is 1/16 of the memory available now, at most 768 MiB per pool — and at most 512.
   (A pool is zero pages the kernel maps lazily: what is resident is what has been used, and
   the pages of one such sequence, written at start-up: `engine.pages.resident_pages`.)
-- DRAM tier per shard: 1/32 of the available memory, between 64 MiB and 256 MiB.
+- DRAM tiers: a quarter of the available memory for the process's shards together, split
+  evenly, each between 64 MiB and 16 GiB. The DRAM tier is the cache a prefix hit reads
+  from, and a lazily mapped pool (resident as blocks are cached); when it is full every
+  store demotes blocks to the SSD tier (compressed, on the storing thread). At 256 MiB a
+  shard, the earlier cap, SmolLM2-135M's 2,000-token prompts filled it after three, and the
+  demotions cost the 32 x 2 burst 8-12% of its time on 2 cores (docs/performance.md).
 - SSD tier per shard: a quarter of the free disk under the data directory, at most 8 GiB.
 - Weights per engine: the parameters in the engine's dtype and, for float32, the prepacked
   copy of the decoder linears' weights that prefill multiplies by where it fits
@@ -31,7 +36,8 @@ MIB = 1 << 20
 MAX_AUTO_PAGES = 512
 MAX_POOL_BYTES = 768 * MIB  # the KV budget of one pool, at most
 MIN_DRAM_BYTES = 64 * MIB
-MAX_DRAM_BYTES = 256 * MIB
+MAX_DRAM_BYTES = 16 << 30
+DRAM_SHARE = 4  # the shards' DRAM tiers together: 1/DRAM_SHARE of the available memory
 MAX_SSD_BYTES = 8 << 30
 MIN_SSD_BYTES = 256 * MIB
 MIN_SEQUENCE_TOKENS = 4096  # one sequence this long always fits (or max_model_len if shorter)
@@ -162,7 +168,7 @@ def plan_memory(
         num_pages = max(one_sequence, min(MAX_AUTO_PAGES, budget // page))
     if dram_bytes is None:
         auto.append("dram_mb")
-        share = MAX_DRAM_BYTES if available is None else available // 32
+        share = MAX_DRAM_BYTES if available is None else available // DRAM_SHARE // max(1, shards)
         dram_bytes = max(MIN_DRAM_BYTES, min(MAX_DRAM_BYTES, share)) // MIB * MIB
     if ssd_bytes is None:
         auto.append("ssd_mb")

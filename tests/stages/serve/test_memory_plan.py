@@ -42,20 +42,25 @@ def test_quantized_weights_are_planned_smaller() -> None:
 def test_a_laptop_gets_a_sixteenth_of_its_memory_per_pool() -> None:
     plan = smol(available=8 * GIB, free_disk=100 * GIB)
     assert plan.num_pages == plan.staging_pages == 182  # 512 MiB: 11,648 tokens per engine
-    assert plan.dram_bytes == 256 * MIB and plan.ssd_bytes == 8 * GIB
+    assert plan.dram_bytes == GIB and plan.ssd_bytes == 8 * GIB  # 2 shards: 2 GiB of 8
     assert plan.kv_bytes == 2 * 2 * 182 * 2_949_120  # 2 GiB for both engines, taken as used
 
 
 def test_a_large_machine_stops_at_768_mib_a_pool() -> None:
     plan = smol(available=64 * GIB)
     assert plan.num_pages == 768 * MIB // 2_949_120 == 273  # 17,472 tokens per engine
+    assert plan.dram_bytes == 8 * GIB  # a quarter of 64 GiB over 2 shards
+    capped = smol(available=512 * GIB)
+    assert capped.dram_bytes == 16 * GIB  # type: ignore[attr-defined]
     assert plan.auto == ("num_pages", "dram_mb", "ssd_mb")
 
 
 def test_a_small_machine_and_disk_shrink_the_tiers() -> None:
     plan = smol(available=1 * GIB, free_disk=2 * GIB)
     assert plan.num_pages == 64  # never fewer than one sequence
-    assert plan.dram_bytes == 64 * MIB  # the floor (1/32 of 1 GiB is 32 MiB)
+    assert plan.dram_bytes == 128 * MIB  # a quarter of 1 GiB over 2 shards
+    floor = smol(available=256 * MIB)
+    assert floor.dram_bytes == 64 * MIB  # type: ignore[attr-defined]
     assert plan.ssd_bytes == 512 * MIB  # a quarter of the free disk
 
 
