@@ -216,8 +216,6 @@ def test_interleaved_rounds_alternate_the_servers_row_by_row(
     for run in (mine, other):
         assert set(run["quiet_s"]) == {"single", "clients", "burst"}
         assert all(0 <= w < 10 + 5 for w in run["quiet_s"].values()), run["quiet_s"]
-        # the other server was stopped while this one's rows ran (--pause-idle, the default)
-        assert run["paused"] == {"single": True, "clients": True, "burst": True}
     assert r["greedy"]["identical"] == r["greedy"]["compared"] > 0
 
 
@@ -246,55 +244,3 @@ def _spin(started: Any) -> None:
     started.set()
     while True:
         pass
-
-
-def _until(check: Any, within_s: float = 30.0) -> None:
-    """Wait until ``check()`` holds (signals are delivered asynchronously)."""
-    import time
-
-    deadline = time.monotonic() + within_s
-    while not check():
-        assert time.monotonic() < deadline, "not within the deadline"
-        time.sleep(0.01)
-
-
-def _state(pid: int) -> str:
-    """The process state letter of ``pid`` (/proc/PID/stat: T when stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc/PID/stat")
-@pytest.mark.parametrize("own_group", [False, True])
-def test_paused_stops_a_server_for_the_block_and_continues_it(own_group: bool) -> None:
-    """``paused``: the process (or its own process group, with its child) is stopped inside
-    the block and running after it, even when the block raises; a server this run did not
-    start (no process) is not paused."""
-    import subprocess
-    import sys
-
-    from kvflow.tools.bench._servers import Server, paused
-
-    code = (
-        "import subprocess, sys, time\n"
-        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "print(c.pid, flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-        start_new_session=own_group,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        child = int(proc.stdout.readline())
-        server = Server(proc, "http://127.0.0.1:1", "m", None, None)
-        with pytest.raises(KeyError), paused(server) as stopped:
-            assert stopped and _state(proc.pid) == "T"  # stopped before the block runs
-            _until(lambda: (_state(child) == "T") == own_group)  # the group: its child too
-            raise KeyError("the rows failed")
-        _until(lambda: _state(proc.pid) != "T" and _state(child) != "T")
-        with paused(Server(None, "http://x:1", "m", None, None)) as stopped:
-            assert not stopped
-    finally:
-        os.killpg(proc.pid, 9) if own_group else proc.kill()
-        proc.wait(10)

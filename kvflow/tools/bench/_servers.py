@@ -14,8 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -214,43 +213,3 @@ def compare_flags_error(args: argparse.Namespace) -> str | None:
     if args.compare_cmd and not args.compare_url:
         return "--compare-cmd needs --compare-url"
     return None
-
-
-@contextmanager
-def paused(server: Server | None) -> Iterator[bool]:
-    """``server``'s processes stopped (SIGSTOP) for the block and continued (SIGCONT) after:
-    its process group when it leads one of its own (a ``--compare-cmd`` server and its
-    children), else its one process. Yields whether it was stopped: False for None or a
-    server this run did not start (``--compare-url`` alone), which keeps running."""
-    proc = None if server is None else server.proc
-    if proc is None or proc.poll() is not None:
-        yield False
-        return
-    own_group = os.getpgid(proc.pid) == proc.pid != os.getpgrp()
-
-    def signal_it(sig: signal.Signals) -> None:
-        try:
-            if own_group:
-                os.killpg(proc.pid, sig)
-            else:
-                os.kill(proc.pid, sig)
-        except ProcessLookupError:  # it exited meanwhile: the rows that need it say so
-            pass
-
-    signal_it(signal.SIGSTOP)
-    deadline = time.monotonic() + 10  # delivered asynchronously: stopped before the rows
-    while _state(proc.pid) not in ("T", "") and time.monotonic() < deadline:
-        time.sleep(0.005)
-    try:
-        yield True
-    finally:
-        signal_it(signal.SIGCONT)
-
-
-def _state(pid: int) -> str:
-    """The process's state letter (/proc: T when stopped), "" where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""

@@ -61,7 +61,6 @@ from kvflow.tools.bench._servers import (
     against_other,
     log_tail,
     model_dir,
-    paused,
     scrape,
     start_embedded,
     stop_embedded,
@@ -179,7 +178,6 @@ class Run:
     prefix_cache: dict[str, Any] = field(default_factory=dict)
     groups_at: dict[str, float] = field(default_factory=dict)  # row group -> its start (epoch s)
     quiet_s: dict[str, float] = field(default_factory=dict)  # row group -> wait for quiet cores
-    paused: dict[str, bool] = field(default_factory=dict)  # row group -> the other one stopped
 
     def keep(self, key: str, outcome: Outcome) -> Outcome:
         if outcome.status == "200":
@@ -418,21 +416,12 @@ def run_interleaved(
         def alternate(other: Server, other_is_kvflow: bool) -> dict[str, Run]:
             runs["other"] = started_up(args, other)
             servers = {"kvflow": kvflow, "other": other}
-
-            def idle(who: str) -> Server | None:
-                """The server not measured while ``who``'s rows run, to stop meanwhile."""
-                return servers[second if who == first else first] if args.pause_idle else None
-
             for who in (first, second):  # after both start-ups: each one's idle spell ends
-                with paused(idle(who)):
-                    settle(args, servers[who], texts, runs[who])
+                settle(args, servers[who], texts, runs[who])
             for g, group in enumerate(groups):
                 for who in (first, second) if g % 2 == 0 else (second, first):
-                    with paused(idle(who)) as stopped:
-                        runs[who].paused[group] = stopped
-                        runs[who].quiet_s[group] = wait_quiet(args.quiet_s)
-                        target = Target.of(servers[who])
-                        asyncio.run(rows(args, target, texts, runs[who], [group]))
+                    runs[who].quiet_s[group] = wait_quiet(args.quiet_s)
+                    asyncio.run(rows(args, Target.of(servers[who]), texts, runs[who], [group]))
             cache_report(kvflow, runs["kvflow"], kvflow=True)
             cache_report(other, runs["other"], kvflow=other_is_kvflow)
             return runs
@@ -482,7 +471,7 @@ def _keep(result: dict[str, Any], who: str, run: Run, i: int) -> None:
     result[who] = {
         "values": run.values, "failed": run.failed, "prefix_cache": run.prefix_cache,
         "prompt_tokens": run.prompt_tokens, "texts": run.texts, "groups_at": run.groups_at,
-        "quiet_s": run.quiet_s, "paused": run.paused,
+        "quiet_s": run.quiet_s,
     }  # fmt: skip
     logger.warning(
         "round %d: %s measured: %s", i + 1, who,
@@ -611,14 +600,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="interleaved: before each server's row group, wait up to this long for the "
         f"host's cores to be quiet (under {QUIET_BUSY * 100:.0f}%% busy over half a second); "
         "0: no wait",
-    )
-    p.add_argument(
-        "--pause-idle",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="interleaved: stop (SIGSTOP) the server not being measured while the other's "
-        "rows run, and continue it after, so each measures as if alone: an idle vLLM's "
-        "threads woke ~1,300 times a second here; only servers this run started",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold-tokens", type=int, default=512, help="the cold short prompt")
