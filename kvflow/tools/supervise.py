@@ -203,6 +203,20 @@ class ClusterPorts:
         return port
 
 
+def _given(args: Sequence[str], flag: str) -> bool:
+    """Whether ``flag`` is among ``args`` (``--flag V`` or ``--flag=V``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _node_dram_mb(nodes: int) -> str:
+    """Each node's ``--dram-mb`` when ``nodes`` share this host (`memory.default_dram_bytes`;
+    imported here, not at the top: it reads the host's memory through the engine package)."""
+    from kvflow.stages.engine.meminfo import available_at_start
+    from kvflow.stages.serve.memory import MIB, default_dram_bytes
+
+    return str(default_dram_bytes(nodes, available_at_start()) // MIB)
+
+
 class LocalCluster:
     """``meta`` replicas, ``prefill`` and ``decode`` nodes and ``routers`` routers, every
     process listening on ``host`` (127.0.0.1). ``address`` is the first router's,
@@ -290,6 +304,11 @@ class LocalCluster:
                 meta_metrics[i],
             )
         meta_list = ",".join(self.meta_addresses)
+        # The nodes share this host's memory: their DRAM tiers together take the quarter of
+        # it that one process's shards would (each node alone would plan a quarter for its own).
+        node_extra = (
+            [] if _given(extra, "--dram-mb") else ["--dram-mb", _node_dram_mb(prefill + decode)]
+        )
         self.node_ports: dict[str, int] = {}
         self.transfer_ports: dict[str, int] = {}  # 0: any free port, chosen by the node
         for kind, n in (("prefill", prefill), ("decode", decode)):
@@ -313,6 +332,7 @@ class LocalCluster:
                         "--meta",
                         meta_list,
                         *common,
+                        *node_extra,
                     ],
                     self._port(),
                 )

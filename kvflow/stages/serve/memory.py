@@ -127,6 +127,14 @@ def page_nbytes(
     return num_layers * 2 * num_kv_heads * block_size * head_dim * ITEM_SIZE[dtype]
 
 
+def default_dram_bytes(shards: int, available: int | None) -> int:
+    """Each of ``shards`` DRAM tiers' default: together a quarter of ``available`` (None:
+    unknown, the cap), each between MIN_DRAM_BYTES and MAX_DRAM_BYTES, in whole MiB. The
+    shards of one process, or every node of a local cluster (`tools/supervise.py`)."""
+    share = MAX_DRAM_BYTES if available is None else available // DRAM_SHARE // max(1, shards)
+    return max(MIN_DRAM_BYTES, min(MAX_DRAM_BYTES, share)) // MIB * MIB
+
+
 def plan_memory(
     *,
     num_layers: int,
@@ -168,8 +176,7 @@ def plan_memory(
         num_pages = max(one_sequence, min(MAX_AUTO_PAGES, budget // page))
     if dram_bytes is None:
         auto.append("dram_mb")
-        share = MAX_DRAM_BYTES if available is None else available // DRAM_SHARE // max(1, shards)
-        dram_bytes = max(MIN_DRAM_BYTES, min(MAX_DRAM_BYTES, share)) // MIB * MIB
+        dram_bytes = default_dram_bytes(shards, available)
     if ssd_bytes is None:
         auto.append("ssd_mb")
         share = MAX_SSD_BYTES if free_disk is None else free_disk // 4

@@ -4,6 +4,7 @@ given, the given ones kept, and the line the server prints."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,3 +122,25 @@ def test_a_colocated_server_counts_one_copy_of_the_weights(
     assert prepack > 0
     assert f"weights about {weights:,.0f} MiB + {prepack:,.0f} MiB prepacked" in shared.describe()  # type: ignore[attr-defined]
     assert f"weights about {2 * weights:,.0f} MiB" in both.describe()  # type: ignore[attr-defined]
+
+
+def test_the_nodes_share_the_hosts_dram_quarter(tmp_path: Path) -> None:
+    """A local cluster's nodes share one host: each node's DRAM tier is its share of the
+    quarter of the memory that one process's shards would take, unless --dram-mb is given."""
+    from kvflow.stages.engine.meminfo import available_at_start
+    from kvflow.stages.serve.memory import default_dram_bytes
+    from kvflow.tools.supervise import LocalCluster
+
+    def dram_mb(cluster: Any) -> dict[str, str]:
+        return {
+            name: p.args[p.args.index("--dram-mb") + 1]
+            for name, p in cluster.procs.items()
+            if "--dram-mb" in p.args
+        }
+
+    cluster = LocalCluster(tmp_path / "a", meta=1, prefill=2, decode=1)  # never started
+    each = str(default_dram_bytes(3, available_at_start()) // MIB)
+    assert dram_mb(cluster) == {"prefill-0": each, "prefill-1": each, "decode-0": each}
+    given = LocalCluster(tmp_path / "b", meta=1, prefill=1, decode=1, extra=("--dram-mb=128",))
+    assert dram_mb(given) == {}
+    assert all("--dram-mb=128" in given.procs[n].args for n in ("prefill-0", "decode-0"))
