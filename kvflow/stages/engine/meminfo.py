@@ -33,9 +33,10 @@ def _mem_available() -> int | None:
 def cgroup_headroom_bytes(
     root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
 ) -> int | None:
-    """The least (limit - usage) over the memory cgroups holding this process and their
-    ancestors (cgroup v2 ``memory.max``/``memory.current``, v1
-    ``memory.limit_in_bytes``/``memory.usage_in_bytes``); None where none sets a limit."""
+    """The least (limit - working set) over the memory cgroups holding this process and
+    their ancestors (cgroup v2 ``memory.max``/``memory.current``, v1
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``, less the inactive file cache of
+    ``memory.stat``); None where none sets a limit."""
     try:
         lines = membership.read_text(encoding="ascii").splitlines()
     except OSError:
@@ -64,6 +65,8 @@ def _up(base: Path, path: str, files: tuple[str, str]) -> list[tuple[Path, tuple
 
 
 def _headroom(d: Path, files: tuple[str, str]) -> int | None:
+    """``d``'s limit less its working set: the usage less the inactive file cache, which the
+    kernel reclaims before it reaches the limit (as container runtimes count it)."""
     try:
         limit = (d / files[0]).read_text(encoding="ascii").strip()
         used = int((d / files[1]).read_text(encoding="ascii").strip())
@@ -71,7 +74,17 @@ def _headroom(d: Path, files: tuple[str, str]) -> int | None:
         return None
     if limit == "max" or not limit.isdigit() or int(limit) >= UNLIMITED:
         return None
-    return max(0, int(limit) - used)
+    return max(0, int(limit) - max(0, used - _inactive_file(d)))
+
+
+def _inactive_file(d: Path) -> int:
+    """The inactive file cache in ``d``'s memory.stat (v2 ``inactive_file``, v1
+    ``total_inactive_file``), 0 where it cannot be read."""
+    try:
+        stat = dict(line.split() for line in (d / "memory.stat").read_text().splitlines())
+        return int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+    except (OSError, ValueError):
+        return 0
 
 
 @functools.cache

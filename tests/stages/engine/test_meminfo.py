@@ -31,6 +31,9 @@ def test_v2_takes_the_least_headroom_up_the_tree(tmp_path: Path) -> None:
     member.write_text("0::/\n")  # a namespaced view: the container's cgroup is the root
     _write(root, memory_max=str(2 * GIB), memory_current=str(GIB // 2))
     assert meminfo.cgroup_headroom_bytes(root, member) == GIB + GIB // 2
+    # the inactive file cache counts as free: the kernel reclaims it before the limit
+    (root / "memory.stat").write_text(f"anon {GIB // 4}\ninactive_file {GIB // 4}\n")
+    assert meminfo.cgroup_headroom_bytes(root, member) == GIB + 3 * GIB // 4
 
 
 def test_v1_reads_the_memory_controller_and_no_limit_is_none(tmp_path: Path) -> None:
@@ -41,6 +44,8 @@ def test_v1_reads_the_memory_controller_and_no_limit_is_none(tmp_path: Path) -> 
     member = tmp_path / "cgroup"
     member.write_text("5:devices:/\n4:memory:/api/c9\n0::/\n")
     assert meminfo.cgroup_headroom_bytes(root, member) == 5 * GIB
+    (mem / "api" / "c9" / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {GIB}\n")
+    assert meminfo.cgroup_headroom_bytes(root, member) == 6 * GIB
     member.write_text("4:memory:/elsewhere\n")  # not under this mount: its root only
     assert meminfo.cgroup_headroom_bytes(root, member) is None  # unlimited
     assert meminfo.cgroup_headroom_bytes(root, tmp_path / "missing") is None
