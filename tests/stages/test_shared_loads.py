@@ -90,12 +90,13 @@ def test_a_failed_read_fails_its_reader_and_the_followers_read_for_themselves() 
         good = Reader()
         good.go.set()
         second = asyncio.ensure_future(loads.load("a", good))
-        await _until(lambda: loads.joins == 1)  # it follows the read that will fail
-        bad.go.set()
+        await _until(lambda: loads.held() == 1 and loads._flights["a"].holders == 2)
+        bad.go.set()  # the second follows the read that fails
         with pytest.raises(OSError, match="the shard failed"):
             await first
         read, share, led = await second
         assert led and good.reads == 1 and read[1] == [Tier.DRAM]
+        assert (loads.reads, loads.joins) == (2, 0)  # it read for itself: no join
         share.release()
         assert good.freed == 1 and bad.freed == 0 and loads.held() == 0
 
@@ -108,7 +109,7 @@ def test_a_cancelled_reader_leaves_the_read_to_the_others_and_nothing_held() -> 
         first = asyncio.ensure_future(loads.load("a", reader))
         await _until(reader.started.is_set)
         second = asyncio.ensure_future(loads.load("a", reader))
-        await _until(lambda: loads.joins == 1)
+        await _until(lambda: loads._flights["a"].holders == 2)
         first.cancel()  # the leader's client went away: the follower still gets the read
         with pytest.raises(asyncio.CancelledError):
             await first

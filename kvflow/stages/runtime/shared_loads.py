@@ -75,13 +75,15 @@ class SharedLoads:
             flight = self._flights.get(key)
             if flight is not None:
                 flight.holders += 1
-                self.joins += 1
         if flight is not None:
             try:
                 got, share = await self._wait(LoadShare(self, key, flight), flight)
-                return got, share, False
             except Exception:  # the leader's read failed: it is that request's error
                 pass
+            else:
+                with self._lock:
+                    self.joins += 1
+                return got, share, False
         flight = _Flight()
         with self._lock:
             # a failed read's key stays listed until its holders let go: read unshared then
