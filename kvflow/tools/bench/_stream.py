@@ -5,6 +5,7 @@ cached (``usage.prompt_tokens_details.cached_tokens``, when it says)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from typing import Any
 @dataclass
 class Outcome:
     """One request: ``status`` 200 when served (``ttft_s``, ``tpot_s`` set), else its HTTP
-    status, ``conn`` or ``stream-CODE``."""
+    status, ``conn`` or ``stream-CODE``. ``gaps``: the seconds between consecutive pieces of
+    text as they arrived (each a token, where the server streams one a chunk)."""
 
     status: str
     ttft_s: float = 0.0
@@ -23,6 +25,7 @@ class Outcome:
     text: str = ""
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    gaps: tuple[float, ...] = ()
 
 
 async def one_request(
@@ -83,6 +86,7 @@ async def one_request(
         "".join(pieces),
         usage.get("prompt_tokens"),
         details.get("cached_tokens"),
+        tuple(b - a for a, b in itertools.pairwise(arrivals)),
     )
 
 

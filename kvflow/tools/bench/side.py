@@ -16,7 +16,8 @@ requests (chat where the row is chat) at temperature 0:
 - 8 concurrent clients: output tokens/s and TTFT p99;
 - 8 concurrent clients with one long (~2,000-token) prompt each, and 8 whose prompts share
   a ~1,500-token prefix, primed by one request first (issue 26's rows): output tokens/s and
-  TTFT p99;
+  TTFT p99; for the long prompts also the p99 of the gaps between a stream's consecutive
+  tokens (what the streams already running pay while the other prompts are computed);
 - 32 clients x 2 requests of ~505-token prompts: the time until all are done.
 
 Before the first row each server serves one untimed cold prompt (``--settle-tokens``; with
@@ -158,6 +159,12 @@ ROWS = [
     Row("clients_ttft_p99_s", "{clients} concurrent clients: TTFT p99", "s", True),
     Row("long_tok_s", "{clients} clients, one ~{long}-token prompt each: output", "tok/s", False),
     Row("long_ttft_p99_s", "{clients} clients, one ~{long}-token prompt each: TTFT p99", "s", True),
+    Row(
+        "long_tbt_p99_s",
+        "{clients} clients, one ~{long}-token prompt each: time between tokens p99",
+        "s",
+        True,
+    ),
     Row("shared_tok_s", "{clients} clients, shared ~{system}-token prefix: output", "tok/s", False),
     Row(
         "shared_ttft_p99_s", "{clients} clients, shared ~{system}-token prefix: TTFT p99", "s", True
@@ -232,7 +239,7 @@ async def rows(
     if starts("clients"):
         await _level(args, target, texts, run, "clients", args.client_prompt_tokens)
     if starts("long"):
-        await _level(args, target, texts, run, "long", args.long_tokens, per_client=1)
+        await _level(args, target, texts, run, "long", args.long_tokens, per_client=1, tbt=True)
     if starts("shared"):
         prefix = texts.text("shared-prefix", args.system_tokens) + " "
         await _prime(target, run, prefix + texts.text("shared-prime", args.tail_tokens))
@@ -307,10 +314,12 @@ def settle(args: argparse.Namespace, server: Server, texts: Texts, run: Run) -> 
 
 async def _level(
     args: argparse.Namespace, target: Target, texts: Texts, run: Run, row: str, tokens: int,
-    prefix: str = "", per_client: int | None = None,
+    prefix: str = "", per_client: int | None = None, tbt: bool = False,
 ) -> None:  # fmt: skip
     """``args.clients`` concurrent clients, ``per_client`` prompts each (default
-    ``args.client_requests``), each ``prefix`` and then about ``tokens`` tokens of its own."""
+    ``args.client_requests``), each ``prefix`` and then about ``tokens`` tokens of its own.
+    With ``tbt``, also the p99 of the gaps between consecutive tokens of every stream (how
+    long a running stream waits while the others' prompts are computed)."""
     n = per_client or args.client_requests
     prompts = [
         [prefix + texts.text(f"{row}-{c}-{r}", tokens) for r in range(n)]
@@ -323,6 +332,9 @@ async def _level(
     run.values[f"{row}_tok_s"] = s["goodput_tokens_per_s"] if ok else None
     ttfts = [o.ttft_s for o in level.outcomes if o.status == "200"]
     run.values[f"{row}_ttft_p99_s"] = pct(ttfts, 99) if ok else None
+    if tbt:
+        gaps = [g for o in level.outcomes if o.status == "200" for g in o.gaps]
+        run.values[f"{row}_tbt_p99_s"] = pct(gaps, 99) if ok and gaps else None
 
 
 def _names(prompts: list[list[str]]) -> dict[str, str]:
