@@ -23,6 +23,13 @@ step grows by at most 1/8; the step the tail would have cost them is a plain dec
 instead): four 257-token prompts under a 1,024-token queue budget would otherwise leave
 4 tokens of the last for one more step before its first token (measured in the 8-client
 row). Only a budget sized by a step-time target (``timed``) stays exact beside streams.
+
+A fixed budget beside streams counts the step's decode rows: the prompt tokens and the decode
+rows together fill it (as a token budget per step counts both in vLLM), down to half of it at
+most. The linears run every row of a step as one matrix, and oneDNN's float32 product on 2
+threads costs about as much for 996-1,024 rows as for 1,024 and steps up past 1,024 (~3% more
+per row, +35 ms a step for a single extra row: docs/performance.md "A step's rows fill its
+budget"); a budget sized by time already includes the decode batch's cost.
 """
 
 from __future__ import annotations
@@ -78,6 +85,9 @@ def plan_step(
     if decoding and mixed_budget is not None:
         queued = queued_budget is not None and len(waiting) > 1
         budget = min(budget, queued_budget if queued else mixed_budget)
+    decode = decoding_rows(len(decoding), max_batch)
+    if decode and not timed:
+        budget -= min(decode, budget // 2)
     slack = 0 if decoding and timed else tail_slack(budget)
     for seq in waiting:
         if budget <= 0:
@@ -86,4 +96,9 @@ def plan_step(
         prefill.append((seq, n))
         budget -= n
     decoding.sort(key=lambda s: (s.last_decode_step, s.arrival))
-    return StepPlan(prefill=tuple(prefill), decode=tuple(decoding[:max_batch]))
+    return StepPlan(prefill=tuple(prefill), decode=tuple(decoding[:decode]))
+
+
+def decoding_rows(decoding: int, max_batch: int) -> int:
+    """The decode rows of a step with ``decoding`` running sequences (at most ``max_batch``)."""
+    return min(decoding, max_batch)

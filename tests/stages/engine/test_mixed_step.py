@@ -77,7 +77,7 @@ def test_a_step_with_chunks_and_decode_is_one_forward(
     outs = {o.request_id: o for o in engine.step()}
     assert calls == ["mixed"]
     assert len(outs["d"].new_token_ids) == 1  # the stream got its token in the same step
-    assert outs["p"].num_computed_tokens == 16
+    assert outs["p"].num_computed_tokens == 15  # with the decode row: the budget's 16 rows
 
 
 def test_prompt_logprobs_chunks_run_on_their_own(
@@ -90,7 +90,7 @@ def test_prompt_logprobs_chunks_run_on_their_own(
     calls = _count_forwards(engine, monkeypatch)
     outs = {o.request_id: o for o in engine.step()}
     assert calls == ["prefill", "decode"]
-    assert len(outs["p"].prompt_logprobs) == 16
+    assert len(outs["p"].prompt_logprobs) == 15  # the step's budget counts the decode row
 
 
 def test_a_smaller_chunk_beside_streams_changes_no_token(llama_dir: Path) -> None:
@@ -107,4 +107,4 @@ def test_a_smaller_chunk_beside_streams_changes_no_token(llama_dir: Path) -> Non
     engine.step()
     engine.add_request("p", list(range(3, 40)), SamplingParams(max_tokens=2))
     outs = {o.request_id: o for o in engine.step()}
-    assert outs["p"].num_computed_tokens == 4 and len(outs["d"].new_token_ids) == 1
+    assert outs["p"].num_computed_tokens == 3 and len(outs["d"].new_token_ids) == 1

@@ -44,8 +44,31 @@ def test_decode_batch_capped_and_rotates() -> None:
 def test_prefill_and_decode_in_one_step() -> None:
     p, d = _seq("p", 50, 10, 0), _seq("d", 20, 19, 1)
     plan = plan_step([p, d], prefill_budget=16, max_batch=8)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("p", 16)]
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("p", 15)]  # 15 + 1 rows
     assert [s.request_id for s in plan.decode] == ["d"]
+
+
+def test_a_steps_decode_rows_count_against_its_budget() -> None:
+    """Beside a decode batch the prompt tokens and the decode rows together fill a fixed
+    budget (the step's linears run all of its rows), the batch taking at most half of it; a
+    budget sized by a step-time target already holds the batch's cost and is not reduced."""
+    long = _seq("long", 5000, 0, 0)
+    running = [_seq(f"d{i}", 10, 9, i + 1) for i in range(28)]
+    plan = plan_step([long, *running], prefill_budget=1024, max_batch=32)
+    assert [n for _, n in plan.prefill] == [1024 - 28] and len(plan.decode) == 28
+    # the batch's cap bounds the rows it takes
+    plan = plan_step([long, *running], prefill_budget=1024, max_batch=8)
+    assert [n for _, n in plan.prefill] == [1016] and len(plan.decode) == 8
+    # at most half of a small budget goes to the decode rows
+    plan = plan_step([long, *running], prefill_budget=40, max_batch=32)
+    assert [n for _, n in plan.prefill] == [20] and len(plan.decode) == 28
+    # with a queue of prompts, the queued budget is the one filled
+    queue = [_seq(f"q{i}", 600, 0, i) for i in range(4)]
+    plan = plan_step([*queue, *running], 1024, 32, mixed_budget=512, queued_budget=1024)
+    assert sum(n for _, n in plan.prefill) == 1024 - 28
+    # a budget sized by time is taken as it is
+    plan = plan_step([long, *running], 1024, 32, mixed_budget=300, timed=True)
+    assert [n for _, n in plan.prefill] == [300]
 
 
 def test_append_token_finish_reasons() -> None:
@@ -110,6 +133,7 @@ def test_plan_policy_over_random_mixes() -> None:
             seqs.append(_seq(f"s{i}", n, computed, i, last=rng.randrange(-1, 5)))
         budget, cap = rng.randrange(1, 300), rng.randrange(1, 6)
         plan = plan_step(seqs, prefill_budget=budget, max_batch=cap)
+        budget -= min(len(plan.decode), budget // 2)  # the decode rows' share of the step
         decoding = [s for s in seqs if s.phase is Phase.DECODE]
         prompts = [s for s in seqs if s.phase is Phase.PREFILL]
         planned = {s.request_id: n for s, n in plan.prefill}
@@ -142,9 +166,9 @@ def test_decode_is_never_starved_by_a_long_prompt() -> None:
     running = [_seq(f"d{i}", 10, 9, i + 1) for i in range(3)]
     for _ in range(5):
         plan = plan_step([long, *running], prefill_budget=256, max_batch=8)
-        assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 256)]
+        assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 253)]
         assert {s.request_id for s in plan.decode} == {"d0", "d1", "d2"}
-        long.num_computed += 256
+        long.num_computed += 253
 
 
 def test_mixed_budget_applies_only_while_requests_decode() -> None:
@@ -154,13 +178,13 @@ def test_mixed_budget_applies_only_while_requests_decode() -> None:
     long, short = _seq("long", 1000, 0, 0), _seq("short", 100, 0, 1)
     running = _seq("d", 10, 9, 2)
     plan = plan_step([long, short, running], prefill_budget=512, max_batch=8, mixed_budget=128)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 128)]
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 127)]  # + 1 decode row
     assert [s.request_id for s in plan.decode] == ["d"]
     plan = plan_step([long, short], prefill_budget=512, max_batch=8, mixed_budget=128)
     assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 512)]
     # a mixed budget larger than the step's budget changes nothing
     plan = plan_step([long, running], prefill_budget=256, max_batch=8, mixed_budget=4096)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 256)]
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 255)]
 
 
 def test_a_queue_of_prompts_beside_streams_gets_the_queued_budget() -> None:
@@ -178,10 +202,10 @@ def test_a_queue_of_prompts_beside_streams_gets_the_queued_budget() -> None:
     # one prompt beside streams keeps the mixed budget
     e = _seq("e", 400, 0, 0)
     plan = plan_step([e, running], 512, 8, mixed_budget=256, queued_budget=512)
-    assert [(s.request_id, n) for s, n in plan.prefill] == [("e", 256)]
-    # never more than the step's budget
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("e", 255)]
+    # never more than the step's budget (its decode row included)
     plan = plan_step([a, b, running], 300, 8, mixed_budget=256, queued_budget=512)
-    assert sum(n for _, n in plan.prefill) == 300
+    assert sum(n for _, n in plan.prefill) == 299
 
 
 def test_a_lone_prompt_just_over_the_budget_takes_its_tail_in_one_chunk() -> None:
