@@ -63,8 +63,8 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         type=int,
         help="rows of a step that also decodes, its prompt tokens and decode rows together "
         "(an engine that does both: --colocate); smaller bounds running streams' time "
-        "between tokens; while more than "
-        "one prompt waits (no --tbt-target-ms) such a step takes up to --prefill-chunk; "
+        "between tokens; while more than one prompt waits (no --tbt-target-ms) such a step "
+        "takes up to --prefill-chunk; "
         f"default: {COLOCATED_MIXED_CHUNK} colocated, else --prefill-chunk",
     )
     p.add_argument(

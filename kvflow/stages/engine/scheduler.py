@@ -85,7 +85,7 @@ def plan_step(
     if decoding and mixed_budget is not None:
         queued = queued_budget is not None and len(waiting) > 1
         budget = min(budget, queued_budget if queued else mixed_budget)
-    decode = decoding_rows(len(decoding), max_batch)
+    decode = min(len(decoding), max_batch)  # the step's decode rows
     if decode and not timed:
         budget -= min(decode, budget // 2)
     slack = 0 if decoding and timed else tail_slack(budget)
@@ -97,8 +97,3 @@ def plan_step(
         budget -= n
     decoding.sort(key=lambda s: (s.last_decode_step, s.arrival))
     return StepPlan(prefill=tuple(prefill), decode=tuple(decoding[:decode]))
-
-
-def decoding_rows(decoding: int, max_batch: int) -> int:
-    """The decode rows of a step with ``decoding`` running sequences (at most ``max_batch``)."""
-    return min(decoding, max_batch)
