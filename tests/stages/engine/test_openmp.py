@@ -5,6 +5,7 @@ no earlier test's teams count)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -52,6 +53,32 @@ def test_reserve_leaves_teams_to_threads_that_set_their_count() -> None:
     assert _in_thread(torch.get_num_threads) == before
     with pytest.raises(ValueError, match="thread count must be >= 1"):
         openmp.set_thread_count(0)
+
+
+@pytest.mark.skipif(openmp.gomp() is None or openmp.mkl() is None, reason="libgomp and MKL")
+def test_an_engine_threads_count_reaches_mkl() -> None:
+    """After reserve() a thread's MKL count is 1 once torch has set it up (ATen's per-thread
+    init copies the process default into MKL's own count); set_thread_count gives the
+    engine thread's MKL products (torch.mm in float32) its count, other threads keep 1."""
+    lib = openmp.mkl()
+    assert lib is not None
+    lib.mkl_get_max_threads.restype = ctypes.c_int
+
+    def mkl_count() -> int:
+        torch.get_num_threads()  # ATen's lazy per-thread init, as a thread's first op does
+        return int(lib.mkl_get_max_threads())
+
+    release = openmp.reserve()
+    try:
+        assert _in_thread(mkl_count) == 1
+
+        def engine_thread() -> tuple[int, int]:
+            openmp.set_thread_count(2)
+            return mkl_count(), _in_thread(mkl_count)  # type: ignore[return-value]
+
+        assert _in_thread(engine_thread) == (2, 1)
+    finally:
+        release()
 
 
 def test_wait_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
