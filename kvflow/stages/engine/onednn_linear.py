@@ -17,23 +17,25 @@ weight (no second copy, the parameter names and the tied embedding stay); its ou
 
 float32 decode steps (at most `cpu_gemv.MAX_ROWS` rows, 16) go further, to the matrix-vector
 kernel of cpu_gemv.py, which reads the weights at the rate of a plain read (~28 GB/s here
-against oneDNN's ~20); prefill chunks stay on oneDNN.
+against oneDNN's ~20); prefill chunks stay on a matrix product.
 
 `onednn_applies(dtype, device)` decides where it is used: on the CPU with oneDNN, float32
 always, bf16 with oneDNN's bf16 support (avx512_bf16 / AMX or the Arm equivalent).
 Everywhere else the model keeps `nn.Linear` (float16, CUDA). `KVFLOW_LINEAR` picks the
-backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "prepacked" (the
-default where memory allows) as "gemv" with a second, oneDNN-prepared copy of each float32
-decoder weight for products of more than 16 rows, prefill chunks above all
-(`_reorder_linear_weight`, what vLLM's CPU backend does for float32); "gemv" as above
-without the copy (the way out, and the default where the copy would take more than 1/16 of
-the memory available); "onednn" without the decode kernel;
-"aten" keeps `nn.Linear` everywhere. The prepacked path's outputs are the same bits as the
-dense inner product; the copy costs the float32 decoder linears' weights again (+405 MiB for
-SmolLM2-135M, per engine) and made prefill faster here, +11% at 512 tokens and +3% at 2,000
-(medians, one engine switched A B B A; docs/performance.md). `prepack_planned` is the one
-place that decides, for the engine as it loads and for the server's memory plan
-(stages/serve/memory.py).
+backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "transposed" (the
+default where memory allows) as "gemv" with a second copy of each float32 decoder weight,
+transposed to [in, out] and contiguous, for products of more than 16 rows, prefill chunks
+above all: `torch.addmm` on it is MKL's plain (non-transposed) sgemm, which ran the decoder's
+products 3-12% faster than oneDNN on a prepacked weight here at 24-1,024 rows (30 layers of
+distinct weights, 2 threads; docs/performance.md); "prepacked" as "transposed" with the copy
+in oneDNN's blocked layout instead (`_reorder_linear_weight`, what vLLM's CPU backend does
+for float32; the previous default); "gemv" without the copy (the way out, and the default
+where the copy would take more than 1/16 of the memory available); "onednn" without the
+decode kernel; "aten" keeps `nn.Linear` everywhere. The copy costs the float32 decoder
+linears' weights again (+405 MiB for SmolLM2-135M, per engine). The prefill rows' outputs
+differ between the backends by float32 rounding only (the order of the sums; ~1e-6
+relative). `prepack_planned` is the one place that decides whether the copy is made, for
+the engine as it loads and for the server's memory plan (stages/serve/memory.py).
 """
 
 from __future__ import annotations
@@ -51,35 +53,38 @@ from kvflow.stages.engine.meminfo import available_at_start
 logger = logging.getLogger(__name__)
 
 ENV_LINEAR = "KVFLOW_LINEAR"
-LINEAR_BACKENDS = ("gemv", "onednn", "aten", "prepacked")
+LINEAR_BACKENDS = ("gemv", "onednn", "aten", "prepacked", "transposed")
+COPY_BACKENDS = ("prepacked", "transposed")
+"""The backends that keep a second copy of each float32 decoder weight for prefill rows."""
 PACK_ROWS = 512
 """The rows oneDNN is told to expect when it prepares a float32 weight (the prefill chunk)."""
 PREPACK_SHARE = 16
-"""By default the prepacked copy is made where it takes at most 1/16 of the memory available
+"""By default the prefill copy is made where it takes at most 1/16 of the memory available
 (the share one KV pool gets, stages/serve/memory.py)."""
 
 
 def linear_backend() -> str:
-    """`KVFLOW_LINEAR` (default "prepacked", which `prepack_planned` turns into "gemv" where
-    the copy does not fit): "gemv" without the prepared copy, "onednn" without the decode
-    kernel either, "aten" keeps `nn.Linear` for every dtype."""
-    value = os.environ.get(ENV_LINEAR, "prepacked")
+    """`KVFLOW_LINEAR` (default "transposed", which `prepack_planned` turns into "gemv" where
+    the copy does not fit): "prepacked" with the copy in oneDNN's layout, "gemv" without a
+    copy, "onednn" without the decode kernel either, "aten" keeps `nn.Linear` for every
+    dtype."""
+    value = os.environ.get(ENV_LINEAR, "transposed")
     if value not in LINEAR_BACKENDS:
         raise ValueError(f"{ENV_LINEAR} must be one of {LINEAR_BACKENDS}, got {value!r}")
     return value
 
 
 def prepack_planned(dtype: str, copy_bytes: int, available: int | None) -> bool:
-    """Whether a `dtype` engine on the CPU keeps a prepacked copy of `copy_bytes` (its float32
+    """Whether a `dtype` engine on the CPU keeps a prefill copy of `copy_bytes` (its float32
     decoder linears' weights) for prefill, with `available` bytes of memory (None: unknown).
     The one place that decides, for the engine (`use_onednn_linears`) and the server's memory
-    plan: float32 only; `KVFLOW_LINEAR=prepacked` always, another value never; unset, where
-    the copy takes at most 1/`PREPACK_SHARE` of `available`."""
+    plan: float32 only; `KVFLOW_LINEAR=transposed` or `prepacked` always, another value
+    never; unset, where the copy takes at most 1/`PREPACK_SHARE` of `available`."""
     if dtype != "float32":
         return False
     backend = linear_backend()
     if ENV_LINEAR in os.environ:
-        return backend == "prepacked"
+        return backend in COPY_BACKENDS
     return available is None or copy_bytes * PREPACK_SHARE <= available
 
 
@@ -121,42 +126,68 @@ class OneDNNLinear(nn.Module):
 class OneDNNDenseLinear(nn.Module):
     """`y = x @ W.T + b` for 2-D float32 `x` through oneDNN's inner product on the linear's
     own (unprepared) weight, which stays a parameter under its name; with `gemv` (cpu_gemv.py),
-    a few rows (a decode step) go to that kernel instead."""
+    a few rows (a decode step) go to that kernel instead. `copy` ("transposed" or
+    "prepacked", see `COPY_BACKENDS`): the other rows go to a second copy of the weight,
+    transposed for MKL's sgemm or prepared for oneDNN."""
 
-    def __init__(self, linear: nn.Linear, gemv: Gemv | None = None, prepack: bool = False) -> None:
+    def __init__(
+        self, linear: nn.Linear, gemv: Gemv | None = None, copy: str | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.gemv = gemv
-        packed = None
-        if prepack:  # a second copy, in oneDNN's blocked layout, for more rows than the kernel's
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
+        weight = linear.weight.detach()
+        packed = transposed = None
+        if copy == "prepacked":  # oneDNN's blocked layout
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        elif copy == "transposed":  # [in, out], contiguous: x @ it is a plain sgemm
+            transposed = weight.t().contiguous()
+        elif copy is not None:
+            raise ValueError(f"copy must be one of {COPY_BACKENDS} or None, got {copy!r}")
         self.prefill_weight: torch.Tensor | None
         self.register_buffer("prefill_weight", packed, persistent=False)
+        self.transposed_weight: torch.Tensor | None
+        self.register_buffer("transposed_weight", transposed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and gemv_applies(x, self.weight):
             return self.gemv(x, self.weight, self.bias)
+        transposed = self.transposed_weight
+        if transposed is not None and x.dim() == 2:
+            if self.bias is None:
+                return torch.mm(x, transposed)
+            return torch.addmm(self.bias, x, transposed)
         weight = self.weight if self.prefill_weight is None else self.prefill_weight
         return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+
+    @property
+    def has_copy(self) -> bool:
+        """Whether prefill rows run on a second copy of the weight (either form)."""
+        return self.prefill_weight is not None or self.transposed_weight is not None
 
     def extra_repr(self) -> str:
         kind = "onednn dense" + (", gemv" if self.gemv is not None else "")
         kind += ", prepacked" if self.prefill_weight is not None else ""
+        kind += ", transposed" if self.transposed_weight is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 def _onednn(linear: nn.Linear, packed: frozenset[int]) -> nn.Module:
     if linear.weight.dtype == torch.float32:
-        gemv = gemv_kernel() if linear_backend() in ("gemv", "prepacked") else None
-        return OneDNNDenseLinear(linear, gemv, id(linear) in packed)
+        backend = linear_backend()
+        gemv = gemv_kernel() if backend in ("gemv", *COPY_BACKENDS) else None
+        copy = None
+        if id(linear) in packed:  # planned: the backend asked for, or the default's form
+            copy = backend if backend in COPY_BACKENDS else "transposed"
+        return OneDNNDenseLinear(linear, gemv, copy)
     return OneDNNLinear(linear)
 
 
 def prepack_candidates(model: nn.Module) -> list[nn.Linear]:
-    """The float32 linears that would get a prepacked copy: all but the lm_head, which
-    computes one row of a prompt (its last): no prepared copy of the vocabulary."""
+    """The float32 linears that would get a prefill copy: all but the lm_head, which
+    computes one row of a prompt (its last): no second copy of the vocabulary."""
     lm_head = getattr(model, "lm_head", None)
     return [
         m
@@ -168,8 +199,8 @@ def prepack_candidates(model: nn.Module) -> list[nn.Linear]:
 def use_onednn_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` under `model` by its oneDNN form (after loading, fusing and
     moving): float32 by a `OneDNNDenseLinear` (same parameters; with the decode kernel under
-    the "gemv" and "prepacked" backends, and the prepacked copy where `prepack_planned`
-    says), bf16 by a `OneDNNLinear` (the state dict's names no longer hold the weights).
+    the "gemv", "transposed" and "prepacked" backends, and the prefill copy where
+    `prepack_planned` says), bf16 by a `OneDNNLinear` (the state dict's names no longer hold the weights).
     Returns the count."""
     candidates = prepack_candidates(model)
     copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in candidates)
@@ -178,9 +209,9 @@ def use_onednn_linears(model: nn.Module) -> int:
         available = None if ENV_LINEAR in os.environ else available_at_start()
         if prepack_planned("float32", copy_bytes, available):
             packed = frozenset(id(m) for m in candidates)
-        elif linear_backend() == "prepacked":  # the default, but the copy does not fit
+        elif linear_backend() in COPY_BACKENDS:  # the default, but the copy does not fit
             logger.info(
-                "no prepacked float32 weights: %d MiB, more than 1/%d of the %s MiB available",
+                "no prefill copy of the float32 weights: %d MiB, more than 1/%d of the %s MiB available",
                 copy_bytes >> 20, PREPACK_SHARE, "?" if available is None else available >> 20,
             )  # fmt: skip
     return swap_linears(model, lambda linear: _onednn(linear, packed))

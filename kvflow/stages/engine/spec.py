@@ -70,7 +70,7 @@ class ModelSpec:
     @property
     def linear_params(self) -> int:
         """Weights of the decoder layers' linears (no biases, no embeddings, no lm_head): what
-        a prepacked float32 copy for prefill holds (onednn_linear.py)."""
+        a float32 copy for prefill holds (onednn_linear.py)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
         return self.num_layers * (attn + 3 * h * i)

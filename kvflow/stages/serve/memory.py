@@ -15,8 +15,8 @@ fixed default: ``plan_memory`` sizes each one left unset.
   shard, the earlier cap, SmolLM2-135M's 2,000-token prompts filled it after three, and the
   demotions cost the 32 x 2 burst 8-12% of its time on 2 cores (docs/performance.md).
 - SSD tier per shard: a quarter of the free disk under the data directory, at most 8 GiB.
-- Weights per engine: the parameters in the engine's dtype and, for float32, the prepacked
-  copy of the decoder linears' weights that prefill multiplies by where it fits
+- Weights per engine: the parameters in the engine's dtype and, for float32, the second
+  (transposed) copy of the decoder linears' weights that prefill multiplies by where it fits
   (`onednn_linear.prepack_planned`, the engine's own decision; ``KVFLOW_LINEAR=gemv`` drops
   it).
 
@@ -83,7 +83,7 @@ class MemoryPlan:
 
     @property
     def copies(self) -> int:
-        """How many copies of the weights (and of their prepacked form) the process loads."""
+        """How many copies of the weights (and of their prefill copy) the process loads."""
         return self.engines if self.weight_copies is None else self.weight_copies
 
     @property
@@ -103,7 +103,7 @@ class MemoryPlan:
         prepacked = ""
         if self.prepack_bytes:
             prepacked = (
-                f" + {mib(self.copies * self.prepack_bytes)} prepacked for prefill "
+                f" + {mib(self.copies * self.prepack_bytes)} copied for prefill "
                 "(KVFLOW_LINEAR=gemv drops it)"
             )
         where = "" if self.device == "cpu" else f" on {self.device}"
@@ -158,7 +158,7 @@ def plan_memory(
     """The plan for a process of ``engines`` engines and ``shards`` shards of this model.
     ``available`` / ``free_disk``: the machine's (None: unknown; the caps are used);
     ``linear_params``: the decoder linears' weights (`ModelSpec.linear_params`), which a
-    float32 engine copies prepacked where `prepack_planned` says (on the CPU only).
+    float32 engine copies for prefill where `prepack_planned` says (on the CPU only).
     ``device``: the engines' ("cpu" or "cuda[:N]"); on a GPU the pages and weights are
     in its memory, sized the same way (the host holds a mirror of each pool, mapped as it
     is written)."""

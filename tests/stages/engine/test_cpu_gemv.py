@@ -275,12 +275,13 @@ def test_prepack_planned_decides_by_dtype_memory_and_env(monkeypatch: pytest.Mon
 
 
 @needs_kernel
-def test_default_prepacks_where_memory_allows_with_the_unpacked_outputs(
+def test_default_copies_where_memory_allows_for_mkls_plain_product(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """KVFLOW_LINEAR unset: prepacked copies where they take at most 1/PREPACK_SHARE of the
-    memory available, the same bits as the unpacked (gemv) path's outputs for prefill and
-    decode rows; with less memory, the gemv backend (no copy)."""
+    """KVFLOW_LINEAR unset: a transposed copy where it takes at most 1/PREPACK_SHARE of the
+    memory available, prefill rows through MKL's plain sgemm on it (`addmm`), the same
+    outputs as the no-copy (gemv) backend's up to float32 rounding, decode rows the same
+    bits; with less memory, the gemv backend (no copy)."""
     monkeypatch.delenv(ENV_LINEAR, raising=False)
     gen = torch.Generator().manual_seed(7)
     torch.manual_seed(7)  # the linears' initial weights
@@ -290,15 +291,41 @@ def test_default_prepacks_where_memory_allows_with_the_unpacked_outputs(
         monkeypatch.setattr(onednn_linear, "available_at_start", lambda a=available: a)
         assert use_onednn_linears(model) == 3
     for name in ("proj", "down"):
-        assert getattr(fits, name).prefill_weight is not None
-        assert getattr(tight, name).prefill_weight is None
-        assert getattr(fits, name).gemv is not None and getattr(tight, name).gemv is not None
-    assert fits.lm_head.prefill_weight is None
+        mine = getattr(fits, name)
+        assert mine.transposed_weight is not None and mine.prefill_weight is None
+        assert torch.equal(mine.transposed_weight, mine.weight.t())
+        assert mine.transposed_weight.is_contiguous() and mine.has_copy
+        assert not getattr(tight, name).has_copy
+        assert mine.gemv is not None and getattr(tight, name).gemv is not None
+    assert not fits.lm_head.has_copy
     with torch.inference_mode():
         for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 512):
             x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 96, generator=gen)
             for name, xin in (("proj", x), ("down", h), ("lm_head", x)):
-                assert torch.equal(getattr(fits, name)(xin), getattr(tight, name)(xin))
+                mine, other = getattr(fits, name), getattr(tight, name)
+                got = mine(xin)
+                if rows <= cpu_gemv.MAX_ROWS or name == "lm_head":  # no copy involved
+                    assert torch.equal(got, other(xin))
+                    continue
+                bias, weight_t = mine.bias, mine.weight.t().contiguous()
+                plain = torch.mm(xin, weight_t) if bias is None else torch.addmm(bias, xin, weight_t)
+                assert torch.equal(got, plain)
+                torch.testing.assert_close(got, other(xin), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(
+                    got, torch.nn.functional.linear(xin, mine.weight, bias), rtol=1e-5, atol=1e-5
+                )
+
+
+def test_a_copy_backend_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy form other than the two is refused, naming them; KVFLOW_LINEAR=transposed asks
+    for the copy whatever the memory, as prepacked does."""
+    with pytest.raises(ValueError, match="transposed"):
+        OneDNNDenseLinear(torch.nn.Linear(4, 4), None, "blocked")
+    monkeypatch.setenv(ENV_LINEAR, "transposed")
+    assert prepack_planned("float32", 1 << 30, 1)
+    holder = _Holder()
+    assert use_onednn_linears(holder) == 3
+    assert holder.proj.transposed_weight is not None and not holder.lm_head.has_copy
 
 
 def test_the_plan_and_the_engines_read_memory_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,18 +88,18 @@ def test_plan_for_a_model_directory(tiny_model: Path, tmp_path: Path) -> None:
     assert "1 instance(s)" in plan.describe() and "(auto)" in plan.describe()
 
 
-def test_float32_plans_the_prepacked_copy_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan counts the prepacked float32 copy the engines make (onednn_linear's
+def test_float32_plans_the_prefill_copy_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan counts the float32 prefill copy the engines make (onednn_linear's
     `prepack_planned`), says so, and names the way out; not where it does not fit, not for
     other dtypes, not with KVFLOW_LINEAR=gemv."""
     monkeypatch.delenv(ENV_LINEAR, raising=False)
     copy = 4 * LINEAR_PARAMS
     plan = smol(available=24 * GIB)
     assert plan.prepack_bytes == copy  # type: ignore[attr-defined]
-    assert "+ 810 MiB prepacked for prefill (KVFLOW_LINEAR=gemv drops it)" in plan.describe()  # type: ignore[attr-defined]
+    assert "+ 810 MiB copied for prefill (KVFLOW_LINEAR=gemv drops it)" in plan.describe()  # type: ignore[attr-defined]
     assert smol(available=PREPACK_SHARE * copy).prepack_bytes == copy  # type: ignore[attr-defined]
     small = smol(available=PREPACK_SHARE * copy - 1)
-    assert small.prepack_bytes == 0 and "prepacked" not in small.describe()  # type: ignore[attr-defined]
+    assert small.prepack_bytes == 0 and "copied" not in small.describe()  # type: ignore[attr-defined]
     assert smol(dtype="bfloat16", available=24 * GIB).prepack_bytes == 0  # type: ignore[attr-defined]
     on_gpu = smol(available=24 * GIB, device="cuda")  # the weights are the GPU's: no copy
     assert on_gpu.prepack_bytes == 0 and on_gpu.describe().startswith("memory on cuda: ")  # type: ignore[attr-defined]
@@ -110,7 +110,7 @@ def test_float32_plans_the_prepacked_copy_where_it_fits(monkeypatch: pytest.Monk
 def test_a_colocated_server_counts_one_copy_of_the_weights(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two instances sharing one engine (colocated) load the weights and their prepacked copy
+    """Two instances sharing one engine (colocated) load the weights and their prefill copy
     once: the printed line counts one copy, the KV pages of both instances."""
     monkeypatch.delenv(ENV_LINEAR, raising=False)
     both = smol(available=24 * GIB)
@@ -120,7 +120,7 @@ def test_a_colocated_server_counts_one_copy_of_the_weights(
     weights = both.weights_bytes / MIB  # type: ignore[attr-defined]
     prepack = both.prepack_bytes / MIB  # type: ignore[attr-defined]
     assert prepack > 0
-    assert f"weights about {weights:,.0f} MiB + {prepack:,.0f} MiB prepacked" in shared.describe()  # type: ignore[attr-defined]
+    assert f"weights about {weights:,.0f} MiB + {prepack:,.0f} MiB copied" in shared.describe()  # type: ignore[attr-defined]
     assert f"weights about {2 * weights:,.0f} MiB" in both.describe()  # type: ignore[attr-defined]
 
 
