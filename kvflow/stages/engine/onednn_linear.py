@@ -200,8 +200,8 @@ def use_onednn_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` under `model` by its oneDNN form (after loading, fusing and
     moving): float32 by a `OneDNNDenseLinear` (same parameters; with the decode kernel under
     the "gemv", "transposed" and "prepacked" backends, and the prefill copy where
-    `prepack_planned` says), bf16 by a `OneDNNLinear` (the state dict's names no longer hold the weights).
-    Returns the count."""
+    `prepack_planned` says), bf16 by a `OneDNNLinear` (the state dict's names no longer hold
+    the weights). Returns the count."""
     candidates = prepack_candidates(model)
     copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in candidates)
     packed: frozenset[int] = frozenset()
@@ -211,7 +211,8 @@ def use_onednn_linears(model: nn.Module) -> int:
             packed = frozenset(id(m) for m in candidates)
         elif linear_backend() in COPY_BACKENDS:  # the default, but the copy does not fit
             logger.info(
-                "no prefill copy of the float32 weights: %d MiB, more than 1/%d of the %s MiB available",
+                "no prefill copy of the float32 weights: %d MiB, more than 1/%d of the %s MiB "
+                "available",
                 copy_bytes >> 20, PREPACK_SHARE, "?" if available is None else available >> 20,
             )  # fmt: skip
     return swap_linears(model, lambda linear: _onednn(linear, packed))

@@ -308,8 +308,10 @@ def test_default_copies_where_memory_allows_for_mkls_plain_product(
                     assert torch.equal(got, other(xin))
                     continue
                 bias, weight_t = mine.bias, mine.weight.t().contiguous()
-                plain = torch.mm(xin, weight_t) if bias is None else torch.addmm(bias, xin, weight_t)
-                assert torch.equal(got, plain)
+                if bias is None:
+                    assert torch.equal(got, torch.mm(xin, weight_t))
+                else:
+                    assert torch.equal(got, torch.addmm(bias, xin, weight_t))
                 torch.testing.assert_close(got, other(xin), rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(
                     got, torch.nn.functional.linear(xin, mine.weight, bias), rtol=1e-5, atol=1e-5
