@@ -81,6 +81,12 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         "shards, 64-16384 each (printed)",
     )
     p.add_argument(
+        "--dram-prefault",
+        action="store_true",
+        help="write every page of the DRAM tiers at start: resident at once and a slower "
+        "start, but no page faults in the prompts' stores (docs/performance.md)",
+    )
+    p.add_argument(
         "--ssd-mb",
         type=int,
         help="SSD tier per shard, MiB; default: a quarter of the free disk, at most 8192",
@@ -109,6 +115,7 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "tbt_target_ms": args.tbt_target_ms,
         "dram_capacity_bytes": plan.dram_bytes,
         "ssd_capacity_bytes": plan.ssd_bytes,
+        "dram_prefault": args.dram_prefault,
         "storage_engine": args.storage_engine,
         "seed": args.seed,
     }

@@ -113,6 +113,7 @@ def open_shard(
             engine=engine_for(shard_dir, config.storage_engine),
             value_size=engine.page_nbytes,
             dram_shared=shared_dram,
+            dram_prefault=config.dram_prefault,
         ),
         namespace_for(DEFAULT_TENANT, engine.model_fingerprint, kv_layout(engine)),
         node_id=NodeId(instance_id),

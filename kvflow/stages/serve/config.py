@@ -91,6 +91,10 @@ class EngineStoreConfig:
         staging_pages: page slots of each staging area (decode: streamed KV lands there;
             prefill: reuse-load reads cached blocks there).
         dram_capacity_bytes / ssd_capacity_bytes: per-shard tier capacities.
+        dram_prefault: write every page of each shard's DRAM tier at start (resident at once,
+            a slower start) rather than as blocks are stored: a store then copies into memory
+            already mapped, ~6 GB/s here against ~1.7-1.9 GB/s into fresh pages
+            (docs/performance.md, "The DRAM tier written at start").
         storage_engine: "lmdb", "rocksdb" or "memory" for the SSD tier; None (the default):
             the engine each shard's directory already holds, else kvdb's ``DEFAULT_ENGINE``
             (``kvdb.manifest.engine_for``).
@@ -112,6 +116,7 @@ class EngineStoreConfig:
     staging_pages: int = 512
     dram_capacity_bytes: int = 1 << 30
     ssd_capacity_bytes: int = 8 << 30
+    dram_prefault: bool = False
     storage_engine: str | None = None
     seed: int = 0
     device: str = "cpu"
