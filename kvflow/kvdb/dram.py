@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvflow.kvdb.allocator import ExtentAllocator
-from kvflow.transfer.pool_memory import pool_bytes
+from kvflow.transfer.pool_memory import pool_bytes, write_zeros
 
 
 class DramTier:
@@ -24,7 +24,7 @@ class DramTier:
     ) -> None:
         self.pool = pool_bytes(capacity, shared=shared)
         if prefault and capacity:
-            self.pool.fill(0)
+            write_zeros(self.pool)
         self.allocator = ExtentAllocator(capacity, alignment)
 
     @property

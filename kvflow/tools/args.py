@@ -75,6 +75,15 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         "default (or 0): none, the fixed --mixed-chunk",
     )
     p.add_argument(
+        "--kv-prefault",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the prefilling engine's KV pages (--num-pages of them) at start, resident "
+        "at once as vLLM allocates its KV cache, so prompts take no page faults writing their "
+        "K/V; --no-kv-prefault: one sequence's pages at start, the rest as used "
+        "(docs/performance.md)",
+    )
+    p.add_argument(
         "--dram-mb",
         type=int,
         help="DRAM tier per shard, MiB; default: a quarter of the free memory over the "
@@ -110,6 +119,7 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "block_size": args.block_size,
         "num_pages": plan.num_pages,
         "staging_pages": plan.staging_pages,
+        "kv_prefault": args.kv_prefault,
         "prefill_chunk": args.prefill_chunk,
         "mixed_chunk": args.mixed_chunk,
         "tbt_target_ms": args.tbt_target_ms,
@@ -135,6 +145,7 @@ def memory_plan(args: argparse.Namespace, model_dir: Path, engines: int, shards:
         raise ValueError(f"--num-pages must be positive, got {args.num_pages}")
     return plan_for_model(
         model_dir,
+        kv_prefault=args.kv_prefault,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,

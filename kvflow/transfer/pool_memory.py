@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -51,6 +52,61 @@ def pool_bytes(nbytes: int, *, shared: bool = False) -> np.ndarray:
     if advice is not None:
         region.madvise(advice)
     return np.frombuffer(region, dtype=np.uint8)
+
+
+WRITE_CHUNK = 64 << 20
+"""``write_zeros`` hands each thread spans of at most this many bytes."""
+
+
+def write_zeros(region: np.ndarray, threads: int | None = None) -> None:
+    """Write zeros over ``region`` (a contiguous array over pool memory) on ``threads``
+    threads (None: one per CPU this process may run on; a start-up's work), so the kernel
+    maps all of its pages now rather than on first use. A first write into a page of a
+    fresh mapping is a page fault, and on a virtual machine a fault into memory the guest
+    never used costs far more than the write: 1.5 GiB took 4.0 s on one thread and 1.4 s on
+    two on the 2-core development machine (docs/performance.md, "The KV pool written at
+    start"). numpy's fill releases the GIL, so the threads fault in parallel."""
+    if threads is None:
+        threads = _cpus()
+    flat = region.reshape(-1).view(np.uint8)
+    n = flat.nbytes
+    spans = [(at, min(n, at + WRITE_CHUNK)) for at in range(0, n, WRITE_CHUNK)]
+    if threads <= 1 or len(spans) <= 1:
+        flat.fill(0)
+        return
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not spans or errors:
+                    return
+                start, end = spans.pop()
+            try:
+                flat[start:end].fill(0)
+            except BaseException as exc:  # re-raised on the caller's thread
+                with lock:
+                    errors.append(exc)
+                return
+
+    workers = [
+        threading.Thread(target=work, name=f"pool-write-{i}", daemon=True)
+        for i in range(min(threads, len(spans)))
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _shared_map(nbytes: int) -> _SharedMap | None:

@@ -93,6 +93,12 @@ class EngineConfig:
             replays a CUDA graph of its fixed-shape bucket on a CUDA device and runs eagerly
             elsewhere; "off" always eagerly; "static" the graphs' fixed-shape forward without
             capturing it, on any device (for tests and comparisons).
+        prefault_pages: how many of the pool's leading pages (and of a GPU pool's host
+            mirror) to write at open, so the steps that use them take no first-use page
+            faults (the pages are handed out lowest first); None: one sequence's
+            (`pages.resident_pages`), the rest mapped as first written, so a large pool costs
+            memory only as it is used. `kvflow serve` (`--kv-prefault`, its default) writes
+            one memory-planned pool's pages of the engine that prefills.
     """
 
     dtype: str = "float32"
@@ -108,6 +114,7 @@ class EngineConfig:
     return_logits: bool = False
     mixed_forward: bool = True
     decode_graphs: str = "auto"
+    prefault_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -136,6 +143,14 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.prefault_pages is not None and (
+            isinstance(self.prefault_pages, bool)
+            or not isinstance(self.prefault_pages, int)
+            or self.prefault_pages < 0
+        ):
+            raise ValueError(
+                f"prefault_pages must be None or an int >= 0, got {self.prefault_pages!r}"
+            )
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:

@@ -93,7 +93,7 @@ class Engine:
             self.kv_layout,
             config.torch_dtype,
             self.device,
-            resident=self.resident_pages(config.num_pages),
+            resident=self._resident(config),
             spare=1 if graphs else 0,  # the decode graphs' padding rows write there
         )
         decode_graphs = None
@@ -197,6 +197,14 @@ class Engine:
     @property
     def num_pages(self) -> int:
         return self._pool.num_pages
+
+    def _resident(self, config: EngineConfig) -> int:
+        """The pool's pages written at open: ``config.prefault_pages`` (at most the pool), and
+        never fewer than one sequence's."""
+        one = self.resident_pages(config.num_pages)
+        if config.prefault_pages is None:
+            return one
+        return max(one, min(config.num_pages, config.prefault_pages))
 
     def resident_pages(self, num_pages: int) -> int:
         """How many of ``num_pages`` lazily mapped pages (the pool's, or a staging area's

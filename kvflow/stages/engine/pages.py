@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.stages.engine.errors import OutOfPagesError, PageLayoutError
-from kvflow.transfer.pool_memory import pool_bytes
+from kvflow.transfer.pool_memory import pool_bytes, write_zeros
 
 PageData = bytes | bytearray | memoryview | torch.Tensor
 
@@ -57,8 +57,8 @@ def lazy_zeros(
         nbytes *= n
     raw = torch.from_numpy(pool_bytes(nbytes))
     tensor = raw.view(dtype).view(shape)
-    if resident > 0:
-        tensor[:resident].zero_()  # a write maps the pages; their bytes stay zero
+    if resident > 0:  # a write maps the pages; their bytes stay zero
+        write_zeros(raw.numpy()[: resident * (nbytes // shape[0])])
     return tensor
 
 
@@ -97,7 +97,8 @@ class PagePool:
         resident: int = 0,
         spare: int = 0,
     ) -> None:
-        """``resident``: leading pages mapped now (`lazy_zeros`); allocation takes them first.
+        """``resident``: leading pages mapped now (`lazy_zeros`; on another device, of the
+        host mirror); allocation takes them first.
         ``spare``: pages after the ``num_pages`` allocatable ones that are never allocated
         (ids ``num_pages`` ..): the decode graphs' padding rows write their K/V there
         (decode_graphs.py), where no request reads."""
@@ -107,7 +108,9 @@ class PagePool:
         self.tensor = lazy_zeros(shape, dtype, device, resident)
         # Where `export` puts pages: the pool itself on the CPU; for a pool on another device
         # (a GPU) a mirror of it in host memory, mapped as it is written (`lazy_zeros`).
-        self.host = self.tensor if device.type == "cpu" else lazy_zeros(shape, dtype, _CPU)
+        self.host = (
+            self.tensor if device.type == "cpu" else lazy_zeros(shape, dtype, _CPU, resident)
+        )
         self._num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refs: dict[int, int] = {}  # allocated page -> holders (requests sharing it)

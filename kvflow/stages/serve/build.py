@@ -61,10 +61,13 @@ def open_engine(
     instance_id: str,
     closers: Closers,
     intra_op_threads: int | EngineThreads | None = None,
+    prefault_pages: int | None = None,
 ) -> EngineWorker:
     """An engine on ``model_dir`` behind its started worker thread (stopped by ``closers``),
     whose forward passes use ``intra_op_threads`` (None: the process's default count). Only
-    the worker thread builds an OpenMP team (``openmp.reserve``)."""
+    the worker thread builds an OpenMP team (``openmp.reserve``). ``prefault_pages``: the
+    pool's leading pages written at open (`EngineConfig.prefault_pages`; None: one
+    sequence's); the callers give ``prefill_prefault(config)`` to the engine that prefills."""
     closers.add(openmp.reserve())
     engine = Engine.open(
         model_dir,
@@ -78,12 +81,21 @@ def open_engine(
             max_batch=config.max_batch,
             seed=config.seed,
             device=config.device,
+            prefault_pages=prefault_pages,
         ),
     )
     worker = EngineWorker(instance_id, engine, intra_op_threads=intra_op_threads)
     worker.start()
     closers.add(worker.stop)
     return worker
+
+
+def prefill_prefault(config: EngineStoreConfig) -> int | None:
+    """The KV pages a process writes at start in the pool of the engine that prefills (with
+    ``kv_prefault``): one memory-planned pool's, ``config.num_pages`` (at most 1/16 of the
+    available memory), whether that engine also decodes (colocated, holding two pools'
+    pages) or not; a decode engine's pool maps as used. None without ``kv_prefault``."""
+    return config.num_pages if config.kv_prefault else None
 
 
 def kv_layout(engine: Engine) -> KVLayout:

@@ -90,6 +90,11 @@ class EngineStoreConfig:
         max_batch: decode batch cap per engine.
         staging_pages: page slots of each staging area (decode: streamed KV lands there;
             prefill: reuse-load reads cached blocks there).
+        kv_prefault: write ``num_pages`` KV pages (one memory-planned pool: at most 1/16 of
+            the available memory) of the engine that prefills at start, as vLLM allocates its
+            KV cache, so the prompts' steps take no first-use page faults
+            (`build.prefill_prefault`); False: one sequence's pages at start, the rest mapped
+            as first written (docs/performance.md, "The KV pool written at start").
         dram_capacity_bytes / ssd_capacity_bytes: per-shard tier capacities.
         dram_prefault: write every page of each shard's DRAM tier at start (resident at once,
             a slower start) rather than as blocks are stored: a store then copies into memory
@@ -114,6 +119,7 @@ class EngineStoreConfig:
     tbt_target_ms: float | None = None
     max_batch: int = 32
     staging_pages: int = 512
+    kv_prefault: bool = True
     dram_capacity_bytes: int = 1 << 30
     ssd_capacity_bytes: int = 8 << 30
     dram_prefault: bool = False

@@ -42,6 +42,7 @@ from kvflow.stages.serve.build import (
     kv_layout,
     open_engine,
     open_shard,
+    prefill_prefault,
 )
 from kvflow.stages.serve.closers import Closers
 from kvflow.stages.serve.colocation import mixed_chunk, tbt_target_ms
@@ -171,7 +172,14 @@ class EmbeddedCluster:
             if c.colocate
             else c
         )
-        worker = open_engine(self.model_dir, engine_config, instance_id, self._closers, threads)
+        worker = open_engine(
+            self.model_dir,
+            engine_config,
+            instance_id,
+            self._closers,
+            threads,
+            prefault_pages=prefill_prefault(c),
+        )
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers, False)
         pool = engine.host_pool  # the pages export_pages hands on (on a GPU: a host mirror)

@@ -6,8 +6,12 @@ fixed default: ``plan_memory`` sizes each one left unset.
 - KV pages per engine (and the same number of slots in each staging area): enough for one
   sequence of ``min(max_model_len, 4096)`` tokens, more when the KV budget allows — the
   budget is 1/16 of the memory available now, at most 768 MiB per pool — and at most 512.
-  (A pool is zero pages the kernel maps lazily: what is resident is what has been used, and
-  the pages of one such sequence, written at start-up: `engine.pages.resident_pages`.)
+  (A pool is zero pages the kernel maps lazily. ``kvflow serve`` writes one such pool's
+  pages in the engine that prefills at start-up, as vLLM allocates its KV cache
+  (``--kv-prefault``, the default; a colocated engine holds two pools' pages and writes the
+  first pool's): the prompts' K/V writes take no first-use page faults. Otherwise, and for a
+  decode engine and the staging areas, only the pages of one such sequence are written at
+  start-up (`engine.pages.resident_pages`) and the rest become resident as they are used.)
 - DRAM tiers: a quarter of the available memory for the process's shards together, split
   evenly, each between 64 MiB and 16 GiB. The DRAM tier is the cache a prefix hit reads
   from, and a lazily mapped pool (resident as blocks are cached); when it is full every
@@ -80,6 +84,7 @@ class MemoryPlan:
     prepack_bytes: int = 0
     weight_copies: int | None = None
     device: str = "cpu"
+    kv_prefault: bool = True
 
     @property
     def copies(self) -> int:
@@ -107,11 +112,17 @@ class MemoryPlan:
                 "(KVFLOW_LINEAR=gemv drops it)"
             )
         where = "" if self.device == "cpu" else f" on {self.device}"
+        written = (
+            f" ({self.num_pages} KV pages of the prefilling engine written at start; "
+            "--no-kv-prefault: as used)"
+            if self.kv_prefault
+            else " (the KV pages mapped as used)"
+        )
         return (
             f"memory{where}: {self.engines} instance(s) x ({self.num_pages} KV pages"
             f"{tag('num_pages')} "
             f"+ {self.staging_pages} staging) x {self.page_nbytes / MIB:.2f} MiB = "
-            f"{mib(self.kv_bytes)} reserved, weights about "
+            f"{mib(self.kv_bytes)} reserved{written}, weights about "
             f"{mib(self.copies * self.weights_bytes)}{prepacked}; DRAM tier "
             f"{mib(self.dram_bytes)}"
             f"{tag('dram_mb')} x {self.shards} shard(s), filled as blocks are cached; SSD tier "
@@ -154,6 +165,7 @@ def plan_memory(
     linear_params: int = 0,
     weight_copies: int | None = None,
     device: str = "cpu",
+    kv_prefault: bool = True,
 ) -> MemoryPlan:
     """The plan for a process of ``engines`` engines and ``shards`` shards of this model.
     ``available`` / ``free_disk``: the machine's (None: unknown; the caps are used);
@@ -194,6 +206,7 @@ def plan_memory(
         prepack_bytes=prepack,
         weight_copies=weight_copies,
         device=device,
+        kv_prefault=kv_prefault,
     )
 
 
@@ -209,6 +222,7 @@ def plan_for_model(
     num_pages: int | None = None,
     dram_bytes: int | None = None,
     ssd_bytes: int | None = None,
+    kv_prefault: bool = True,
 ) -> MemoryPlan:
     """``plan_memory`` for the model in ``model_dir`` (its config.json only; no weights are
     read) on this machine."""
@@ -232,4 +246,5 @@ def plan_for_model(
         ssd_bytes=ssd_bytes,
         available=available_at_start(),
         free_disk=free_disk_bytes(data_dir),
+        kv_prefault=kv_prefault,
     )

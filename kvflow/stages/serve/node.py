@@ -52,7 +52,13 @@ from kvflow.stages.runtime.peers import RemotePeers, format_node_address
 from kvflow.stages.runtime.pins import PinBook
 from kvflow.stages.runtime.replicator import BlockCopy, Replicator
 from kvflow.stages.runtime.staging import STAGING_SEGMENT, LeaseBook, StagingArea
-from kvflow.stages.serve.build import ensure_model, kv_layout, open_engine, open_shard
+from kvflow.stages.serve.build import (
+    ensure_model,
+    kv_layout,
+    open_engine,
+    open_shard,
+    prefill_prefault,
+)
 from kvflow.stages.serve.closers import Closers
 from kvflow.stages.serve.config import NodeConfig
 from kvflow.stages.serve.metrics import ServingMetrics, shard_hit_rates
@@ -90,7 +96,8 @@ class NodeServer:
     def _build(self) -> None:
         c = self.config
         self.model_dir = ensure_model(c)
-        self.worker = open_engine(self.model_dir, c, c.node_id, self._closers)
+        prefault = prefill_prefault(c) if c.kind == "prefill" else None
+        self.worker = open_engine(self.model_dir, c, c.node_id, self._closers, None, prefault)
         self.engine = engine = self.worker.engine
         self.layout = kv_layout(engine)
         self.model_fingerprint = engine.model_fingerprint

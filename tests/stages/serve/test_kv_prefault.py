@@ -1,0 +1,155 @@
+"""`--kv-prefault` (the default of `kvflow serve`): one memory-planned pool's KV pages of the
+engine that prefills are written at start, so the prompts' steps take no first-use page
+faults (issue 31: on a fresh server the long prompts' steps spent ~1 s of each engine thread
+in the kernel mapping pool pages); `--no-kv-prefault` keeps the lazy pool (one sequence's
+pages written). `write_zeros` maps a region on several threads."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvflow.stages.engine import Engine, EngineConfig
+from kvflow.stages.serve import build
+from kvflow.stages.serve.closers import Closers
+from kvflow.stages.serve.config import EngineStoreConfig
+from kvflow.stages.serve.memory import plan_memory
+from kvflow.tools.args import add_engine_store_flags, engine_store_values
+from kvflow.transfer import pool_memory
+from kvflow.transfer.pool_memory import pool_bytes, write_zeros
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="mincore(2) as on Linux")
+
+
+def _resident_share(address: int, nbytes: int) -> float:
+    """The share of the OS pages wholly inside [address, address + nbytes) that are resident."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    os_page = os.sysconf("SC_PAGE_SIZE")
+    first = -(-address // os_page) * os_page
+    last = (address + nbytes) // os_page * os_page
+    n = (last - first) // os_page
+    assert n > 0
+    vec = (ctypes.c_ubyte * n)()
+    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(last - first), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) / n
+
+
+def _values(argv: list[str]) -> dict[str, Any]:
+    p = argparse.ArgumentParser()
+    add_engine_store_flags(p)
+    plan = SimpleNamespace(num_pages=8, staging_pages=8, dram_bytes=1 << 26, ssd_bytes=1 << 26)
+    return engine_store_values(p.parse_args(argv), plan)
+
+
+def test_the_flag_is_on_by_default_and_reaches_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _values([])["kv_prefault"] is True
+    assert _values(["--kv-prefault"])["kv_prefault"] is True
+    assert _values(["--no-kv-prefault"])["kv_prefault"] is False
+    assert EngineStoreConfig().kv_prefault is True
+    seen: list[EngineConfig] = []
+
+    class FakeWorker:
+        def __init__(self, name: str, engine: object, **kwargs: object) -> None:
+            self.engine = engine
+
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    def fake_open(model_dir: Path, config: EngineConfig) -> object:
+        seen.append(config)
+        return object()
+
+    monkeypatch.setattr(build.Engine, "open", staticmethod(fake_open))
+    monkeypatch.setattr(build, "EngineWorker", FakeWorker)
+    for argv, want in (([], 8), (["--no-kv-prefault"], None)):
+        config = EngineStoreConfig(**_values([*argv, "--data-dir", str(tmp_path)]))
+        assert build.prefill_prefault(config) == want  # the plan's 8 pages, or none
+        closers = Closers()
+        build.open_engine(tmp_path, config, "prefill-0", closers, None, want)
+        closers.close_all()
+        assert seen[-1].prefault_pages == want
+
+
+def test_the_memory_line_says_whether_the_pages_are_written() -> None:
+    sizes: dict[str, Any] = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        max_model_len=512,
+        num_params=1000,
+        dtype="float32",
+        block_size=16,
+        engines=1,
+        shards=1,
+        available=1 << 30,
+        free_disk=1 << 30,
+    )
+    line = plan_memory(**sizes).describe()
+    assert "KV pages of the prefilling engine written at start" in line
+    lazy = plan_memory(**sizes, kv_prefault=False).describe()
+    assert "KV pages mapped as used" in lazy and "written at start" not in lazy
+
+
+def test_engine_config_checks_the_field() -> None:
+    assert EngineConfig().prefault_pages is None  # the library's engine stays lazy
+    for bad in (True, -1, 2.0, "8"):
+        with pytest.raises(ValueError, match="prefault_pages must be None or an int >= 0"):
+            EngineConfig(prefault_pages=bad)  # type: ignore[arg-type]
+
+
+def _shares(engine: Engine, split: int) -> tuple[float, float]:
+    """Resident shares of the pool's first ``split`` pages and of the rest."""
+    pool = engine.host_pool
+    page = pool[0].numel() * pool.element_size()
+    head = _resident_share(pool.data_ptr(), split * page)
+    rest = _resident_share(pool.data_ptr() + split * page, (pool.shape[0] - split) * page)
+    return head, rest
+
+
+@linux_only
+def test_a_prefaulting_engine_maps_its_leading_pages_at_open(tiny_model: Path) -> None:
+    def engine(prefault: int | None) -> Engine:
+        config = EngineConfig(num_pages=4096, block_size=16, prefault_pages=prefault)
+        return Engine.open(tiny_model, config)
+
+    one = engine(None).resident_pages(4096)
+    assert one == 256  # one 4096-token sequence of 16-token pages
+    lazy_head, lazy_rest = _shares(engine(None), 1024)
+    assert lazy_head < 0.3 and lazy_rest < 0.05
+    written = engine(1024)
+    head, rest = _shares(written, 1024)
+    assert head == 1.0 and rest < 0.05
+    assert int(written.host_pool.count_nonzero()) == 0
+    assert _shares(engine(10), one)[0] == 1.0  # never fewer than one sequence's
+    assert _shares(engine(10**6), 4095)[0] == 1.0  # at most the whole pool
+
+
+@linux_only
+def test_write_zeros_maps_every_page_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_memory, "WRITE_CHUNK", 1 << 20)  # 16 spans for 2 threads
+    region = pool_bytes(16 << 20)
+    assert _resident_share(region.ctypes.data, region.nbytes) < 0.05
+    write_zeros(region, threads=2)
+    assert _resident_share(region.ctypes.data, region.nbytes) == 1.0
+    assert not region.any()
+    region[::4096] = 7  # bytes already there are zeroed too
+    write_zeros(region, threads=2)
+    assert not region.any()
+    view = region[: 3 << 20].view(np.float32)  # any dtype, through its bytes
+    view[:] = 1.0
+    write_zeros(view)
+    assert not region.any()
