@@ -7,8 +7,6 @@ pages written). `write_zeros` maps a region on several threads."""
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvflow.stages.engine import Engine, EngineConfig
 from kvflow.stages.serve import build
@@ -25,22 +24,9 @@ from kvflow.stages.serve.memory import plan_memory
 from kvflow.tools.args import add_engine_store_flags, engine_store_values
 from kvflow.transfer import pool_memory
 from kvflow.transfer.pool_memory import pool_bytes, write_zeros
+from tests.stages.engine.test_resident_pages import _resident_share
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="mincore(2) as on Linux")
-
-
-def _resident_share(address: int, nbytes: int) -> float:
-    """The share of the OS pages wholly inside [address, address + nbytes) that are resident."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    os_page = os.sysconf("SC_PAGE_SIZE")
-    first = -(-address // os_page) * os_page
-    last = (address + nbytes) // os_page * os_page
-    n = (last - first) // os_page
-    assert n > 0
-    vec = (ctypes.c_ubyte * n)()
-    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(last - first), vec) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(v & 1 for v in vec) / n
 
 
 def _values(argv: list[str]) -> dict[str, Any]:
@@ -114,10 +100,7 @@ def test_engine_config_checks_the_field() -> None:
 def _shares(engine: Engine, split: int) -> tuple[float, float]:
     """Resident shares of the pool's first ``split`` pages and of the rest."""
     pool = engine.host_pool
-    page = pool[0].numel() * pool.element_size()
-    head = _resident_share(pool.data_ptr(), split * page)
-    rest = _resident_share(pool.data_ptr() + split * page, (pool.shape[0] - split) * page)
-    return head, rest
+    return _resident_share(pool[:split]), _resident_share(pool[split:])
 
 
 @linux_only
@@ -142,9 +125,9 @@ def test_a_prefaulting_engine_maps_its_leading_pages_at_open(tiny_model: Path) -
 def test_write_zeros_maps_every_page_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pool_memory, "WRITE_CHUNK", 1 << 20)  # 16 spans for 2 threads
     region = pool_bytes(16 << 20)
-    assert _resident_share(region.ctypes.data, region.nbytes) < 0.05
+    assert _resident_share(torch.from_numpy(region)) < 0.05
     write_zeros(region, threads=2)
-    assert _resident_share(region.ctypes.data, region.nbytes) == 1.0
+    assert _resident_share(torch.from_numpy(region)) == 1.0
     assert not region.any()
     region[::4096] = 7  # bytes already there are zeroed too
     write_zeros(region, threads=2)
