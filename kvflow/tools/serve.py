@@ -435,6 +435,8 @@ def run_node(args: argparse.Namespace) -> int:
             EngineStoreConfig(model_dir=args.model, data_dir=args.data_dir, seed=args.seed)
         )
         plan = memory_plan(args, args.model, engines=1, shards=1)
+        if args.kind != "prefill":  # only a prefilling engine's pages are written at start
+            plan = dataclasses.replace(plan, kv_prefault=False)
         config = NodeConfig(
             node_id=args.node_id or f"{args.kind}-{args.port}",
             kind=args.kind,

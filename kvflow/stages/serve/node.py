@@ -97,7 +97,9 @@ class NodeServer:
         c = self.config
         self.model_dir = ensure_model(c)
         prefault = prefill_prefault(c) if c.kind == "prefill" else None
-        self.worker = open_engine(self.model_dir, c, c.node_id, self._closers, None, prefault)
+        self.worker = open_engine(
+            self.model_dir, c, c.node_id, self._closers, prefault_pages=prefault
+        )
         self.engine = engine = self.worker.engine
         self.layout = kv_layout(engine)
         self.model_fingerprint = engine.model_fingerprint

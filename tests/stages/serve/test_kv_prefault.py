@@ -24,6 +24,8 @@ from kvflow.stages.serve.memory import plan_memory
 from kvflow.tools.args import add_engine_store_flags, engine_store_values
 from kvflow.transfer import pool_memory
 from kvflow.transfer.pool_memory import pool_bytes, write_zeros
+from tests.conftest import pick_free_port
+from tests.faults.roles import Role
 from tests.stages.engine.test_resident_pages import _resident_share
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="mincore(2) as on Linux")
@@ -136,3 +138,30 @@ def test_write_zeros_maps_every_page_on_several_threads(monkeypatch: pytest.Monk
     view[:] = 1.0
     write_zeros(view)
     assert not region.any()
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("prefill", "(64 KV pages of the prefilling engine written at start;"),
+        ("decode", "(the KV pages mapped as used)"),
+    ],
+)
+def test_a_nodes_start_line_says_what_it_writes(
+    tmp_path: Path, tiny_model: Path, kind: str, said: str
+) -> None:
+    """A prefill node writes its pool at start; a decode node's start line does not claim to."""
+    argv = [
+        "--role", "node", "--kind", kind, "--node-id", f"{kind}-0", "--model", str(tiny_model),
+        "--port", str(pick_free_port()), "--meta", f"127.0.0.1:{pick_free_port()}",
+        "--data-dir", str(tmp_path / "data"), "--metrics-port", "0",
+        "--block-size", "16", "--num-pages", "64", "--dram-mb", "32", "--ssd-mb", "64",
+    ]  # fmt: skip
+    role = Role(kind, argv, tmp_path / f"{kind}.log").start()
+    try:
+        role.wait_for(f"kvflow node {kind}-0: memory:", timeout_s=240)
+        line = next(x for x in role.output().splitlines() if x.startswith("kvflow node"))
+        assert said in line, line
+        assert (kind == "prefill") == ("written at start" in line), line
+    finally:
+        role.stop()
