@@ -70,6 +70,15 @@ def mixed_chunk(colocate: bool, given: int | None) -> int | None:
     return COLOCATED_MIXED_CHUNK if colocate else None
 
 
+def decode_staging_used(colocate: bool, num_prefill: int, num_decode: int) -> bool:
+    """Whether the decode instances' staging areas of an embedded server take prompts' pages.
+    Not when one colocated pair is all there is: its decode always adopts the prefill's pages
+    in place (``GenerateState.colocated``), so its staging area is left unmapped rather than
+    written at start (one sequence's pages: 180 MiB on the default model). With several
+    pairs the router may pair a prefill with another pair's decode, which stages."""
+    return not (colocate and num_prefill == 1 and num_decode == 1)
+
+
 def tbt_target_ms(given: float | None) -> float | None:
     """The target step time that sizes a mixed step's prompt budget: as given; None or 0:
     none, the fixed mixed chunk (the default, colocated or not: measured, a target trades the

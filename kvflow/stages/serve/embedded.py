@@ -45,7 +45,7 @@ from kvflow.stages.serve.build import (
     prefill_prefault,
 )
 from kvflow.stages.serve.closers import Closers
-from kvflow.stages.serve.colocation import mixed_chunk, tbt_target_ms
+from kvflow.stages.serve.colocation import decode_staging_used, mixed_chunk, tbt_target_ms
 from kvflow.stages.serve.config import ServeConfig
 from kvflow.stages.serve.metrics import ServingMetrics, shard_hit_rates
 from kvflow.stages.serve.ports import free_port
@@ -208,13 +208,14 @@ class EmbeddedCluster:
             worker = open_engine(self.model_dir, c, instance_id, self._closers, threads)
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers, False)
+        used = decode_staging_used(c.colocate, c.num_prefill, c.num_decode)
         staging = StagingArea(
             instance_id,
             c.staging_pages,
             engine.page_shape,
             engine.page_dtype,
             self.transfer,
-            resident=engine.resident_pages(c.staging_pages),
+            resident=engine.resident_pages(c.staging_pages) if used else 0,
         )
         state = InstanceState(instance_id, "decode")
         self.decode[instance_id] = DecodeInstance(instance_id, worker, state, staging, store)

@@ -19,12 +19,15 @@ import torch
 from kvflow.stages.engine import Engine, EngineConfig
 from kvflow.stages.serve import build
 from kvflow.stages.serve.closers import Closers
+from kvflow.stages.serve.colocation import decode_staging_used
 from kvflow.stages.serve.config import EngineStoreConfig
+from kvflow.stages.serve.embedded import EmbeddedCluster
 from kvflow.stages.serve.memory import plan_memory
 from kvflow.tools.args import add_engine_store_flags, engine_store_values
 from kvflow.transfer import pool_memory
 from kvflow.transfer.pool_memory import pool_bytes, write_zeros
 from tests.conftest import pick_free_port
+from tests.e2e.conftest import base_config
 from tests.faults.roles import Role
 from tests.stages.engine.test_resident_pages import _resident_share
 
@@ -165,3 +168,30 @@ def test_a_nodes_start_line_says_what_it_writes(
         assert (kind == "prefill") == ("written at start" in line), line
     finally:
         role.stop()
+
+
+@linux_only
+def test_one_colocated_pair_leaves_its_decode_staging_unmapped(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Its decode adopts the prefill's pages in place and never leases staging slots, so none
+    are written at start; disaggregated, or with several pairs, one sequence's are."""
+    assert decode_staging_used(False, 1, 1) and decode_staging_used(True, 2, 2)
+    assert not decode_staging_used(True, 1, 1)
+    shares = {}
+    for colocate in (True, False):
+        data = tmp_path / f"colocate-{colocate}"
+        config = base_config(tiny_model, data, colocate=colocate, staging_pages=1024)
+        cluster = EmbeddedCluster(config)
+        try:
+            staging = cluster.decode["decode-0"].staging.tensor
+            engine = cluster.decode["decode-0"].worker.engine
+            one = engine.resident_pages(staging.shape[0])
+            assert 0 < one < staging.shape[0]
+            shares[colocate] = _resident_share(staging[:one])
+            load = cluster.prefill["prefill-0"].load_staging.tensor  # prefix hits read into it
+            assert _resident_share(load[:one]) == 1.0
+        finally:
+            cluster.close_resources()
+    assert shares[False] == 1.0
+    assert shares[True] < 0.05
