@@ -19,7 +19,10 @@ side is not kept waiting. Colocated, they are held until the first token is on i
 the shared engine's cores a store beside the prompt's later chunks took CPU from the forward
 (~0.3-0.5 s of a cold 2,000-token prompt's time to the first token, docs/performance.md),
 and nothing waits for them before then (the decode joins this stage only before it releases
-the pages; a concurrent request shares the pages by key in the engine).
+the pages; a concurrent request shares the pages by key in the engine). Then they wait
+further, while another prompt admitted to the same engine has not had its first token
+(``runtime/store_gate.py``): a first write into the DRAM tier costs the cores those prompts
+compute on.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kvflow.pipeline import RequestContext, Stage
 from kvflow.stages.engine import Engine, RequestOutput
 from kvflow.stages.errors import engine_error
 from kvflow.stages.reuse_load import release_load_buffers, unpin_prefix
+from kvflow.stages.runtime.store_gate import StoreGate
 from kvflow.stages.runtime.worker import Continuation, WorkItem
 from kvflow.stages.state import GenerateState
 
@@ -143,8 +147,9 @@ class PrefillStage(Stage):
         # the decode holds them and joins this stage first: its tokens need not wait
         stores_first = not state.colocated
         held = HeldStores(hold=state.colocated)
+        gate = inst.store_gate if state.colocated else None
         try:
-            await self._consume(ctx, state, events, client, stores, held)
+            await self._consume(ctx, state, events, client, stores, held, gate)
             if not stores_first:
                 state.block_queue.put_nowait(("done", None))
         finally:
@@ -170,40 +175,58 @@ class PrefillStage(Stage):
         client: EmbeddedClient,
         stores: list[asyncio.Future[int]],
         held: HeldStores,
+        gate: StoreGate | None,
     ) -> None:
+        """Hand on the engine's outputs until the prefill finishes. With ``gate``, the prompt
+        counts as being prefilled there from its admission to its first token (or its end),
+        and its stores wait for the gate."""
         assert state.prefill is not None
         loop = asyncio.get_running_loop()
-        while True:
-            kind, payload = await events.get()
-            if kind == "error":
-                raise engine_error(payload, state.prefill.instance_id)
-            if kind == "admitted":
-                state.prefill_admitted = True
-                state.prefix_pages = []  # copied into the engine's pool
-                release_load_buffers(state)
-                unpin_prefix(state)
+        entered = False
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "error":
+                    raise engine_error(payload, state.prefill.instance_id)
+                if kind == "admitted":
+                    state.prefill_admitted = True
+                    state.prefix_pages = []  # copied into the engine's pool
+                    release_load_buffers(state)
+                    unpin_prefix(state)
+                    if payload:
+                        state.block_queue.put_nowait(("pages", payload))
+                    if gate is not None:
+                        gate.enter()
+                        entered = True
+                    continue
+                out: RequestOutput = kind
+                held.add(self._new_full_blocks(state, out.completed_blocks, payload))
                 if payload:
                     state.block_queue.put_nowait(("pages", payload))
-                continue
-            out: RequestOutput = kind
-            held.add(self._new_full_blocks(state, out.completed_blocks, payload))
-            if payload:
-                state.block_queue.put_nowait(("pages", payload))
-            if out.prompt_logprobs:
-                if not state.prompt_logprobs:
-                    state.prompt_logprobs_start = out.prompt_logprobs_start
-                state.prompt_logprobs.extend(out.prompt_logprobs)
-            if out.new_token_ids:
-                state.output_logprobs.extend(out.logprobs)
-                state.first_token = out.new_token_ids[0]
-                state.first_token_at = time.monotonic()
-                ctx.emit(("tokens", list(out.new_token_ids)))
-            to_store = held.release(first_token=bool(out.new_token_ids) or out.finished)
-            if to_store is not None:  # after the token: a store thread must not delay it
-                stores.append(loop.run_in_executor(None, _store_blocks, client, *to_store))
-            if out.finished:
-                state.finish_reason = out.finish_reason
-                return
+                if out.prompt_logprobs:
+                    if not state.prompt_logprobs:
+                        state.prompt_logprobs_start = out.prompt_logprobs_start
+                    state.prompt_logprobs.extend(out.prompt_logprobs)
+                if out.new_token_ids:
+                    state.output_logprobs.extend(out.logprobs)
+                    state.first_token = out.new_token_ids[0]
+                    state.first_token_at = time.monotonic()
+                    ctx.emit(("tokens", list(out.new_token_ids)))
+                first_token = bool(out.new_token_ids) or out.finished
+                if first_token and entered:
+                    assert gate is not None
+                    gate.leave()
+                    entered = False
+                to_store = held.release(first_token=first_token)
+                if to_store is not None:  # after the token: a store thread must not delay it
+                    stores.append(asyncio.ensure_future(_store(loop, gate, client, to_store)))
+                if out.finished:
+                    state.finish_reason = out.finish_reason
+                    return
+        finally:
+            if entered:
+                assert gate is not None
+                gate.leave()
 
     def _new_full_blocks(
         self, state: GenerateState, completed: tuple[int, ...], pages: Pages
@@ -224,6 +247,21 @@ class PrefillStage(Stage):
             if state.decode_events is not None and state.decode_request_id:
                 # colocated: its continuation, admitted unless the prefill was dropped first
                 await asyncio.wrap_future(state.prefill.worker.drop(state.decode_request_id))
+
+
+async def _store(
+    loop: asyncio.AbstractEventLoop, gate: StoreGate | None, client: EmbeddedClient, blocks: Blocks
+) -> int:
+    """Store ``blocks`` on an executor thread, once ``gate`` (if any) is open."""
+    if gate is not None:
+        waited = await gate.wait()
+        if waited:
+            logger.debug(
+                "stores of %d blocks waited %.3f s for prompts' first tokens",
+                len(blocks[0]),
+                waited,
+            )
+    return await loop.run_in_executor(None, _store_blocks, client, *blocks)
 
 
 def _store_blocks(

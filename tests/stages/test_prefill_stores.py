@@ -102,3 +102,52 @@ def test_held_stores_release_one_batch_at_the_first_token() -> None:
     passing = HeldStores(hold=False)
     passing.add(([b"a"], ["va"], [None]))  # type: ignore[list-item]
     assert passing.release(first_token=False) == ([b"a"], ["va"], [None])
+
+
+def test_colocated_stores_wait_while_another_prompt_is_prefilled(rig: Rig) -> None:
+    """Another prompt admitted to the engine holds the gate: the prompt's stores are not
+    submitted after its first token until that one leaves; then every block is stored."""
+    state = rig.state(PROMPT, max_tokens=4)
+    prefill = rig.prefill["prefill-0"]
+    decode = rig.decode["decode-0"]
+    state.prefill = prefill
+    state.decode = DecodeInstance(
+        "decode-c", prefill.worker, decode.state, decode.staging, decode.store
+    )
+    assert state.colocated
+    gate = prefill.store_gate
+    ctx = context("r-gated", state)
+    executor = RecordingExecutor()
+    stage = PrefillStage(BLOCK)
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_default_executor(executor)
+        first = asyncio.Event()
+        emit = ctx.emit
+
+        def recording_emit(item: Any) -> bool:
+            if item[0] == "tokens":
+                first.set()
+            return emit(item)
+
+        ctx.emit = recording_emit  # type: ignore[method-assign]
+        gate.enter()  # the other prompt
+        run = asyncio.ensure_future(stage.run(ctx))
+        try:
+            await asyncio.wait_for(first.wait(), 120)
+            done, _ = await asyncio.wait({run}, timeout=0.5)
+            assert not done and executor.submitted == 0  # its stores wait for the gate
+            assert gate.prefilling == 1  # the prompt itself left at its first token
+            gate.leave()
+            await asyncio.wait_for(run, 120)
+            assert executor.submitted >= 1
+        finally:
+            await stage.cleanup(ctx, None)
+
+    try:
+        asyncio.run(go())
+    finally:
+        executor.shutdown(wait=True)
+    assert gate.prefilling == 0
+    held = [b for b, key in enumerate(state.block_keys) if prefill.store.shard.exists(key)]
+    assert held == list(range(len(PROMPT) // BLOCK))

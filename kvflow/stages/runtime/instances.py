@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from kvflow.kvdb import EmbeddedClient, Namespace, Store
 from kvflow.router import InstanceState
 from kvflow.stages.runtime.staging import StagingArea
+from kvflow.stages.runtime.store_gate import StoreGate
 from kvflow.stages.runtime.worker import EngineWorker
 
 
@@ -89,6 +90,7 @@ class PrefillInstance(Instance):
     ) -> None:
         super().__init__(instance_id, worker, store, state)
         self.load_staging = load_staging
+        self.store_gate = StoreGate()  # colocated, prompt stores wait for others' first tokens
 
 
 class DecodeInstance(Instance):
