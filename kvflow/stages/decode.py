@@ -173,6 +173,7 @@ class DecodeStage(Stage):
         """Wait for the prefill stage's end (its kvdb stores of the prompt's blocks) before
         the pages they read are released."""
         if self._wait_for_prefill:
+            ctx.state.stores_due.set()  # the request ends once they are done: no more waiting
             await ctx.join("prefill")
 
     async def _consume(
@@ -223,6 +224,7 @@ class DecodeStage(Stage):
 
     async def cleanup(self, ctx: RequestContext[Any], error: BaseException | None) -> None:
         state: GenerateState = ctx.state
+        state.stores_due.set()
         state.release_staging()
         state.booking.release_decode()
         if state.decode is not None and state.decode_request_id:

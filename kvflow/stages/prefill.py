@@ -152,6 +152,9 @@ class PrefillStage(Stage):
             await self._consume(ctx, state, events, client, stores, held, gate)
             if not stores_first:
                 state.block_queue.put_nowait(("done", None))
+        except BaseException:
+            state.stores_due.set()  # failed or cancelled: the held stores go now
+            raise
         finally:
             # Blocks already handed to the shard are waited for even on failure: their page
             # views must not outlive the request's pages.
@@ -219,7 +222,8 @@ class PrefillStage(Stage):
                     entered = False
                 to_store = held.release(first_token=first_token)
                 if to_store is not None:  # after the token: a store thread must not delay it
-                    stores.append(asyncio.ensure_future(_store(loop, gate, client, to_store)))
+                    due = state.stores_due
+                    stores.append(asyncio.ensure_future(_store(loop, gate, due, client, to_store)))
                 if out.finished:
                     state.finish_reason = out.finish_reason
                     return
@@ -250,11 +254,16 @@ class PrefillStage(Stage):
 
 
 async def _store(
-    loop: asyncio.AbstractEventLoop, gate: StoreGate | None, client: EmbeddedClient, blocks: Blocks
+    loop: asyncio.AbstractEventLoop,
+    gate: StoreGate | None,
+    due: asyncio.Event,
+    client: EmbeddedClient,
+    blocks: Blocks,
 ) -> int:
-    """Store ``blocks`` on an executor thread, once ``gate`` (if any) is open."""
+    """Store ``blocks`` on an executor thread, once ``gate`` (if any) is open or ``due`` is
+    set (the request's end waits for them)."""
     if gate is not None:
-        waited = await gate.wait()
+        waited = await gate.wait(due)
         if waited:
             logger.debug(
                 "stores of %d blocks waited %.3f s for prompts' first tokens",

@@ -147,6 +147,9 @@ class GenerateState:
     prefill_admitted: bool = False
     prefill_done: bool = False
     block_queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    # set when the request's own end needs its prompt's stores (its decode is over, or it
+    # failed): they stop waiting for other prompts' first tokens (runtime/store_gate.py)
+    stores_due: asyncio.Event = field(default_factory=asyncio.Event)
     first_token: int | None = None
     first_token_at: float | None = None
     finish_reason: str | None = None

@@ -104,9 +104,11 @@ def test_held_stores_release_one_batch_at_the_first_token() -> None:
     assert passing.release(first_token=False) == ([b"a"], ["va"], [None])
 
 
-def test_colocated_stores_wait_while_another_prompt_is_prefilled(rig: Rig) -> None:
+@pytest.mark.parametrize("opens", ["the other prompt leaves", "the request ends"])
+def test_colocated_stores_wait_while_another_prompt_is_prefilled(rig: Rig, opens: str) -> None:
     """Another prompt admitted to the engine holds the gate: the prompt's stores are not
-    submitted after its first token until that one leaves; then every block is stored."""
+    submitted after its first token until that one leaves, or until the request's end needs
+    them (``stores_due``: its decode is over); then every block is stored."""
     state = rig.state(PROMPT, max_tokens=4)
     prefill = rig.prefill["prefill-0"]
     decode = rig.decode["decode-0"]
@@ -116,7 +118,7 @@ def test_colocated_stores_wait_while_another_prompt_is_prefilled(rig: Rig) -> No
     )
     assert state.colocated
     gate = prefill.store_gate
-    ctx = context("r-gated", state)
+    ctx = context(f"r-gated-{len(opens)}", state)
     executor = RecordingExecutor()
     stage = PrefillStage(BLOCK)
 
@@ -138,6 +140,10 @@ def test_colocated_stores_wait_while_another_prompt_is_prefilled(rig: Rig) -> No
             done, _ = await asyncio.wait({run}, timeout=0.5)
             assert not done and executor.submitted == 0  # its stores wait for the gate
             assert gate.prefilling == 1  # the prompt itself left at its first token
+            if opens == "the request ends":
+                state.stores_due.set()
+                await asyncio.wait_for(run, 120)
+                assert gate.prefilling == 1  # the other prompt still holds it
             gate.leave()
             await asyncio.wait_for(run, 120)
             assert executor.submitted >= 1

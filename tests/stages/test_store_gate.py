@@ -44,3 +44,19 @@ def test_misuse_is_refused() -> None:
         StoreGate(max_wait_s=-1)
     with pytest.raises(RuntimeError, match="leave without a matching enter"):
         StoreGate().leave()
+
+
+def test_a_due_request_stops_waiting() -> None:
+    async def go() -> None:
+        gate = StoreGate(max_wait_s=60.0)
+        gate.enter()  # another prompt, still prefilling
+        due = asyncio.Event()
+        waiter = asyncio.ensure_future(gate.wait(due))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        due.set()  # the waiting stores' request is ending
+        assert await asyncio.wait_for(waiter, 60) >= 0.0
+        assert gate.prefilling == 1
+        assert await gate.wait(due) == 0.0  # already due: at once
+
+    asyncio.run(go())

@@ -9,7 +9,8 @@ tokens"). When eight long prompts arrive at once, the first ones' stores took th
 from the prompts still waiting for their first token.
 
 So the stores wait while any prompt admitted to the same engine has not had its first token
-yet, and at most ``MAX_WAIT_S``. Only admitted prompts count: they hold their pages and make
+yet, until their own request is ending (its decode is over, or it failed: its end waits
+for them), and at most ``MAX_WAIT_S``. Only admitted prompts count: they hold their pages and make
 progress, so a prompt that waits for pages (which the waiting stores' requests release once
 stored and finished) never holds the gate shut. Nothing is lost by waiting: the blocks stay
 in the request's pages, which the decode holds until the stores are done, and a concurrent
@@ -21,7 +22,6 @@ All calls come from the server's event loop (the prefill stage's consumer).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 MAX_WAIT_S = 20.0
@@ -58,12 +58,19 @@ class StoreGate:
         if self._prefilling == 0:
             self._open.set()
 
-    async def wait(self) -> float:
-        """Return once no prompt is being prefilled, or after ``max_wait_s``; the seconds
-        waited."""
-        if self._open.is_set():
+    async def wait(self, due: asyncio.Event | None = None) -> float:
+        """Return once no prompt is being prefilled, once ``due`` is set (the waiting
+        stores' request is ending: its end waits for them), or after ``max_wait_s``; the
+        seconds waited."""
+        if self._open.is_set() or (due is not None and due.is_set()):
             return 0.0
         started = time.monotonic()
-        with contextlib.suppress(TimeoutError):  # waited long enough: store anyway
-            await asyncio.wait_for(self._open.wait(), self.max_wait_s)
+        waits = [asyncio.ensure_future(self._open.wait())]
+        if due is not None:
+            waits.append(asyncio.ensure_future(due.wait()))
+        try:
+            await asyncio.wait(waits, timeout=self.max_wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
         return time.monotonic() - started
