@@ -221,9 +221,8 @@ class PrefillStage(Stage):
                     gate.leave()
                     entered = False
                 to_store = held.release(first_token=first_token)
-                if to_store is not None:  # after the token: a store thread must not delay it
-                    due = state.stores_due
-                    stores.append(asyncio.ensure_future(_store(loop, gate, due, client, to_store)))
+                if to_store is not None:  # after the token: a store must not delay it
+                    stores.append(self._store(loop, gate, state, client, to_store))
                 if out.finished:
                     state.finish_reason = out.finish_reason
                     return
@@ -231,6 +230,21 @@ class PrefillStage(Stage):
             if entered:
                 assert gate is not None
                 gate.leave()
+
+    def _store(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        gate: StoreGate | None,
+        state: GenerateState,
+        client: EmbeddedClient,
+        blocks: Blocks,
+    ) -> asyncio.Future[int]:
+        """Store ``blocks`` on an executor thread: submitted now, in step order; with
+        ``gate``, once no other prompt awaits its first token or the request's end needs them
+        (``state.stores_due``)."""
+        if gate is None:
+            return loop.run_in_executor(None, _store_blocks, client, *blocks)
+        return asyncio.ensure_future(_gated(loop, gate, state.stores_due, client, blocks))
 
     def _new_full_blocks(
         self, state: GenerateState, completed: tuple[int, ...], pages: Pages
@@ -253,23 +267,18 @@ class PrefillStage(Stage):
                 await asyncio.wrap_future(state.prefill.worker.drop(state.decode_request_id))
 
 
-async def _store(
+async def _gated(
     loop: asyncio.AbstractEventLoop,
-    gate: StoreGate | None,
+    gate: StoreGate,
     due: asyncio.Event,
     client: EmbeddedClient,
     blocks: Blocks,
 ) -> int:
-    """Store ``blocks`` on an executor thread, once ``gate`` (if any) is open or ``due`` is
-    set (the request's end waits for them)."""
-    if gate is not None:
-        waited = await gate.wait(due)
-        if waited:
-            logger.debug(
-                "stores of %d blocks waited %.3f s for prompts' first tokens",
-                len(blocks[0]),
-                waited,
-            )
+    """Store ``blocks`` on an executor thread, once ``gate`` is open or ``due`` is set (the
+    request's end waits for them)."""
+    waited = await gate.wait(due)
+    if waited:
+        logger.debug("stores of %d blocks waited %.3f s for others", len(blocks[0]), waited)
     return await loop.run_in_executor(None, _store_blocks, client, *blocks)
 
 
