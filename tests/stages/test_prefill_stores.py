@@ -69,14 +69,22 @@ def _prefill(rig: Rig, rid: str, colocated: bool) -> tuple[int, list[int]]:
         finally:
             await stage.cleanup(ctx, None)
 
+    _run(executor, go)
+    assert state.first_token is not None and len(before_token) == 1
+    return before_token[0], _stored(rig, state)
+
+
+def _run(executor: concurrent.futures.Executor, go: Callable[[], Any]) -> None:
     try:
         asyncio.run(go())
     finally:
         executor.shutdown(wait=True)
-    assert state.first_token is not None and len(before_token) == 1
-    keys = state.block_keys
-    held = [b for b, key in enumerate(keys) if prefill.store.shard.exists(key)]
-    return before_token[0], held
+
+
+def _stored(rig: Rig, state: Any) -> list[int]:
+    """Which of the prompt's blocks the prefill instance's shard holds."""
+    shard = rig.prefill["prefill-0"].store.shard
+    return [b for b, key in enumerate(state.block_keys) if shard.exists(key)]
 
 
 @pytest.mark.parametrize("colocated", [True, False])
@@ -150,10 +158,6 @@ def test_colocated_stores_wait_while_another_prompt_is_prefilled(rig: Rig, opens
         finally:
             await stage.cleanup(ctx, None)
 
-    try:
-        asyncio.run(go())
-    finally:
-        executor.shutdown(wait=True)
+    _run(executor, go)
     assert gate.prefilling == 0
-    held = [b for b, key in enumerate(state.block_keys) if prefill.store.shard.exists(key)]
-    assert held == list(range(len(PROMPT) // BLOCK))
+    assert _stored(rig, state) == list(range(len(PROMPT) // BLOCK))
