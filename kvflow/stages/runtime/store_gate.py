@@ -9,10 +9,10 @@ tokens"). When eight long prompts arrive at once, the first ones' stores took th
 from the prompts still waiting for their first token.
 
 So the stores wait while any prompt admitted to the same engine has not had its first token
-yet, until their own request is ending (its decode is over, or it failed: its end waits
-for them), and at most ``MAX_WAIT_S``. Only admitted prompts count: they hold their pages and make
-progress, so a prompt that waits for pages (which the waiting stores' requests release once
-stored and finished) never holds the gate shut. Nothing is lost by waiting: the blocks stay
+yet, until their own request is ending (its decode is over, or it failed: its end waits for
+them), and at most ``MAX_WAIT_S``. Only admitted prompts count: they hold their pages and
+make progress, so a prompt that waits for pages (which the waiting stores' requests release
+once stored and finished) never holds the gate shut. Nothing is lost by waiting: the blocks stay
 in the request's pages, which the decode holds until the stores are done, and a concurrent
 request with the same prefix shares those pages by key in the engine.
 
