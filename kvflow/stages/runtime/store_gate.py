@@ -3,10 +3,11 @@
 On a colocated engine (one engine prefills and decodes, every core) a prompt's completed
 blocks are stored in one batch after its first token (``prefill.py:HeldStores``). The store
 copies them into the kvdb DRAM tier on an executor thread beside the engine's OpenMP team; on
-a fresh server that is the first write of those tier pages, ~1.8 s of CPU per GiB on the
-2-core development VM (docs/performance.md, "Stores wait for the other prompts' first
-tokens"). When eight long prompts arrive at once, the first ones' stores took those cores
-from the prompts still waiting for their first token.
+a fresh server that is the first write of those tier pages, which on the 2-core development
+VM cost 0.5-1.8 s of CPU per GiB on quiet cores and 8-9 us a 4 KiB page beside a busy engine
+(docs/performance.md, "Stores wait for the other prompts' first tokens" and "What remains").
+When eight long prompts arrive at once, the first ones' stores took those cores from the
+prompts still waiting for their first token.
 
 So the stores wait while any prompt admitted to the same engine has not had its first token
 yet, until their own request is ending (its decode is over, or it failed: its end waits for
