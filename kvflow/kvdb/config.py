@@ -42,6 +42,9 @@ class StoreConfig:
         dram_alignment: DRAM extents start on multiples of this (power of two, >= 8).
         dram_prefault: touch every page of the pool at open (slower open, no page faults on
             the first puts).
+        dram_write_ahead_bytes: how far past its furthest write the DRAM pool may be mapped
+            ahead of use when the shard's owner asks (``Shard.write_ahead``, run while the
+            engine is idle; ``dram.py``); 0 (the default here): never.
         dram_shared: the pool is a shared pool (a sealed memfd, ``transfer/pool_memory.py``)
             that the transfer engine hands to authenticated same-host peers, which then read
             it by memcpy (default); False: private memory, for a store no other process reads
@@ -72,6 +75,7 @@ class StoreConfig:
     max_value_size: int = 64 * 1024 * 1024
     dram_alignment: int = 256
     dram_prefault: bool = False
+    dram_write_ahead_bytes: int = 0
     dram_shared: bool = True
     verify_dram_hits: bool = True
     flush_on_close: bool = True
@@ -126,6 +130,7 @@ class StoreConfig:
         for flag in ("dram_prefault", "dram_shared", "verify_dram_hits"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"StoreConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
+        _check_int(self, "dram_write_ahead_bytes", 0)
         _check_int(self, "event_outbox_capacity", 1)
         if not self.metadata_flush_interval_s > 0:
             raise ValueError("StoreConfig.metadata_flush_interval_s must be > 0")

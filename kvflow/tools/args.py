@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.stages.serve.colocation import COLOCATED_MIXED_CHUNK
-from kvflow.stages.serve.config import DTYPES, ServeConfig
+from kvflow.stages.serve.config import DRAM_WRITE_AHEAD_BYTES, DTYPES, ServeConfig
 from kvflow.stages.serve.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,14 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         "start, but no page faults in the prompts' stores (docs/performance.md)",
     )
     p.add_argument(
+        "--dram-write-ahead-mb",
+        type=int,
+        default=DRAM_WRITE_AHEAD_BYTES >> 20,
+        help="while the engine is idle, map each DRAM tier up to this far past its furthest "
+        "stored block, so the next prompts' stores take no first-write page faults; only "
+        "once it holds a block (default: %(default)s; 0: never; docs/performance.md)",
+    )
+    p.add_argument(
         "--ssd-mb",
         type=int,
         help="SSD tier per shard, MiB; default: a quarter of the free disk, at most 8192",
@@ -126,9 +134,17 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "dram_capacity_bytes": plan.dram_bytes,
         "ssd_capacity_bytes": plan.ssd_bytes,
         "dram_prefault": args.dram_prefault,
+        "dram_write_ahead_bytes": _write_ahead_bytes(args.dram_write_ahead_mb),
         "storage_engine": args.storage_engine,
         "seed": args.seed,
     }
+
+
+def _write_ahead_bytes(mb: int) -> int:
+    """``--dram-write-ahead-mb`` in bytes; ValueError naming the flag when negative."""
+    if mb < 0:
+        raise ValueError(f"--dram-write-ahead-mb must be >= 0 (0: never), got {mb}")
+    return mb << 20
 
 
 def memory_plan(args: argparse.Namespace, model_dir: Path, engines: int, shards: int) -> Any:

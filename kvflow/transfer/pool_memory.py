@@ -14,11 +14,19 @@ could open) mapped ``MAP_SHARED``: the transfer engine can hand its file descrip
 authenticated same-host peer (``transfer/shm_server.py``), which then reads the pool with one
 memcpy instead of two socket copies. ``shared_region`` finds the descriptor of such a pool's
 array. Where memfd is missing (not Linux) a shared pool is a private one and shares nothing.
+
+``populate`` maps a span of pool memory ahead of its first write without writing it
+(``MADV_POPULATE_WRITE``, Linux 5.14): what a write would fault in, done when the caller
+chooses (the kvdb DRAM tier's write-ahead, ``kvdb/dram.py``), and safe beside threads that
+write the same span, since it changes no byte.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fcntl
+import logging
 import mmap
 import os
 import threading
@@ -26,6 +34,8 @@ import weakref
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
 
@@ -100,6 +110,52 @@ def write_zeros(region: np.ndarray, threads: int | None = None) -> None:
         w.join()
     if errors:
         raise errors[0]
+
+
+MADV_POPULATE_WRITE = 23
+"""Linux's advice to populate page tables writable, as a write would, without writing
+(``<linux/mman.h>``, since 5.14)."""
+PAGE = mmap.PAGESIZE
+
+_madvise: Any = None  # libc's madvise once looked up; False where there is none
+
+
+def populate(region: np.ndarray, start: int, end: int) -> bool:
+    """Map the pages under ``region[start:end]`` (a contiguous uint8 array over pool memory)
+    writable now, without writing them: the bytes stay as they are, so a thread may write the
+    span meanwhile. The span is widened to whole pages inside the region's mapping. Runs
+    without the GIL (a libc call through ctypes). False where the platform cannot (not
+    Linux, a kernel before 5.14, a mapping that refuses): nothing was done."""
+    if not 0 <= start <= end <= region.nbytes:
+        raise ValueError(f"span [{start}, {end}) is outside a region of {region.nbytes} bytes")
+    madvise = _libc_madvise()
+    if madvise is None or start == end:
+        return madvise is not None
+    base = region.ctypes.data
+    lo = (base + start) // PAGE * PAGE
+    hi = -(-(base + end) // PAGE) * PAGE
+    if madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        logger.info("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(err))
+        return False
+    return True
+
+
+def _libc_madvise() -> Any:
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        path = ctypes.util.find_library("c")
+        if path is not None and hasattr(os, "memfd_create"):  # Linux
+            try:
+                fn = ctypes.CDLL(path, use_errno=True).madvise
+            except (OSError, AttributeError):
+                fn = None
+            if fn is not None:
+                fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+                fn.restype = ctypes.c_int
+                _madvise = fn
+    return _madvise or None
 
 
 def _cpus() -> int:

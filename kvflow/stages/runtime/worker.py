@@ -5,6 +5,11 @@ and released through a command queue, and each step's outputs are handed to the 
 was registered with the request — *on the engine thread*, so a sink may export pages of its
 request right away (the page cannot be freed under it). Sinks must be quick and must not
 block; they typically hand data to asyncio with ``loop.call_soon_threadsafe``.
+
+While the engine has nothing to run the thread may do bounded chores for the process
+(``add_idle_task``): each call a small piece (the kvdb DRAM tier's write-ahead maps 4 MiB,
+``kvdb/dram.py``), the command queue looked at between pieces, so a request arriving then
+waits for one piece at most.
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._trace: StepTrace | None = None  # KVFLOW_STEP_TRACE (step_trace.py)
         self._spin: SpinControl | None = None  # made on the engine thread
+        self._idle_tasks: list[Callable[[], int]] = []
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -122,6 +128,24 @@ class EngineWorker:
     def num_active(self) -> int:
         """Requests admitted and not yet finished (approximate, lock-free read)."""
         return len(self._sinks)
+
+    def add_idle_task(self, task: Callable[[], int]) -> None:
+        """Run ``task()`` on the engine thread while the engine is idle, again while it
+        returns a positive amount of work done, and else after the idle wait (a second).
+        It must do a small piece per call; an exception logs and drops it. Call before
+        ``start``."""
+        self._idle_tasks.append(task)
+
+    def _idle_work(self) -> bool:
+        """One piece of each idle task; whether any did work."""
+        worked = False
+        for task in list(self._idle_tasks):
+            try:
+                worked = task() > 0 or worked
+            except Exception:
+                logger.exception("worker=%s idle task %r failed; dropped", self.name, task)
+                self._idle_tasks.remove(task)
+        return worked
 
     # -- commands -------------------------------------------------------------------------
     def submit(self, item: WorkItem) -> None:
@@ -247,7 +271,10 @@ class EngineWorker:
             torch.get_num_threads(),
         )
         while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished())
+            idle = not self.engine.has_unfinished()
+            if idle and self._idle_tasks and self._commands.empty() and self._idle_work():
+                continue  # more to do: look at the commands again first
+            self._drain_commands(block=idle)
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             self._set_threads()

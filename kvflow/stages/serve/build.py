@@ -98,6 +98,15 @@ def prefill_prefault(config: EngineStoreConfig) -> int | None:
     return config.num_pages if config.kv_prefault else None
 
 
+def write_ahead_when_idle(worker: EngineWorker, store: Store, config: EngineStoreConfig) -> None:
+    """Have ``worker``'s thread map ``store``'s DRAM tier ahead of its stores while its engine
+    is idle (``kvdb/dram.py``, ``EngineStoreConfig.dram_write_ahead_bytes``): the engine
+    whose steps those page faults would otherwise share cores with, at the times it leaves
+    them free."""
+    if config.dram_write_ahead_bytes and not config.dram_prefault:
+        worker.add_idle_task(store.shard.write_ahead)
+
+
 def kv_layout(engine: Engine) -> KVLayout:
     """kvdb's layout of the engine's KV pages (part of every Namespace)."""
     lay = engine.kv_layout
@@ -126,6 +135,7 @@ def open_shard(
             value_size=engine.page_nbytes,
             dram_shared=shared_dram,
             dram_prefault=config.dram_prefault,
+            dram_write_ahead_bytes=config.dram_write_ahead_bytes,
         ),
         namespace_for(DEFAULT_TENANT, engine.model_fingerprint, kv_layout(engine)),
         node_id=NodeId(instance_id),

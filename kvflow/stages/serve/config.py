@@ -14,6 +14,9 @@ DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 too so that flag parsing imports no torch)."""
 STORAGE_ENGINES = ("lmdb", "rocksdb", "memory")
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
+DRAM_WRITE_AHEAD_BYTES = 1 << 30
+"""The default of ``EngineStoreConfig.dram_write_ahead_bytes`` (``--dram-write-ahead-mb``):
+what ~20 prompts of ~500 tokens store on the default model (2.8 MiB a 64-token block)."""
 """The devices an engine runs on, named here so that flag parsing imports no torch (the
 engine's `require_device` checks the same and, at start, that this machine has it)."""
 
@@ -100,6 +103,10 @@ class EngineStoreConfig:
             a slower start) rather than as blocks are stored: a store then copies into memory
             already mapped, ~6 GB/s here against ~1.7-1.9 GB/s into fresh pages
             (docs/performance.md, "The DRAM tier written at start").
+        dram_write_ahead_bytes: while its engine is idle, map each shard's DRAM tier up to
+            this far past its furthest stored block (``kvdb/dram.py``; at most the tier), so
+            the next prompts' stores take no first-write page faults beside the engine; only
+            once the tier holds a block, so an unused tier stays unmapped. 0: never.
         storage_engine: "lmdb", "rocksdb" or "memory" for the SSD tier; None (the default):
             the engine each shard's directory already holds, else kvdb's ``DEFAULT_ENGINE``
             (``kvdb.manifest.engine_for``).
@@ -123,6 +130,7 @@ class EngineStoreConfig:
     dram_capacity_bytes: int = 1 << 30
     ssd_capacity_bytes: int = 8 << 30
     dram_prefault: bool = False
+    dram_write_ahead_bytes: int = DRAM_WRITE_AHEAD_BYTES
     storage_engine: str | None = None
     seed: int = 0
     device: str = "cpu"
@@ -142,6 +150,15 @@ class EngineStoreConfig:
             _positive_int(name, getattr(self, name))
         if self.mixed_chunk is not None:
             _positive_int("mixed_chunk", self.mixed_chunk)
+        if not (
+            isinstance(self.dram_write_ahead_bytes, int)
+            and not isinstance(self.dram_write_ahead_bytes, bool)
+            and self.dram_write_ahead_bytes >= 0
+        ):
+            raise ValueError(
+                f"dram_write_ahead_bytes must be an int >= 0 (0: none), "
+                f"got {self.dram_write_ahead_bytes!r}"
+            )
         if self.tbt_target_ms is not None and not (
             isinstance(self.tbt_target_ms, int | float)
             and not isinstance(self.tbt_target_ms, bool)
