@@ -132,8 +132,8 @@ class EngineWorker:
     def add_idle_task(self, task: Callable[[], int]) -> None:
         """Run ``task()`` on the engine thread while the engine is idle, again while it
         returns a positive amount of work done, and else after the idle wait (a second).
-        It must do a small piece per call; an exception logs and drops it. Call before
-        ``start``."""
+        It must do a small piece per call; an exception logs and drops it. Safe to call from
+        any thread, before or after ``start``."""
         self._idle_tasks.append(task)
 
     def _idle_work(self) -> bool:
