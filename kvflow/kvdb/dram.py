@@ -7,12 +7,13 @@ is not freed meanwhile (the shard guarantees that with reader counts).
 
 **Write-ahead.** A first write into a pool page is a page fault, and on a virtual machine
 that hands free memory back to its host (free page reporting) a fault into memory the guest
-has not used lately costs ~2-10 us a 4 KiB page: ~1.8 s of CPU per GiB of blocks a fresh
-server caches, taken from the cores the engine computes on (docs/performance.md, "The DRAM
-tier written ahead while idle"). ``write_ahead`` maps the next span of the pool past the
-furthest extent ever allocated (the allocator is first-fit, so the pool fills from its start)
-without writing it, up to ``reserve`` bytes ahead; its caller runs it while the engine is idle
-(``runtime/worker.py``), so the next burst of stores finds its pages mapped. Once blocks are
+has not used lately costs ~2-10 us a 4 KiB page (0.5-2.5 s of CPU per GiB of blocks a fresh
+server caches; the price varies with the host), taken from the cores the engine computes on
+(docs/performance.md, "The DRAM tier written ahead while idle"). ``write_ahead`` maps the
+next span of the pool past the furthest extent ever allocated (the allocator is first-fit, so
+the pool fills from its start) without writing it, up to ``reserve`` bytes ahead; its caller
+runs it while the engine is idle (``runtime/worker.py``), so the next burst of stores finds
+its pages mapped. Once blocks are
 evicted, freed extents (already mapped) are reused first and the write-ahead has nothing left
 to do.
 """
@@ -38,7 +39,8 @@ class DramTier:
             write_zeros(self.pool)
         self.allocator = ExtentAllocator(capacity, alignment)
         self.high_water = 0
-        """The end of the furthest extent ever allocated: the pool below it has been written."""
+        """The end of the furthest extent ever allocated (each is written by the put that
+        allocated it): the pool below it is mapped."""
         self.mapped = self.allocator.capacity if prefault else 0
         """The end of the furthest span mapped ahead (``write_ahead``) or at start."""
         self._can_populate = True
