@@ -62,8 +62,8 @@ LOCAL_NODE = NodeId("local")
 """The node id of a shard that is not part of a cluster."""
 
 
-WRITE_AHEAD_CHUNK = 4 << 20
-"""Bytes ``Shard.write_ahead`` maps per call: ~1-10 ms here (2-10 us a 4 KiB page on a
+WRITE_AHEAD_CHUNK = 2 << 20
+"""Bytes ``Shard.write_ahead`` maps per call: ~1-5 ms here (2-10 us a 4 KiB page on a
 virtual machine), what a request arriving meanwhile may wait."""
 
 

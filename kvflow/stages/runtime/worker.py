@@ -7,9 +7,11 @@ request right away (the page cannot be freed under it). Sinks must be quick and 
 block; they typically hand data to asyncio with ``loop.call_soon_threadsafe``.
 
 While the engine has nothing to run the thread may do bounded chores for the process
-(``add_idle_task``): each call a small piece (the kvdb DRAM tier's write-ahead maps 4 MiB,
+(``add_idle_task``): each call a small piece (the kvdb DRAM tier's write-ahead maps 2 MiB,
 ``kvdb/dram.py``), the command queue looked at between pieces, so a request arriving then
-waits for one piece at most.
+waits for one piece at most. They start only once the engine has been idle for
+``IDLE_GRACE_S``: a client that sends its next request as soon as the last one is answered
+finds the thread waiting, not busy.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from kvflow.stages.runtime.threads import EngineThreads
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+IDLE_GRACE_S = 0.05
+"""How long the engine must have been idle before the idle tasks run."""
 
 Sink = Callable[[Engine, RequestOutput], None]
 ErrorSink = Callable[[BaseException], None]
@@ -105,6 +110,7 @@ class EngineWorker:
         self._trace: StepTrace | None = None  # KVFLOW_STEP_TRACE (step_trace.py)
         self._spin: SpinControl | None = None  # made on the engine thread
         self._idle_tasks: list[Callable[[], int]] = []
+        self._busy_until = 0.0  # when the engine last had work or a command (monotonic)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,8 +136,9 @@ class EngineWorker:
         return len(self._sinks)
 
     def add_idle_task(self, task: Callable[[], int]) -> None:
-        """Run ``task()`` on the engine thread while the engine is idle, again while it
-        returns a positive amount of work done, and else after the idle wait (a second).
+        """Run ``task()`` on the engine thread while the engine is idle (and has been for
+        ``IDLE_GRACE_S``), again while it returns a positive amount of work done, and else
+        after the idle wait (a second).
         It must do a small piece per call; an exception logs and drops it. Safe to call from
         any thread, before or after ``start``."""
         self._idle_tasks.append(task)
@@ -223,11 +230,15 @@ class EngineWorker:
         except Exception:
             logger.exception("worker=%s req=%s abort failed", self.name, request_id)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
+        """Run the queued commands; with ``block``, wait for the first one up to
+        ``timeout`` (None: the idle wait)."""
         try:
-            cmd = self._commands.get(timeout=self._idle_wait_s) if block else None
+            wait = self._idle_wait_s if timeout is None else timeout
+            cmd = self._commands.get(timeout=wait) if block else None
         except queue.Empty:
             return
+        self._busy_until = time.monotonic()
         while True:
             if cmd is not None:
                 try:
@@ -272,8 +283,13 @@ class EngineWorker:
         )
         while not self._stop.is_set():
             idle = not self.engine.has_unfinished()
-            if idle and self._idle_tasks and self._commands.empty() and self._idle_work():
-                continue  # more to do: look at the commands again first
+            if idle and self._idle_tasks and self._commands.empty():
+                waited = time.monotonic() - self._busy_until
+                if waited < IDLE_GRACE_S:  # just idle: a next request may be on its way
+                    self._drain_commands(block=True, timeout=IDLE_GRACE_S - waited)
+                    continue
+                if self._idle_work():
+                    continue  # more to do: look at the commands again first
             self._drain_commands(block=idle)
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
@@ -297,6 +313,7 @@ class EngineWorker:
                 trace.end(self.engine.last_plan, stepped, cpu, outputs)
             for item in continuations:  # before the next step, which then runs them
                 self._admit(item)
+            self._busy_until = time.monotonic()
         logger.info("worker=%s engine loop stopped after %d steps", self.name, self._steps)
 
     def _hand_on(self, outputs: list[RequestOutput]) -> list[WorkItem]:
