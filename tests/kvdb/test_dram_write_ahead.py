@@ -4,18 +4,17 @@ reserve and the pool; a shard does it as its config says (``dram_write_ahead_byt
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from kvflow.kvdb import StoreConfig
 from kvflow.kvdb.dram import DramTier
 from kvflow.transfer.pool_memory import populate
 from tests.kvdb.conftest import NBYTES, keys, value
+from tests.stages.engine.test_resident_pages import _resident_share
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE, mincore")
 MIB = 1 << 20
@@ -23,16 +22,7 @@ MIB = 1 << 20
 
 def resident(region: np.ndarray, start: int, end: int) -> float:
     """The share of the OS pages wholly inside ``region[start:end]`` that are resident."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    base = region.ctypes.data
-    first = -(-(base + start) // mmap.PAGESIZE) * mmap.PAGESIZE
-    last = (base + end) // mmap.PAGESIZE * mmap.PAGESIZE
-    n = (last - first) // mmap.PAGESIZE
-    assert n > 0
-    vec = (ctypes.c_ubyte * n)()
-    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(last - first), vec) != 0:
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-    return sum(v & 1 for v in vec) / n
+    return _resident_share(torch.from_numpy(region[start:end]))
 
 
 @linux_only
