@@ -45,6 +45,11 @@ class StoreConfig:
         dram_write_ahead_bytes: how far past its furthest write the DRAM pool may be mapped
             ahead of use when the shard's owner asks (``Shard.write_ahead``, run while the
             engine is idle; ``dram.py``); 0 (the default here): never.
+        dram_write_behind: when the shard's owner asks (``Shard.write_behind``, run while the
+            engine is idle), write to SSD ahead of time the DRAM blocks the next two
+            evictions would demote, once the DRAM tier is half full, so that an eviction
+            under load drops DRAM copies instead of writing them (``mover.py``); False (the
+            default here): demotions write on the storing thread.
         dram_shared: the pool is a shared pool (a sealed memfd, ``transfer/pool_memory.py``)
             that the transfer engine hands to authenticated same-host peers, which then read
             it by memcpy (default); False: private memory, for a store no other process reads
@@ -76,6 +81,7 @@ class StoreConfig:
     dram_alignment: int = 256
     dram_prefault: bool = False
     dram_write_ahead_bytes: int = 0
+    dram_write_behind: bool = False
     dram_shared: bool = True
     verify_dram_hits: bool = True
     flush_on_close: bool = True
@@ -127,7 +133,7 @@ class StoreConfig:
         a = self.dram_alignment
         if not isinstance(a, int) or a < 8 or a & (a - 1):
             raise ValueError(f"StoreConfig.dram_alignment must be a power of two >= 8, got {a!r}")
-        for flag in ("dram_prefault", "dram_shared", "verify_dram_hits"):
+        for flag in ("dram_prefault", "dram_write_behind", "dram_shared", "verify_dram_hits"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"StoreConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         _check_int(self, "dram_write_ahead_bytes", 0)

@@ -8,7 +8,7 @@ Engine I/O (demotion writes, SSD deletes) happens under that lock.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -62,6 +62,7 @@ class TierMover:
         self.replicas = replicas
         self.high = high_watermark
         self.low = low_watermark
+        self._behind: deque[BlockKey] = deque()  # write_behind's plan, next first
 
     # ----------------------------------------------------------------- candidates
 
@@ -145,6 +146,61 @@ class TierMover:
         if to_demote:
             self._demote(to_demote)
         return len(victims)
+
+    def write_behind(self, limit: int) -> int:
+        """Write to SSD, ahead of their eviction, DRAM-only blocks that an eviction would
+        demote, in the order it would pick them (the policy's, when the plan was made): at
+        most ``limit`` bytes of them, at least one block. They stay in DRAM (a hit reads
+        them there; `Entry.tier` is still DRAM, no event), and an eviction that picks them
+        later drops the DRAM copy without writing (``evict_dram``). The plan (every such
+        block, coldest first) is made when the last one is used up; blocks that have left
+        DRAM or reached SSD meanwhile are skipped. Never makes room on SSD for them:
+        nothing is written where the SSD tier would cross its high watermark. Returns the
+        bytes of the blocks written (0: nothing to do)."""
+        s = self.s
+        if s.ssd is None or s.dram is None:
+            return 0
+        if not self._behind:
+            self._behind = deque(self._write_behind_plan())
+        chosen: list[Entry] = []
+        size = 0
+        while self._behind:
+            e = s.index.get(self._behind[0])
+            if e is None or e.on_ssd or e.dram is None:
+                self._behind.popleft()
+                continue
+            if chosen and size + e.nbytes > limit:
+                break
+            self._behind.popleft()
+            chosen.append(e)
+            size += e.nbytes
+        if not chosen:
+            return 0
+        records = [
+            (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent, e.tenant))
+            for e in chosen
+            if e.dram is not None
+        ]
+        if s.ssd.used + s.ssd.footprint(records) > s.ssd.capacity * self.high:
+            self._behind.clear()
+            return 0
+        s.ssd.write_many(records)
+        s.ssd_counters.bytes_written += sum(len(r) for _, r in records)
+        for e in chosen:
+            e.on_ssd = True
+        return size
+
+    def _write_behind_plan(self) -> list[BlockKey]:
+        """Every DRAM-only block an eviction would demote, in its order."""
+        s = self.s
+        assert s.dram is not None
+        blocks = self.tier_blocks(Tier.DRAM)
+        return [
+            key
+            for key in select_victims(blocks, s.dram.used, self.policy)
+            if not s.index[key].on_ssd
+            and self.policy.action(blocks[key].candidate, can_demote=True) is EvictAction.DEMOTE
+        ]
 
     def _demote(self, entries: list[Entry]) -> None:
         s = self.s

@@ -104,6 +104,15 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         "once it holds a block (default: %(default)s; 0: never; docs/performance.md)",
     )
     p.add_argument(
+        "--dram-write-behind",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="while the engine is idle and a DRAM tier is half full, write to its SSD tier "
+        "the blocks the next two evictions would demote, so that evictions under load write "
+        "nothing; --no-dram-write-behind: demotions write on the storing thread "
+        "(docs/performance.md)",
+    )
+    p.add_argument(
         "--ssd-mb",
         type=int,
         help="SSD tier per shard, MiB; default: a quarter of the free disk, at most 8192",
@@ -135,6 +144,7 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "ssd_capacity_bytes": plan.ssd_bytes,
         "dram_prefault": args.dram_prefault,
         "dram_write_ahead_bytes": _write_ahead_bytes(args.dram_write_ahead_mb),
+        "dram_write_behind": args.dram_write_behind,
         "storage_engine": args.storage_engine,
         "seed": args.seed,
     }

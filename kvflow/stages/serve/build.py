@@ -98,13 +98,16 @@ def prefill_prefault(config: EngineStoreConfig) -> int | None:
     return config.num_pages if config.kv_prefault else None
 
 
-def write_ahead_when_idle(worker: EngineWorker, store: Store, config: EngineStoreConfig) -> None:
-    """Have ``worker``'s thread map ``store``'s DRAM tier ahead of its stores while its engine
-    is idle (``kvdb/dram.py``, ``EngineStoreConfig.dram_write_ahead_bytes``): the engine
-    whose steps those page faults would otherwise share cores with, at the times it leaves
-    them free."""
+def tier_chores_when_idle(worker: EngineWorker, store: Store, config: EngineStoreConfig) -> None:
+    """Have ``worker``'s thread tend ``store``'s tiers while its engine is idle: the engine
+    whose steps this work would otherwise share cores with, at the times it leaves them free.
+    Map the DRAM tier ahead of its stores (``kvdb/dram.py``,
+    ``EngineStoreConfig.dram_write_ahead_bytes``) and write to SSD the blocks the next
+    evictions would demote (``kvdb/mover.py``, ``EngineStoreConfig.dram_write_behind``)."""
     if config.dram_write_ahead_bytes and not config.dram_prefault:
         worker.add_idle_task(store.shard.write_ahead)
+    if config.dram_write_behind:
+        worker.add_idle_task(store.shard.write_behind)
 
 
 def kv_layout(engine: Engine) -> KVLayout:
@@ -136,6 +139,7 @@ def open_shard(
             dram_shared=shared_dram,
             dram_prefault=config.dram_prefault,
             dram_write_ahead_bytes=config.dram_write_ahead_bytes,
+            dram_write_behind=config.dram_write_behind,
         ),
         namespace_for(DEFAULT_TENANT, engine.model_fingerprint, kv_layout(engine)),
         node_id=NodeId(instance_id),

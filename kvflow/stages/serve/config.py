@@ -107,6 +107,11 @@ class EngineStoreConfig:
             this far past its furthest stored block (``kvdb/dram.py``; at most the tier), so
             the next prompts' stores take no first-write page faults beside the engine; only
             once the tier holds a block, so an unused tier stays unmapped. 0: never.
+        dram_write_behind: while its engine is idle, write to each shard's SSD tier the DRAM
+            blocks its next two evictions would demote, once the DRAM tier is half full
+            (``kvdb/mover.py``, ``Shard.write_behind``), so an eviction beside the engine
+            drops DRAM copies instead of writing them. False: demotions write on the
+            storing thread.
         storage_engine: "lmdb", "rocksdb" or "memory" for the SSD tier; None (the default):
             the engine each shard's directory already holds, else kvdb's ``DEFAULT_ENGINE``
             (``kvdb.manifest.engine_for``).
@@ -131,6 +136,7 @@ class EngineStoreConfig:
     ssd_capacity_bytes: int = 8 << 30
     dram_prefault: bool = False
     dram_write_ahead_bytes: int = DRAM_WRITE_AHEAD_BYTES
+    dram_write_behind: bool = True
     storage_engine: str | None = None
     seed: int = 0
     device: str = "cpu"
@@ -159,6 +165,8 @@ class EngineStoreConfig:
                 f"dram_write_ahead_bytes must be an int >= 0 (0: none), "
                 f"got {self.dram_write_ahead_bytes!r}"
             )
+        if not isinstance(self.dram_write_behind, bool):
+            raise ValueError(f"dram_write_behind must be a bool, got {self.dram_write_behind!r}")
         if self.tbt_target_ms is not None and not (
             isinstance(self.tbt_target_ms, int | float)
             and not isinstance(self.tbt_target_ms, bool)

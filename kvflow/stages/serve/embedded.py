@@ -43,7 +43,7 @@ from kvflow.stages.serve.build import (
     open_engine,
     open_shard,
     prefill_prefault,
-    write_ahead_when_idle,
+    tier_chores_when_idle,
 )
 from kvflow.stages.serve.closers import Closers
 from kvflow.stages.serve.colocation import decode_staging_used, mixed_chunk, tbt_target_ms
@@ -183,7 +183,7 @@ class EmbeddedCluster:
         )
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers, False)
-        write_ahead_when_idle(worker, store, c)
+        tier_chores_when_idle(worker, store, c)
         pool = engine.host_pool  # the pages export_pages hands on (on a GPU: a host mirror)
         self.transfer.register_memory(
             pool_segment_name(instance_id), pool.view(torch.uint8).numpy()
@@ -210,7 +210,7 @@ class EmbeddedCluster:
             worker = open_engine(self.model_dir, c, instance_id, self._closers, threads)
         engine = worker.engine
         store = open_shard(c, instance_id, engine, self.metadata, self._closers, False)
-        write_ahead_when_idle(worker, store, c)
+        tier_chores_when_idle(worker, store, c)
         used = decode_staging_used(c.colocate, c.num_prefill, c.num_decode)
         staging = StagingArea(
             instance_id,

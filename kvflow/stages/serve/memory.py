@@ -14,8 +14,9 @@ fixed default: ``plan_memory`` sizes each one left unset.
   start-up (`engine.pages.resident_pages`) and the rest become resident as they are used.)
 - DRAM tiers: a quarter of the available memory for the process's shards together, split
   evenly, each between 64 MiB and 16 GiB. The DRAM tier is the cache a prefix hit reads
-  from, and a lazily mapped pool (resident as blocks are cached); when it is full every
-  store demotes blocks to the SSD tier (compressed, on the storing thread). At 256 MiB a
+  from, and a lazily mapped pool (resident as blocks are cached); when it is full a store
+  evicts blocks to the SSD tier, writing them on the storing thread unless they were
+  written behind while the engine was idle (``--dram-write-behind``). At 256 MiB a
   shard, the earlier cap, SmolLM2-135M's 2,000-token prompts filled it after three, and the
   demotions cost the 32 x 2 burst 8-12% of its time on 2 cores (docs/performance.md).
 - SSD tier per shard: a quarter of the free disk under the data directory, at most 8 GiB.

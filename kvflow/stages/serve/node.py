@@ -58,7 +58,7 @@ from kvflow.stages.serve.build import (
     open_engine,
     open_shard,
     prefill_prefault,
-    write_ahead_when_idle,
+    tier_chores_when_idle,
 )
 from kvflow.stages.serve.closers import Closers
 from kvflow.stages.serve.config import NodeConfig
@@ -123,7 +123,7 @@ class NodeServer:
         address = format_node_address(self.address, self.transfer_address)
         self.metadata.register_node(NodeId(c.node_id), address, c.kind)
         self.store = open_shard(c, c.node_id, engine, self.metadata, self._closers)
-        write_ahead_when_idle(self.worker, self.store, c)
+        tier_chores_when_idle(self.worker, self.store, c)
         ServingMetrics(self.metrics).track_hit_rates({c.node_id: shard_hit_rates(self.store.shard)})
         self.heartbeat = Heartbeat(
             self.metadata,
