@@ -176,11 +176,7 @@ class TierMover:
             size += e.nbytes
         if not chosen:
             return 0
-        records = [
-            (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent, e.tenant))
-            for e in chosen
-            if e.dram is not None
-        ]
+        records = self._ssd_records(chosen)
         if s.ssd.used + s.ssd.footprint(records) > s.ssd.capacity * self.high:
             self._behind.clear()
             return 0
@@ -205,11 +201,7 @@ class TierMover:
     def _demote(self, entries: list[Entry]) -> None:
         s = self.s
         assert s.ssd is not None and s.dram is not None
-        records = [
-            (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent, e.tenant))
-            for e in entries
-            if e.dram is not None
-        ]
+        records = self._ssd_records(entries)
         total = s.ssd.footprint(records)
         if not self.make_ssd_room(total, frozenset(e.key for e in entries)):
             logger.warning(
@@ -223,6 +215,16 @@ class TierMover:
         for e in entries:
             e.on_ssd = True
             self._finish_demotion(e)
+
+    def _ssd_records(self, entries: list[Entry]) -> list[tuple[BlockKey, bytes]]:
+        """The SSD records of the DRAM copies of ``entries`` (those with one)."""
+        s = self.s
+        assert s.ssd is not None and s.dram is not None
+        return [
+            (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent, e.tenant))
+            for e in entries
+            if e.dram is not None
+        ]
 
     def _finish_demotion(self, e: Entry) -> None:
         self.drop_dram_copy(e)
@@ -376,11 +378,7 @@ class TierMover:
             while pending and size < _FLUSH_CHUNK_BYTES:
                 chunk.append(pending.pop(0))
                 size += chunk[-1].nbytes
-            records = [
-                (e.key, s.ssd.encode(s.dram.view(e.dram, e.nbytes), e.checksum, e.parent, e.tenant))
-                for e in chunk
-                if e.dram is not None
-            ]
+            records = self._ssd_records(chunk)
             total = s.ssd.footprint(records)
             if not self.make_ssd_room(total, frozenset(e.key for e in chunk)):
                 logger.warning("flush on close: SSD full; %d blocks not written", len(chunk))
