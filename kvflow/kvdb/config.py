@@ -46,8 +46,8 @@ class StoreConfig:
             ahead of use when the shard's owner asks (``Shard.write_ahead``, run while the
             engine is idle; ``dram.py``); 0 (the default here): never.
         dram_write_behind: when the shard's owner asks (``Shard.write_behind``, run while the
-            engine is idle), write to SSD ahead of time the DRAM blocks the next two
-            evictions would demote, once the DRAM tier is half full, so that an eviction
+            engine is idle), write to SSD ahead of time the DRAM blocks an eviction would
+            demote, coldest first, once the DRAM tier is half full, so that an eviction
             under load drops DRAM copies instead of writing them (``mover.py``); False (the
             default here): demotions write on the storing thread.
         dram_shared: the pool is a shared pool (a sealed memfd, ``transfer/pool_memory.py``)

@@ -108,7 +108,7 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="while the engine is idle and a DRAM tier is half full, write to its SSD tier "
-        "the blocks the next two evictions would demote, so that evictions under load write "
+        "the blocks its evictions would demote, coldest first, so that evictions under load write "
         "nothing; --no-dram-write-behind: demotions write on the storing thread "
         "(docs/performance.md)",
     )

@@ -1,7 +1,7 @@
 """The embedded server writes a half-full DRAM tier's coldest blocks to its SSD tier while
 its engine is idle (``--dram-write-behind``, ``Shard.write_behind``): they stay in DRAM, an
-eviction later drops their DRAM copies, and a prefix hit read back from SSD gives the same
-text; ``--no-dram-write-behind`` turns it off; the flag reaches the config."""
+eviction later drops their DRAM copies, and the records read back from SSD hold the same
+bytes; ``--no-dram-write-behind`` turns it off; the flag reaches the config."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import argparse
 import time
 from types import SimpleNamespace
 
+import numpy as np
+
+from kvflow.replication import Tier
 from kvflow.stages.serve.config import EngineStoreConfig
 from kvflow.tools.args import add_engine_store_flags, engine_store_values
 from tests.e2e.conftest import BLOCK
@@ -36,7 +39,7 @@ def test_an_idle_engine_writes_the_tiers_blocks_behind(make_server) -> None:
     shard = server.cluster.prefill["prefill-0"].store.shard
     assert shard.dram_pool is not None and server.config.dram_write_behind
     first = prompt(1, 6)
-    ids, _, _ = server.generate(first, max_tokens=4)
+    server.generate(first, max_tokens=4)
     assert shard.write_behind() == 0  # 6 of 16 blocks: not yet
     assert shard.stats().ssd.bytes_written == 0
     server.generate(prompt(2, 4), max_tokens=4)  # 10 of 16 blocks: past half
@@ -44,13 +47,27 @@ def test_an_idle_engine_writes_the_tiers_blocks_behind(make_server) -> None:
         lambda: (s := shard.stats()).ssd.blocks >= 10 and s, "10 blocks written behind"
     )
     assert stats.dram.blocks == 10 and stats.dram.demotions == 0  # still in DRAM
-    # more prompts: evictions move the first prompt's blocks to SSD only
+    held = {key: read(shard, key) for key, tier in shard.holdings() if tier is Tier.DRAM}
+    assert len(held) == 10
+    # more prompts: evictions leave some of those blocks on SSD only
     server.generate(prompt(3, 4), max_tokens=4)
     server.generate(prompt(4, 4), max_tokens=4)
     wait_for(lambda: shard.stats().dram.demotions > 0, "an eviction")
-    again, _, _ = server.generate(first, max_tokens=4)
-    assert again == ids
-    assert shard.stats().ssd.hits > 0  # read back (checksum verified) from SSD
+    moved = [key for key, tier in shard.holdings() if tier is Tier.SSD and key in held]
+    assert moved
+    hits = shard.stats().ssd.hits
+    for key in moved:  # the records written behind hold the blocks' bytes (checksum verified)
+        assert (read(shard, key) == held[key]).all()
+    assert shard.stats().ssd.hits == hits + len(moved)
+    server.generate(first, max_tokens=4)  # a request reusing them is served
+
+
+def read(shard, key: bytes) -> np.ndarray:
+    """A copy of ``key``'s block, from whichever tier holds it."""
+    (size,) = shard.value_sizes([key])
+    out = np.zeros(size, dtype=np.uint8)
+    assert shard.get_into(key, out) is not None
+    return out
 
 
 def test_no_dram_write_behind_turns_it_off(make_server) -> None:

@@ -108,7 +108,7 @@ class EngineStoreConfig:
             the next prompts' stores take no first-write page faults beside the engine; only
             once the tier holds a block, so an unused tier stays unmapped. 0: never.
         dram_write_behind: while its engine is idle, write to each shard's SSD tier the DRAM
-            blocks its next two evictions would demote, once the DRAM tier is half full
+            blocks its evictions would demote (coldest first), once the DRAM tier is half full
             (``kvdb/mover.py``, ``Shard.write_behind``), so an eviction beside the engine
             drops DRAM copies instead of writing them. False: demotions write on the
             storing thread.
