@@ -173,6 +173,85 @@ static void accumulate_group(float *acc, const float *alpha, const float *p, con
     else if (nq == 2) accumulate_n(acc, alpha, p, v, vs, n, d, 2, pk, pv, pn);
     else accumulate_n(acc, alpha, p, v, vs, n, d, 1, pk, pv, pn);
 }
+#elif defined(KVFLOW_AVX2)
+/* AVX2: one query's scores a key at a time (a dot product of two vectors of accumulators),
+ * the exponentials 8 at a time, and the values 16 columns at a time for the group's
+ * queries (nq x 2 accumulators, each value row loaded once for them). */
+static inline float dot(const float *a, const float *b, long d) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 16 <= d; j += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+    }
+    for (; j < d; j += 8) {
+        __m256i m = lanes8(d - j);
+        acc0 = _mm256_fmadd_ps(_mm256_maskload_ps(a + j, m), _mm256_maskload_ps(b + j, m), acc0);
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+static void scores_group(const float *q, long qs, int nq, const float *k, long ks, long n, long d,
+                         float scale, float *s, float *top) {
+    for (int i = 0; i < nq; i++) {
+        float best = -INFINITY, *si = s + i * TILE;
+        for (long j = 0; j < n; j++) {
+            si[j] = dot(q + i * qs, k + j * ks, d) * scale;
+            best = si[j] > best ? si[j] : best;
+        }
+        top[i] = best;
+    }
+}
+
+/* s[j] = e^(s[j] - top) for j < n; returns their sum. */
+static inline float exp_shifted(float *s, long n, float top) {
+    __m256 t = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
+    for (long j = 0; j < n; j += 8) {
+        __m256i m = lanes8(n - j);
+        __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), t)),
+                                 _mm256_castsi256_ps(m));
+        _mm256_maskstore_ps(s + j, m, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum8(sum);
+}
+
+static inline __attribute__((always_inline)) void accumulate_n(
+    float *acc, const float *alpha, const float *p, const float *v, long vs, long n, long d,
+    const int nq, const char *pk, const char *pv, long pn) {
+    for (long j = 0; j < pn; j++) {
+        prefetch_row(pk + sizeof(float) * j * vs, d);
+        prefetch_row(pv + sizeof(float) * j * vs, d);
+    }
+    for (long c = 0; c < d; c += 16) {
+        __m256i mk[2] = {lanes8(d - c), lanes8(d - c - 8)};
+        __m256 a[GROUP][2];
+        for (int i = 0; i < nq; i++) {
+            __m256 al = _mm256_set1_ps(alpha[i]);
+            for (int u = 0; u < 2; u++)
+                a[i][u] = _mm256_mul_ps(_mm256_maskload_ps(acc + i * d + c + 8 * u, mk[u]), al);
+        }
+        for (long j = 0; j < n; j++) {
+            const float *vj = v + j * vs + c;
+            __m256 x0 = _mm256_maskload_ps(vj, mk[0]), x1 = _mm256_maskload_ps(vj + 8, mk[1]);
+            for (int i = 0; i < nq; i++) {
+                __m256 pj = _mm256_broadcast_ss(p + i * TILE + j);
+                a[i][0] = _mm256_fmadd_ps(pj, x0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(pj, x1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < nq; i++)
+            for (int u = 0; u < 2; u++) _mm256_maskstore_ps(acc + i * d + c + 8 * u, mk[u], a[i][u]);
+    }
+}
+
+static void accumulate_group(float *acc, const float *alpha, const float *p, const float *v,
+                             long vs, long n, long d, int nq, const char *pk, const char *pv,
+                             long pn) {
+    if (nq == 3) accumulate_n(acc, alpha, p, v, vs, n, d, 3, pk, pv, pn);
+    else if (nq == 2) accumulate_n(acc, alpha, p, v, vs, n, d, 2, pk, pv, pn);
+    else accumulate_n(acc, alpha, p, v, vs, n, d, 1, pk, pv, pn);
+}
 #else
 static inline float dot(const float *a, const float *b, long d) {
     float acc = 0.0f;

@@ -50,6 +50,31 @@ static inline void silu_mul_row(const float *g, const float *u, float *o, long n
         _mm512_mask_storeu_ps(o + j, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + j)));
     }
 }
+#elif defined(KVFLOW_AVX2)
+static inline float sum_squares(const float *x, long n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
+    }
+    for (; j < n; j += 8) {
+        __m256 v = _mm256_maskload_ps(x + j, lanes8(n - j));
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(v, v));
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+static inline void silu_mul_row(const float *g, const float *u, float *o, long n) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (long j = 0; j < n; j += 8) {
+        __m256i m = lanes8(n - j);
+        __m256 x = _mm256_maskload_ps(g + j, m);
+        __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_maskstore_ps(o + j, m, _mm256_mul_ps(s, _mm256_maskload_ps(u + j, m)));
+    }
+}
 #else
 static inline float sum_squares(const float *x, long n) {
     float a = 0.0f;

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_simd.h"
 
 #define OB 4 /* outputs (weight rows) per block */
 #define RB 4 /* input rows per block */
@@ -123,6 +124,62 @@ static void rows(const float *x, const float *w, const float *b, float *y, long 
                 case 3: block(xm, wo, bo, ym, N, K, 3, m == 0); break;
                 default: block(xm, wo, bo, ym, N, K, 4, m == 0); break;
                 }
+            }
+        }
+    }
+    for (; o < hi; o++) {
+        const float *wr = w + o * K;
+        for (long m = 0; m < M; m++) y[m * N + o] = dot(x + m * K, wr, K) + (b ? b[o] : 0.0f);
+    }
+}
+#elif defined(KVFLOW_AVX2)
+static inline float dot(const float *x, const float *w, long K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), a3);
+    }
+    for (; k < K; k += 8) {
+        __m256i m = lanes8(K - k);
+        a0 = _mm256_fmadd_ps(_mm256_maskload_ps(x + k, m), _mm256_maskload_ps(w + k, m), a0);
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+/* AVX2 (16 registers): 4 weight rows by 2 input rows of accumulators, each weight vector
+ * loaded once for both rows and each input vector once for the 4 weight rows. */
+static inline __attribute__((always_inline)) void block2(const float *x, const float *w,
+                                                         const float *b, float *y, long N,
+                                                         long K, int R) {
+    __m256 acc[2][OB];
+    for (int m = 0; m < 2; m++)
+        for (int o = 0; o < OB; o++) acc[m][o] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k += 8) {
+        __m256i t = lanes8(K - k);
+        __m256 wv[OB];
+        for (int o = 0; o < OB; o++) wv[o] = _mm256_maskload_ps(w + o * K + k, t);
+        for (int m = 0; m < R; m++) {
+            __m256 xm = _mm256_maskload_ps(x + m * K + k, t);
+            for (int o = 0; o < OB; o++) acc[m][o] = _mm256_fmadd_ps(xm, wv[o], acc[m][o]);
+        }
+    }
+    for (int m = 0; m < R; m++)
+        for (int o = 0; o < OB; o++) y[m * N + o] = hsum8(acc[m][o]) + (b ? b[o] : 0.0f);
+}
+
+static void rows(const float *x, const float *w, const float *b, float *y, long M, long N,
+                 long K, long lo, long hi, long block_min) {
+    long o = lo;
+    if (M >= block_min) {
+        for (; o + OB <= hi; o += OB) {
+            const float *wo = w + o * K, *bo = b ? b + o : 0;
+            for (long m = 0; m < M; m += 2) {
+                if (M - m >= 2) block2(x + m * K, wo, bo, y + m * N + o, N, K, 2);
+                else block2(x + m * K, wo, bo, y + m * N + o, N, K, 1);
             }
         }
     }

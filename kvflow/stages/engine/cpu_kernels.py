@@ -5,7 +5,8 @@ steps of a decoder layer; cpu_attn.c: paged decode attention; cpu_prefill.c: pag
 prefill attention; cpu_decode.c: a decode step's layers calling those in turn; `HEADERS`:
 what they share) are
 compiled together on first use with the system's C compiler
-(`cc`, or `$CC`) for this CPU (`-march=native`; `-ffp-contract=off`, so that a product and a
+(`cc`, or `$CC`) for this CPU (`-march=native`, less what `$KVFLOW_KERNEL_ISA` takes away;
+`-ffp-contract=off`, so that a product and a
 sum written apart round apart, as torch's separate ops do) into a cache directory
 (`$KVFLOW_KERNEL_DIR`, else `$XDG_CACHE_HOME/kvflow/kernels`, else `~/.cache/kvflow/kernels`),
 named by a hash of the sources, the flags, the compiler and the CPU's model and flags, and
@@ -42,6 +43,24 @@ HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_kernels
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 ENV_DIR = "KVFLOW_KERNEL_DIR"
+ENV_ISA = "KVFLOW_KERNEL_ISA"
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx2": ("-mno-avx512f",),
+    "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
+}
+"""`KVFLOW_KERNEL_ISA`: the kernels' instruction set below what `-march=native` gives, so
+that a machine with AVX-512 also builds and tests the AVX2 path ("avx2") and the plain loops
+("generic"); unset or "native": the best this CPU has (each kernel has an AVX-512, an AVX2 +
+FMA and a plain path, chosen when it is compiled)."""
+
+
+def isa_flags() -> tuple[str, ...]:
+    value = os.environ.get(ENV_ISA, "native")
+    if value not in ISA_FLAGS:
+        raise ValueError(f"{ENV_ISA} must be one of {tuple(ISA_FLAGS)}, got {value!r}")
+    return ISA_FLAGS[value]
+
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -65,7 +84,7 @@ def _build(cc: str, out: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *FLAGS, "-o", tmp, *(str(s) for s in SOURCES), *LIBS],
+            [cc, *FLAGS, *isa_flags(), "-o", tmp, *(str(s) for s in SOURCES), *LIBS],
             check=True,
             capture_output=True,
             text=True,
@@ -98,7 +117,7 @@ def _load() -> ctypes.CDLL | None:
         log.info("no C compiler: the CPU kernels are not used (torch and oneDNN instead)")
         return None
     named = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
-    named += " ".join((cc, *FLAGS, *LIBS)).encode() + _cpu_identity()
+    named += " ".join((cc, *FLAGS, *isa_flags(), *LIBS)).encode() + _cpu_identity()
     key = hashlib.sha256(named).hexdigest()[:16]
     path = kernel_dir() / f"cpu_kernels-{key}.so"
     before = runtimes()

@@ -162,6 +162,105 @@ static void tile_values(Scratch *w, long rows, long d, const float *v, long vs, 
     for (long r0 = 0; r0 < rows; r0 += 6)
         for (long c0 = 0; c0 < d; c0 += 64) values_rows(w, r0, c0, d, v, vs, n);
 }
+#elif defined(KVFLOW_AVX2)
+/* AVX2 (16 vector registers): the same tiles, 8 rows a vector. S[j][h..h+24) for NK (<= 4)
+ * keys j and the 24 rows from h: NK x 3 accumulators, one broadcast per 3 multiply-adds. */
+static inline __attribute__((always_inline)) void scores_keys8(const float *qt, const float *k,
+                                                                long ks, long d, __m256 sc,
+                                                                float *s, const int nk) {
+    __m256 a[4][3];
+    for (int j = 0; j < nk; j++)
+        for (int v = 0; v < 3; v++) a[j][v] = _mm256_setzero_ps();
+    for (long c = 0; c < d; c++) {
+        const float *qc = qt + c * ROWS;
+        __m256 q0 = _mm256_loadu_ps(qc), q1 = _mm256_loadu_ps(qc + 8),
+               q2 = _mm256_loadu_ps(qc + 16);
+        for (int j = 0; j < nk; j++) {
+            __m256 kj = _mm256_broadcast_ss(k + j * ks + c);
+            a[j][0] = _mm256_fmadd_ps(kj, q0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(kj, q1, a[j][1]);
+            a[j][2] = _mm256_fmadd_ps(kj, q2, a[j][2]);
+        }
+    }
+    for (int j = 0; j < nk; j++)
+        for (int v = 0; v < 3; v++) _mm256_storeu_ps(s + j * ROWS + 8 * v, _mm256_mul_ps(a[j][v], sc));
+}
+
+static void tile_scores(const float *qt, const float *k, long ks, long n, long d, float scale,
+                        float *s) {
+    __m256 sc = _mm256_set1_ps(scale * LOG2E);
+    for (long h = 0; h < ROWS; h += 24) {
+        long j = 0;
+        for (; j + 4 <= n; j += 4) scores_keys8(qt + h, k + j * ks, ks, d, sc, s + j * ROWS + h, 4);
+        for (; j < n; j++) scores_keys8(qt + h, k + j * ks, ks, d, sc, s + j * ROWS + h, 1);
+    }
+}
+
+/* As the AVX-512 tile_softmax, 8 rows a vector. */
+static void tile_softmax(Scratch *w, long n, long t0, int diagonal) {
+    float *s = w->s;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int v = 0; v < ROWS / 8; v++) {
+        __m256i pos = _mm256_loadu_si256((const __m256i *)(w->pos + 8 * v));
+        __m256 top = ninf;
+        for (long j = 0; j < n; j++) {
+            __m256 x = _mm256_loadu_ps(s + j * ROWS + 8 * v);
+            if (diagonal) { /* masked where t0 + j > pos */
+                __m256i after = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(t0 + j)), pos);
+                x = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(after));
+                _mm256_storeu_ps(s + j * ROWS + 8 * v, x);
+            }
+            top = _mm256_max_ps(top, x);
+        }
+        __m256 m_old = _mm256_loadu_ps(w->m + 8 * v);
+        __m256 m_new = _mm256_max_ps(m_old, top);
+        __m256 alpha = exp2_8(_mm256_sub_ps(m_old, m_new));
+        __m256 sum = _mm256_setzero_ps();
+        for (long j = 0; j < n; j++) {
+            __m256 x = _mm256_loadu_ps(s + j * ROWS + 8 * v);
+            __m256 p = exp2_8(_mm256_sub_ps(x, m_new));
+            if (diagonal) p = _mm256_and_ps(p, _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+            _mm256_storeu_ps(s + j * ROWS + 8 * v, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        __m256 l = _mm256_loadu_ps(w->l + 8 * v);
+        _mm256_storeu_ps(w->l + 8 * v, _mm256_add_ps(_mm256_mul_ps(l, alpha), sum));
+        _mm256_storeu_ps(w->m + 8 * v, m_new);
+        _mm256_storeu_ps(w->alpha + 8 * v, alpha);
+    }
+}
+
+/* O[r] = O[r] * alpha[r] + sum_j P[j][r] v[j] for 6 rows r0.., 16 columns c0.. (masked to
+ * d): 6 x 2 accumulators, a key's 16 values loaded once per 6 rows. */
+static inline void values_rows(Scratch *w, long r0, long c0, long d, const float *v, long vs,
+                               long n) {
+    __m256i mk[2] = {lanes8(d - c0), lanes8(d - c0 - 8)};
+    __m256 a[6][2];
+    for (int r = 0; r < 6; r++) {
+        __m256 al = _mm256_set1_ps(w->alpha[r0 + r]);
+        const float *o = w->o + (r0 + r) * d + c0;
+        for (int u = 0; u < 2; u++) a[r][u] = _mm256_mul_ps(_mm256_maskload_ps(o + 8 * u, mk[u]), al);
+    }
+    const float *p = w->s + r0;
+    for (long j = 0; j < n; j++) {
+        const float *vj = v + j * vs + c0;
+        __m256 x0 = _mm256_maskload_ps(vj, mk[0]), x1 = _mm256_maskload_ps(vj + 8, mk[1]);
+        for (int r = 0; r < 6; r++) {
+            __m256 pr = _mm256_broadcast_ss(p + j * ROWS + r);
+            a[r][0] = _mm256_fmadd_ps(pr, x0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(pr, x1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < 6; r++) {
+        float *o = w->o + (r0 + r) * d + c0;
+        for (int u = 0; u < 2; u++) _mm256_maskstore_ps(o + 8 * u, mk[u], a[r][u]);
+    }
+}
+
+static void tile_values(Scratch *w, long rows, long d, const float *v, long vs, long n) {
+    for (long r0 = 0; r0 < rows; r0 += 6)
+        for (long c0 = 0; c0 < d; c0 += 16) values_rows(w, r0, c0, d, v, vs, n);
+}
 #else
 static void tile_scores(const float *qt, const float *k, long ks, long n, long d, float scale,
                         float *s) {

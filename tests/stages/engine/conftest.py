@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvflow.stages.engine import Engine, EngineConfig, cpu_attn, write_demo_model
+from kvflow.stages.engine import Engine, EngineConfig, cpu_attn, cpu_kernels, write_demo_model
 from kvflow.stages.engine.cpu_attn import PagedKernel
 
 
@@ -57,3 +59,34 @@ def open_engine(model_dir: Path, **overrides: object) -> Engine:
 def smol_dir(real_model: Path) -> Path:
     """The default model (SmolLM2-135M-Instruct): the session's one import (``real_model``)."""
     return real_model
+
+
+def cpu_has(*flags: str) -> bool:
+    """Whether this CPU reports every one of `flags` (/proc/cpuinfo; False where unreadable)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    return set(flags) <= set(line.split(":", 1)[-1].split())
+
+
+@pytest.fixture(scope="session", params=["native", "avx2", "generic"])
+def isa_library(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> ctypes.CDLL:
+    """The kernels' library as this process loads it ("native"), and built without AVX-512
+    (`KVFLOW_KERNEL_ISA`): the AVX2 + FMA paths ("avx2") and the plain loops ("generic"), so
+    that every path is tested on a CPU that has AVX-512 too."""
+    isa = request.param
+    if isa == "native":
+        lib = cpu_kernels.library()
+    else:
+        if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx2", "fma"):
+            pytest.skip("x86-64 with AVX2 and FMA only")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cpu_kernels.ENV_ISA, isa)
+            mp.setenv(cpu_kernels.ENV_DIR, str(tmp_path_factory.mktemp(f"kernels-{isa}")))
+            lib = cpu_kernels._load()
+    assert lib is not None
+    return lib

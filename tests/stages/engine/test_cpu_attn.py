@@ -6,6 +6,7 @@ split in parts; and an engine's greedy tokens and logits with and without it."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import shutil
 import sys
@@ -58,7 +59,9 @@ def _reference(
 
 @needs_kernel
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_equals_reference(kernel: PagedKernel, shape: tuple[int, ...]) -> None:
+def test_kernel_equals_reference(isa_library: ctypes.CDLL, shape: tuple[int, ...]) -> None:
+    """As loaded, and built for AVX2 and for plain loops (`isa_library`)."""
+    kernel = PagedKernel(isa_library)
     pages, layers, kvh, bs, d, group, rows, width = shape
     gen = torch.Generator().manual_seed(sum(shape))
     pool = torch.randn(pages, layers, 2, kvh, bs, d, generator=gen) * 2

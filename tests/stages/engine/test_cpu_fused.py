@@ -5,6 +5,7 @@ and the model's forward with them equal to its forward without (KVFLOW_FUSED=0).
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import sys
 from pathlib import Path
@@ -30,10 +31,9 @@ ROWS = (1, 3, 17, 600)
 
 
 @pytest.fixture
-def fused() -> FusedKernels:
-    kernels = cpu_fused.kernels()
-    assert kernels is not None
-    return kernels
+def fused(isa_library: ctypes.CDLL) -> FusedKernels:
+    """The kernels as loaded, and built for AVX2 and for plain loops (`isa_library`)."""
+    return FusedKernels(isa_library)
 
 
 def _threads(n: int) -> None:

@@ -22,6 +22,7 @@ from kvflow.stages.engine.onednn_linear import (
     prepack_planned,
     use_onednn_linears,
 )
+from tests.stages.engine.conftest import cpu_has
 
 needs_kernel = pytest.mark.skipif(
     sys.platform != "linux"
@@ -118,16 +119,16 @@ def test_gemv_blocks_of_rows_and_tails_equal_f_linear() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_gemv_portable_build_equals_f_linear(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The kernel built for x86-64-v3 (AVX2, no AVX-512: the plain loop, not the blocks)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("an x86-64 build flag")
+    """The kernel built without AVX-512 (`KVFLOW_KERNEL_ISA`): AVX2 + FMA (4 x 2 blocks), or
+    the plain loop."""
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx2", "fma"):
+        pytest.skip("x86-64 with AVX2 and FMA only")
     monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path / "kernels"))
-    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernels.FLAGS)
-    assert flags != cpu_kernels.FLAGS
-    monkeypatch.setattr(cpu_kernels, "FLAGS", flags)
+    monkeypatch.setenv(cpu_kernels.ENV_ISA, isa)
     lib = cpu_kernels._load()
     assert lib is not None
     saved = torch.get_num_threads()

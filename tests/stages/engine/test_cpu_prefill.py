@@ -4,7 +4,7 @@ pool bit for bit as torch's index_put leaves it), and `PagedPrefill` with it aga
 (`KVFLOW_ATTN=torch`): chunks from position 0 and later, lengths that are not multiples of a
 work item's positions, pages of odd sizes crossed, grouped-query heads, head dims that are
 not multiples of 16, strided queries, 1 and 2 threads; windows and too many query heads a
-KV head left to torch; and the portable build (no AVX-512) to the same answer."""
+KV head left to torch; and the builds without AVX-512 (AVX2, plain loops) to the same answer."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from kvflow.stages.engine import SamplingParams, cpu_kernels
 from kvflow.stages.engine.attention import PagedPrefill
 from kvflow.stages.engine.cpu_attn import ENV_ATTN, PREFILL_GROUP_MAX, PagedKernel
 from kvflow.stages.engine.pages import KVLayout, PagePool
-from tests.stages.engine.conftest import open_engine
+from tests.stages.engine.conftest import cpu_has, open_engine
 
 needs_kernel = pytest.mark.skipif(
     sys.platform != "linux" or shutil.which("cc") is None,
@@ -203,13 +203,15 @@ def test_paged_prefill_leaves_too_many_query_heads_to_torch(
 
 
 @needs_kernel
-def test_portable_build_equals_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Built for x86-64-v3 (AVX2, no AVX-512: the portable loops), the kernel gives the same
-    answers."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 only")
-    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernels.FLAGS)
-    monkeypatch.setattr(cpu_kernels, "FLAGS", flags)
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_portable_build_equals_reference(
+    isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built without AVX-512 (`KVFLOW_KERNEL_ISA`: the AVX2 + FMA tiles, or the plain loops),
+    the kernel gives the same answers."""
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx2", "fma"):
+        pytest.skip("x86-64 with AVX2 and FMA only")
+    monkeypatch.setenv(cpu_kernels.ENV_ISA, isa)
     monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path))
     lib = cpu_kernels._load()
     assert lib is not None
