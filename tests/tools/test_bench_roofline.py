@@ -61,6 +61,14 @@ def test_roofline_quick_two_linear_backends(
     assert "unknown linear backend(s) ['mkl']" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_docs_kernel_isa_block(tmp_path: Path) -> None:
+    """The roofline with the kernels built for plain loops (`KVFLOW_KERNEL_ISA=generic`)."""
+    run_bash(block("performance.md", "performance-kernel-isa"), tmp_path)
+    doc = json.loads((tmp_path / "roofline-generic.json").read_text())
+    assert doc["summary"].startswith("bench_roofline SmolLM2-135M-Instruct")
+
+
 def test_roofline_rejects_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         roofline.main(["--dtype", "float32,int3"])

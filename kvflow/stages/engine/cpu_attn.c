@@ -9,7 +9,9 @@
  * sum l of e^(s - m) and a running sum of e^(s - m) v, rescaled when m grows), in tiles of at
  * most TILE keys within a page. A long row is split into parts so that a few rows still give
  * every thread work; the parts of a row are merged by their maxima and sums, the same merge
- * the log-sum-exp gives. Scores are q.k * scale, as torch's scaled_dot_product_attention. */
+ * the log-sum-exp gives. Scores are q.k * scale, as torch's scaled_dot_product_attention.
+ * With AVX-512, AVX2 + FMA (8-lane exponentials and multiply-adds), or plain loops, as the
+ * CPU has. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>

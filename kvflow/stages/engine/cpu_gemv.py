@@ -3,10 +3,10 @@
 A decode step at batch 1 reads every weight once; its time is the time to read them. oneDNN's
 inner product read the weights of SmolLM2-135M's linears at ~20 GB/s here on 2 threads, while
 a plain read (`sum` over each weight) ran at ~28 GB/s. `cpu_gemv.c` reads each weight row once,
-with AVX-512 FMAs (a plain loop elsewhere), the output rows split over torch's OpenMP threads:
-~28 GB/s at one row, the plain read's rate. Three or more rows (a decode batch) are
-register-blocked, 4 weight rows by 4 input rows at a time, so that loads and horizontal
-reductions do not dominate (BENCHMARKS.md, docs/performance.md).
+with AVX-512 FMAs (AVX2 FMAs, or a plain loop, elsewhere), the output rows split over torch's
+OpenMP threads: ~28 GB/s at one row, the plain read's rate. Three or more rows (a decode
+batch) are register-blocked, 4 weight rows by 4 input rows at a time (by 2 with AVX2), so that
+loads and horizontal reductions do not dominate (BENCHMARKS.md, docs/performance.md).
 
 The kernel is compiled and loaded with the project's other CPU kernels by cpu_kernels.py
 (once per process, into a cache directory, sharing torch's OpenMP runtime); where it cannot

@@ -18,6 +18,7 @@ from kvflow.stages.engine.cpu_attn import attn_setting
 from kvflow.stages.engine.cpu_decode import decode_enabled
 from kvflow.stages.engine.cpu_fused import fused_enabled
 from kvflow.stages.engine.cpu_fused import kernels as fused_cpu_kernels
+from kvflow.stages.engine.cpu_kernels import isa_flags
 from kvflow.stages.engine.errors import ModelLoadError
 from kvflow.stages.engine.model import CausalLM
 from kvflow.stages.engine.onednn_linear import onednn_applies, use_onednn_linears
@@ -88,7 +89,7 @@ def load_weights(
 
     Raises ModelLoadError naming missing, unexpected or misshapen weights, or the kernel a
     quantized precision needs that this torch or device lacks; ValueError for a
-    `KVFLOW_LINEAR`, `KVFLOW_FUSED` or `KVFLOW_ATTN` it does not know."""
+    `KVFLOW_LINEAR`, `KVFLOW_FUSED`, `KVFLOW_ATTN` or `KVFLOW_KERNEL_ISA` it does not know."""
     bits = quant.weight_bits if quant is not None else None
     if quant is not None and bits is not None:
         why = missing_kernel(bits, device)
@@ -130,6 +131,7 @@ def load_weights(
     if onednn_applies(dtype, device):
         use_onednn_linears(model)
     attn_setting()  # an unknown KVFLOW_ATTN fails here, not in the first decode step
+    isa_flags()  # and an unknown KVFLOW_KERNEL_ISA
     decode_enabled()  # likewise KVFLOW_DECODE
     if fused_enabled() and device.type == "cpu" and dtype == torch.float32:
         fused_cpu_kernels()  # built (or found) now, not in the first forward

@@ -43,8 +43,9 @@ _TINY = 1e-8  # the smallest scale: an all-zero row or a constant group quantize
 DEQUANT_ROWS = 32
 """From this many rows on, `Int8Linear` and `Int4Linear` dequantize their weight for the call
 (a prefill chunk); below, the int8 / int4 kernel (a decode batch)."""
-INT4_BLOCK_N = 64
-"""Output rows per block of torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`)."""
+INT4_BLOCKS_N = (64, 32)
+"""Output rows per block of torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`):
+64 where ATen runs its AVX-512 kernels, 32 with AVX2; each `Int4Linear` finds its own."""
 
 
 def missing_kernel(bits: int, device: torch.device) -> str | None:
@@ -119,15 +120,21 @@ class Int4Linear(nn.Module):
         # order, [N / 64, K / group, 1, 2, 32] (~2 bytes per 8 weights in bf16), from the
         # scales and zeros the kernel reads; None: the packing did not check, the kernel
         # takes every call
-        unpacked = _unpack_int4(packed, n, k)
-        ok = unpacked is not None and torch.equal(unpacked, q.to(torch.uint8))
+        self.block_n = next(
+            (b for b in INT4_BLOCKS_N if _unpacks_to(_unpack_int4(packed, n, k, b), q)), 0
+        )
+        ok = self.block_n > 0
         read = self.scales.to(torch.float32)  # [K / group, N, 2]
         self.register_buffer(
-            "deq_scale", _packing_order(read[..., 0], compute) if ok else None, persistent=False
+            "deq_scale",
+            _packing_order(read[..., 0], compute, self.block_n) if ok else None,
+            persistent=False,
         )
         self.register_buffer(
             "deq_offset",
-            _packing_order(read[..., 1] - 8.0 * read[..., 0], compute) if ok else None,
+            _packing_order(read[..., 1] - 8.0 * read[..., 0], compute, self.block_n)
+            if ok
+            else None,
             persistent=False,
         )
 
@@ -142,16 +149,16 @@ class Int4Linear(nn.Module):
 
     def weight_t(self) -> torch.Tensor:
         """W.T `[K, N]` in the compute dtype for one call: `q * s + (zero - 8 s)` per group,
-        computed in the packing's order (each block of 64 rows is a `[K, 64]` slab of W.T:
+        computed in the packing's order (each block of B = 64 or 32 rows is a `[K, B]` slab of W.T:
         the scales are arranged to match, so the multiply-add runs over contiguous memory and
         one copy puts the slabs side by side)."""
-        n, k, g = self.out_features, self.in_features, self.group_size
+        n, k, g, bn = self.out_features, self.in_features, self.group_size, self.block_n
         assert self.deq_scale is not None and self.deq_offset is not None
-        blocks = self.packed.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
-        nibbles = torch.stack((blocks & 15, blocks >> 4), dim=2)  # [N / 64, K, 2, 32]
-        values = nibbles.view(n // INT4_BLOCK_N, k // g, g, 2, INT4_BLOCK_N // 2)
+        blocks = self.packed.view(n // bn, k, bn // 2)
+        nibbles = torch.stack((blocks & 15, blocks >> 4), dim=2)  # [N / B, K, 2, B / 2]
+        values = nibbles.view(n // bn, k // g, g, 2, bn // 2)
         slabs = torch.addcmul(self.deq_offset, values, self.deq_scale)
-        return slabs.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N).transpose(0, 1).reshape(k, n)
+        return slabs.view(n // bn, k, bn).transpose(0, 1).reshape(k, n)
 
     def dequantized(self) -> torch.Tensor:
         """Through the kernel itself: the identity's rows times W.T (unpacking is the
@@ -168,23 +175,28 @@ class Int4Linear(nn.Module):
         )
 
 
-def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+def _unpack_int4(packed: torch.Tensor, n: int, k: int, block_n: int) -> torch.Tensor | None:
     """The 4-bit values `[N, K]` (uint8, 0..15) of a weight packed by torch's CPU int4
-    packing, or None where `n` is not a whole number of its blocks."""
-    if n % INT4_BLOCK_N or packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+    packing in blocks of `block_n` rows, or None where `n` is not a whole number of them."""
+    if n % block_n or packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
         return None
-    half = INT4_BLOCK_N // 2
-    blocks = packed.view(n // INT4_BLOCK_N, k, half)
-    nibbles = torch.stack((blocks & 15, blocks >> 4), dim=1)  # [N / 64, 2, K, 32]
+    half = block_n // 2
+    blocks = packed.view(n // block_n, k, half)
+    nibbles = torch.stack((blocks & 15, blocks >> 4), dim=1)  # [N / B, 2, K, B / 2]
     return nibbles.transpose(2, 3).reshape(n, k)
 
 
-def _packing_order(per_group: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[K / group, N]` per-group values as `[N / 64, K / group, 1, 2, 32]` in `dtype`: the
-    order of `Int4Linear.weight_t`'s unpacked nibbles (row 64 b + 32 h + i at [b, :, :, h, i])."""
+def _unpacks_to(unpacked: torch.Tensor | None, q: torch.Tensor) -> bool:
+    return unpacked is not None and torch.equal(unpacked, q.to(torch.uint8))
+
+
+def _packing_order(per_group: torch.Tensor, dtype: torch.dtype, block_n: int) -> torch.Tensor:
+    """`[K / group, N]` per-group values as `[N / B, K / group, 1, 2, B / 2]` in `dtype` (B =
+    `block_n`): the order of `Int4Linear.weight_t`'s unpacked nibbles (row B b + B/2 h + i at
+    [b, :, :, h, i])."""
     groups, n = per_group.shape
-    half = INT4_BLOCK_N // 2
-    arranged = per_group.view(groups, n // INT4_BLOCK_N, 2, half).permute(1, 0, 2, 3)
+    half = block_n // 2
+    arranged = per_group.view(groups, n // block_n, 2, half).permute(1, 0, 2, 3)
     return arranged.unsqueeze(2).to(dtype).contiguous()
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.stages.engine import SamplingParams, cpu_fused
+from kvflow.stages.engine import SamplingParams, cpu_fused, cpu_kernels
 from kvflow.stages.engine.cpu_fused import ENV_FUSED, FusedKernels, fused_kernels
 from kvflow.stages.engine.model import RMSNorm
 from kvflow.stages.engine.rope import Rotary, apply_rotary
@@ -192,4 +192,10 @@ def test_unknown_fused_setting_fails_at_load(
 ) -> None:
     monkeypatch.setenv(ENV_FUSED, "yes")
     with pytest.raises(ValueError, match=ENV_FUSED):
+        open_engine(tiny_dir)
+
+
+def test_unknown_kernel_isa_fails_at_load(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.ENV_ISA, "avx3")
+    with pytest.raises(ValueError, match="KVFLOW_KERNEL_ISA must be one of"):
         open_engine(tiny_dir)

@@ -19,6 +19,7 @@ from kvflow.stages.engine.onednn_linear import OneDNNDenseLinear
 from kvflow.stages.engine.precision import PRECISIONS, precision
 from kvflow.stages.engine.quant_linear import (
     DEQUANT_ROWS,
+    INT4_BLOCKS_N,
     Int4Linear,
     Int8Linear,
     missing_kernel,
@@ -88,13 +89,19 @@ def test_int8_prefill_rows_dequantize_and_agree_with_the_kernel() -> None:
 def test_int4_prefill_rows_unpack_and_agree_with_the_kernel() -> None:
     """A prefill chunk (>= DEQUANT_ROWS rows) unpacks the nibbles into the compute dtype and
     multiplies with F.linear, a decode batch runs the int4 kernel: both give x @ W_deq.T,
-    row for row, in float32 and in bf16. A weight whose rows are not whole blocks of torch's
-    packing (96 rows) keeps the kernel for every call, and still agrees."""
+    row for row, in float32 and in bf16. torch packs 64 rows a block where ATen runs its
+    AVX-512 kernels and 32 with AVX2: 128 rows unpack with either, 96 rows only in blocks of
+    32; a weight that is not whole blocks keeps the kernel for every call, and still agrees."""
     x = torch.randn(DEQUANT_ROWS + 8, 128, generator=torch.Generator().manual_seed(2))
-    for rows_out, unpacks in ((128, True), (96, False)):
+    for rows_out in (128, 96):
         linear = _linear(rows_out, 128, seed=5)
         for compute, atol, w_atol in ((torch.float32, 1e-4, 1e-6), (torch.bfloat16, 6e-2, 1e-3)):
             q = Int4Linear(linear, compute, 32)
+            if rows_out == 128:
+                assert q.block_n in INT4_BLOCKS_N  # whole blocks of either packing
+            else:
+                assert q.block_n in (0, 32)  # 96 rows: whole blocks of 32 only
+            unpacks = q.block_n > 0
             assert (q.deq_scale is not None) is unpacks
             xc = x.to(compute)
             expected = xc.float() @ q.dequantized().T + linear.bias.detach()
