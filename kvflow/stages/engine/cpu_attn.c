@@ -218,6 +218,30 @@ static inline float exp_shifted(float *s, long n, float top) {
     return hsum8(sum);
 }
 
+/* The values of 16 columns from c (masked to d unless `full`) for nq queries. */
+static inline __attribute__((always_inline)) void accumulate_cols(
+    float *acc, const float *alpha, const float *p, const float *v, long vs, long n, long d,
+    long c, const int nq, const int full) {
+    __m256i mk[2] = {lanes8(d - c), lanes8(d - c - 8)};
+    __m256 a[GROUP][2];
+    for (int i = 0; i < nq; i++) {
+        __m256 al = _mm256_set1_ps(alpha[i]);
+        for (int u = 0; u < 2; u++)
+            a[i][u] = _mm256_mul_ps(_mm256_maskload_ps(acc + i * d + c + 8 * u, mk[u]), al);
+    }
+    for (long j = 0; j < n; j++) {
+        const float *vj = v + j * vs + c;
+        __m256 x0 = load8(vj, mk[0], full), x1 = load8(vj + 8, mk[1], full);
+        for (int i = 0; i < nq; i++) {
+            __m256 pj = _mm256_broadcast_ss(p + i * TILE + j);
+            a[i][0] = _mm256_fmadd_ps(pj, x0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(pj, x1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < nq; i++)
+        for (int u = 0; u < 2; u++) _mm256_maskstore_ps(acc + i * d + c + 8 * u, mk[u], a[i][u]);
+}
+
 static inline __attribute__((always_inline)) void accumulate_n(
     float *acc, const float *alpha, const float *p, const float *v, long vs, long n, long d,
     const int nq, const char *pk, const char *pv, long pn) {
@@ -226,24 +250,8 @@ static inline __attribute__((always_inline)) void accumulate_n(
         prefetch_row(pv + sizeof(float) * j * vs, d);
     }
     for (long c = 0; c < d; c += 16) {
-        __m256i mk[2] = {lanes8(d - c), lanes8(d - c - 8)};
-        __m256 a[GROUP][2];
-        for (int i = 0; i < nq; i++) {
-            __m256 al = _mm256_set1_ps(alpha[i]);
-            for (int u = 0; u < 2; u++)
-                a[i][u] = _mm256_mul_ps(_mm256_maskload_ps(acc + i * d + c + 8 * u, mk[u]), al);
-        }
-        for (long j = 0; j < n; j++) {
-            const float *vj = v + j * vs + c;
-            __m256 x0 = _mm256_maskload_ps(vj, mk[0]), x1 = _mm256_maskload_ps(vj + 8, mk[1]);
-            for (int i = 0; i < nq; i++) {
-                __m256 pj = _mm256_broadcast_ss(p + i * TILE + j);
-                a[i][0] = _mm256_fmadd_ps(pj, x0, a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(pj, x1, a[i][1]);
-            }
-        }
-        for (int i = 0; i < nq; i++)
-            for (int u = 0; u < 2; u++) _mm256_maskstore_ps(acc + i * d + c + 8 * u, mk[u], a[i][u]);
+        if (d - c >= 16) accumulate_cols(acc, alpha, p, v, vs, n, d, c, nq, 1);
+        else accumulate_cols(acc, alpha, p, v, vs, n, d, c, nq, 0);
     }
 }
 

@@ -160,7 +160,16 @@ static inline __attribute__((always_inline)) void block2(const float *x, const f
     __m256 acc[2][OB];
     for (int m = 0; m < 2; m++)
         for (int o = 0; o < OB; o++) acc[m][o] = _mm256_setzero_ps();
-    for (long k = 0; k < K; k += 8) {
+    long k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[OB];
+        for (int o = 0; o < OB; o++) wv[o] = _mm256_loadu_ps(w + o * K + k);
+        for (int m = 0; m < R; m++) {
+            __m256 xm = _mm256_loadu_ps(x + m * K + k);
+            for (int o = 0; o < OB; o++) acc[m][o] = _mm256_fmadd_ps(xm, wv[o], acc[m][o]);
+        }
+    }
+    if (k < K) { /* the masked tail */
         __m256i t = lanes8(K - k);
         __m256 wv[OB];
         for (int o = 0; o < OB; o++) wv[o] = _mm256_maskload_ps(w + o * K + k, t);

@@ -235,9 +235,11 @@ static void tile_softmax(Scratch *w, long n, long t0, int diagonal) {
 }
 
 /* O[r] = O[r] * alpha[r] + sum_j P[j][r] v[j] for 6 rows r0.., 16 columns c0.. (masked to
- * d): 6 x 2 accumulators, a key's 16 values loaded once per 6 rows. */
-static inline void values_rows(Scratch *w, long r0, long c0, long d, const float *v, long vs,
-                               long n) {
+ * d unless `full`): 6 x 2 accumulators, a key's 16 values loaded once per 6 rows. */
+static inline __attribute__((always_inline)) void values_rows_n(Scratch *w, long r0, long c0,
+                                                                long d, const float *v,
+                                                                long vs, long n,
+                                                                const int full) {
     __m256i mk[2] = {lanes8(d - c0), lanes8(d - c0 - 8)};
     __m256 a[6][2];
     for (int r = 0; r < 6; r++) {
@@ -248,7 +250,7 @@ static inline void values_rows(Scratch *w, long r0, long c0, long d, const float
     const float *p = w->s + r0;
     for (long j = 0; j < n; j++) {
         const float *vj = v + j * vs + c0;
-        __m256 x0 = _mm256_maskload_ps(vj, mk[0]), x1 = _mm256_maskload_ps(vj + 8, mk[1]);
+        __m256 x0 = load8(vj, mk[0], full), x1 = load8(vj + 8, mk[1], full);
         for (int r = 0; r < 6; r++) {
             __m256 pr = _mm256_broadcast_ss(p + j * ROWS + r);
             a[r][0] = _mm256_fmadd_ps(pr, x0, a[r][0]);
@@ -263,7 +265,10 @@ static inline void values_rows(Scratch *w, long r0, long c0, long d, const float
 
 static void tile_values(Scratch *w, long rows, long d, const float *v, long vs, long n) {
     for (long r0 = 0; r0 < rows; r0 += 6)
-        for (long c0 = 0; c0 < d; c0 += 16) values_rows(w, r0, c0, d, v, vs, n);
+        for (long c0 = 0; c0 < d; c0 += 16) {
+            if (d - c0 >= 16) values_rows_n(w, r0, c0, d, v, vs, n, 1);
+            else values_rows_n(w, r0, c0, d, v, vs, n, 0);
+        }
 }
 #else
 static void tile_scores(const float *qt, const float *k, long ks, long n, long d, float scale,

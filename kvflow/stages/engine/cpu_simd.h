@@ -95,6 +95,12 @@ static inline __m256i lanes8(long left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), idx);
 }
 
+/* A masked load, a plain one where all 8 lanes are wanted (`full`, a constant where inlined:
+ * the inner loops then carry no masks). */
+static inline __attribute__((always_inline)) __m256 load8(const float *p, __m256i m, int full) {
+    return full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m);
+}
+
 /* The sum of 8 lanes. */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
