@@ -176,22 +176,10 @@ static void accumulate_group(float *acc, const float *alpha, const float *p, con
     else accumulate_n(acc, alpha, p, v, vs, n, d, 1, pk, pv, pn);
 }
 #elif defined(KVFLOW_AVX2)
-/* AVX2: one query's scores a key at a time (a dot product of two vectors of accumulators),
+/* AVX2: one query's scores a key at a time (`dot8`: FMA dot products),
  * the exponentials 8 at a time, and the values 16 columns at a time for the group's
  * queries (nq x 2 accumulators, each value row loaded once for them). */
-static inline float dot(const float *a, const float *b, long d) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    long j = 0;
-    for (; j + 16 <= d; j += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
-    }
-    for (; j < d; j += 8) {
-        __m256i m = lanes8(d - j);
-        acc0 = _mm256_fmadd_ps(_mm256_maskload_ps(a + j, m), _mm256_maskload_ps(b + j, m), acc0);
-    }
-    return hsum8(_mm256_add_ps(acc0, acc1));
-}
+static inline float dot(const float *a, const float *b, long d) { return dot8(a, b, d); }
 
 static void scores_group(const float *q, long qs, int nq, const float *k, long ks, long n, long d,
                          float scale, float *s, float *top) {

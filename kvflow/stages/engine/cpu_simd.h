@@ -108,6 +108,24 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* sum x[k] w[k] over k < K: 4 accumulators, a masked tail. */
+static inline float dot8(const float *x, const float *w, long K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), a3);
+    }
+    for (; k < K; k += 8) {
+        __m256i m = lanes8(K - k);
+        a0 = _mm256_fmadd_ps(_mm256_maskload_ps(x + k, m), _mm256_maskload_ps(w + k, m), a0);
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
 #define KVFLOW_AVX2 1
 #endif /* __AVX512F__, __AVX2__ */
 #endif /* KVFLOW_CPU_SIMD_H */
