@@ -168,13 +168,6 @@ static inline __attribute__((always_inline)) void accumulate_n(
     }
 }
 
-static void accumulate_group(float *acc, const float *alpha, const float *p, const float *v,
-                             long vs, long n, long d, int nq, const char *pk, const char *pv,
-                             long pn) {
-    if (nq == 3) accumulate_n(acc, alpha, p, v, vs, n, d, 3, pk, pv, pn);
-    else if (nq == 2) accumulate_n(acc, alpha, p, v, vs, n, d, 2, pk, pv, pn);
-    else accumulate_n(acc, alpha, p, v, vs, n, d, 1, pk, pv, pn);
-}
 #elif defined(KVFLOW_AVX2)
 /* AVX2: one query's scores a key at a time (`dot8`: FMA dot products),
  * the exponentials 8 at a time, and the values 16 columns at a time for the group's
@@ -243,13 +236,6 @@ static inline __attribute__((always_inline)) void accumulate_n(
     }
 }
 
-static void accumulate_group(float *acc, const float *alpha, const float *p, const float *v,
-                             long vs, long n, long d, int nq, const char *pk, const char *pv,
-                             long pn) {
-    if (nq == 3) accumulate_n(acc, alpha, p, v, vs, n, d, 3, pk, pv, pn);
-    else if (nq == 2) accumulate_n(acc, alpha, p, v, vs, n, d, 2, pk, pv, pn);
-    else accumulate_n(acc, alpha, p, v, vs, n, d, 1, pk, pv, pn);
-}
 #else
 static inline float dot(const float *a, const float *b, long d) {
     float acc = 0.0f;
@@ -301,6 +287,17 @@ static void accumulate_group(float *acc, const float *alpha, const float *p, con
         prefetch_row(pv + sizeof(float) * j * vs, d);
     }
     for (int i = 0; i < nq; i++) accumulate(acc + i * d, alpha[i], p + i * TILE, v, vs, n, d);
+}
+#endif
+
+#if defined(__AVX512F__) || defined(KVFLOW_AVX2)
+/* The group's queries with nq a constant in each call (the SIMD paths' accumulate_n). */
+static void accumulate_group(float *acc, const float *alpha, const float *p, const float *v,
+                             long vs, long n, long d, int nq, const char *pk, const char *pv,
+                             long pn) {
+    if (nq == 3) accumulate_n(acc, alpha, p, v, vs, n, d, 3, pk, pv, pn);
+    else if (nq == 2) accumulate_n(acc, alpha, p, v, vs, n, d, 2, pk, pv, pn);
+    else accumulate_n(acc, alpha, p, v, vs, n, d, 1, pk, pv, pn);
 }
 #endif
 
