@@ -111,28 +111,24 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     for (int m = 0; m < R; m++) memcpy(y + m * N, out + 4 * m, OB * sizeof(float));
 }
 
-static void rows(const float *x, const float *w, const float *b, float *y, long M, long N,
-                 long K, long lo, long hi, long block_min) {
+/* Outputs [lo, hi) in blocks of OB for all M rows; returns the first output left over. */
+static long blocked(const float *x, const float *w, const float *b, float *y, long M, long N,
+                    long K, long lo, long hi) {
     long o = lo;
-    if (M >= block_min) {
-        for (; o + OB <= hi; o += OB) {
-            const float *wo = w + o * K, *bo = b ? b + o : 0;
-            for (long m = 0; m < M; m += RB) {
-                const float *xm = x + m * K;
-                float *ym = y + m * N + o;
-                switch (M - m < RB ? M - m : RB) {
-                case 1: block(xm, wo, bo, ym, N, K, 1, m == 0); break;
-                case 2: block(xm, wo, bo, ym, N, K, 2, m == 0); break;
-                case 3: block(xm, wo, bo, ym, N, K, 3, m == 0); break;
-                default: block(xm, wo, bo, ym, N, K, 4, m == 0); break;
-                }
+    for (; o + OB <= hi; o += OB) {
+        const float *wo = w + o * K, *bo = b ? b + o : 0;
+        for (long m = 0; m < M; m += RB) {
+            const float *xm = x + m * K;
+            float *ym = y + m * N + o;
+            switch (M - m < RB ? M - m : RB) {
+            case 1: block(xm, wo, bo, ym, N, K, 1, m == 0); break;
+            case 2: block(xm, wo, bo, ym, N, K, 2, m == 0); break;
+            case 3: block(xm, wo, bo, ym, N, K, 3, m == 0); break;
+            default: block(xm, wo, bo, ym, N, K, 4, m == 0); break;
             }
         }
     }
-    for (; o < hi; o++) {
-        const float *wr = w + o * K;
-        for (long m = 0; m < M; m++) y[m * N + o] = dot(x + m * K, wr, K) + (b ? b[o] : 0.0f);
-    }
+    return o;
 }
 #elif defined(KVFLOW_AVX2)
 static inline float dot(const float *x, const float *w, long K) { return dot8(x, w, K); }
@@ -167,22 +163,17 @@ static inline __attribute__((always_inline)) void block2(const float *x, const f
         for (int o = 0; o < OB; o++) y[m * N + o] = hsum8(acc[m][o]) + (b ? b[o] : 0.0f);
 }
 
-static void rows(const float *x, const float *w, const float *b, float *y, long M, long N,
-                 long K, long lo, long hi, long block_min) {
+static long blocked(const float *x, const float *w, const float *b, float *y, long M, long N,
+                    long K, long lo, long hi) {
     long o = lo;
-    if (M >= block_min) {
-        for (; o + OB <= hi; o += OB) {
-            const float *wo = w + o * K, *bo = b ? b + o : 0;
-            for (long m = 0; m < M; m += 2) {
-                if (M - m >= 2) block2(x + m * K, wo, bo, y + m * N + o, N, K, 2);
-                else block2(x + m * K, wo, bo, y + m * N + o, N, K, 1);
-            }
+    for (; o + OB <= hi; o += OB) {
+        const float *wo = w + o * K, *bo = b ? b + o : 0;
+        for (long m = 0; m < M; m += 2) {
+            if (M - m >= 2) block2(x + m * K, wo, bo, y + m * N + o, N, K, 2);
+            else block2(x + m * K, wo, bo, y + m * N + o, N, K, 1);
         }
     }
-    for (; o < hi; o++) {
-        const float *wr = w + o * K;
-        for (long m = 0; m < M; m++) y[m * N + o] = dot(x + m * K, wr, K) + (b ? b[o] : 0.0f);
-    }
+    return o;
 }
 #else
 static inline float dot(const float *x, const float *w, long K) {
@@ -192,15 +183,23 @@ static inline float dot(const float *x, const float *w, long K) {
     return a;
 }
 
+static long blocked(const float *x, const float *w, const float *b, float *y, long M, long N,
+                    long K, long lo, long hi) {
+    (void)x, (void)w, (void)b, (void)y, (void)M, (void)N, (void)K, (void)hi;
+    return lo; /* no blocked path without AVX2 */
+}
+#endif
+
+/* Outputs [lo, hi) of every row: blocked from block_min rows on (where this CPU has a blocked
+ * path), the rest one dot product per output and row. */
 static void rows(const float *x, const float *w, const float *b, float *y, long M, long N,
                  long K, long lo, long hi, long block_min) {
-    (void)block_min; /* no blocked path without AVX2 */
-    for (long o = lo; o < hi; o++) {
+    long o = M >= block_min ? blocked(x, w, b, y, M, N, K, lo, hi) : lo;
+    for (; o < hi; o++) {
         const float *wr = w + o * K;
         for (long m = 0; m < M; m++) y[m * N + o] = dot(x + m * K, wr, K) + (b ? b[o] : 0.0f);
     }
 }
-#endif
 
 /* y = x W^T + b. With M >= block_min rows, the rows are register-blocked; with fewer, one
  * dot product per output and row (block_min > M: the kernel before blocking, which
