@@ -51,6 +51,8 @@ ENV_WAIT = "KVFLOW_OMP_WAIT"
 WAIT_MODES = ("adaptive", "sleep", "spin")
 WINDOW_S = 1.0  # of step wall time per decision
 BUSY_SHARE = 0.8  # a window's thread CPU / wall below this: the cores were not the engine's
+PROBE_AFTER = 4  # contended windows while sleeping before one window spinning (a probe)
+PROBE_MAX = 32  # the most windows between probes (doubled after each probe found contention)
 
 _lock = threading.Lock()
 _gomp: list[ctypes.CDLL | None] = []  # resolved once: torch's libgomp, or None
@@ -181,6 +183,16 @@ class Waiting:
         self._keeper: threading.Thread | None = None
         self._release: threading.Event | None = None
         self._contended: dict[int, bool] = {}  # reporter id -> its last window's verdict
+        self._generation = 0  # mode changes so far: a window spanning one is dropped
+        self._sleep_windows = 0  # contended windows since the process last began sleeping
+        self._probe_after = PROBE_AFTER
+        self._probing = False  # spinning for one window to see whether the cores are free
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever the waits change mode (a reporter's window spanning a change
+        measured both modes and is dropped)."""
+        return self._generation
 
     @property
     def sleeping(self) -> bool:
@@ -194,8 +206,23 @@ class Waiting:
         with self._lock:
             self._contended[reporter] = contended
             want = any(self._contended.values())
-            if want != (self._keeper is not None):
-                (self._sleep if want else self._spin)()
+            if self._keeper is None:  # spinning: a share measured so is the cores' true state
+                probed, self._probing = self._probing, False
+                if probed and not contended:
+                    self._probe_after = PROBE_AFTER
+                    logger.info("OpenMP waits: spinning (a probe found the engine's cores free)")
+                elif probed:
+                    self._probe_after = min(2 * self._probe_after, PROBE_MAX)
+                if want:
+                    self._sleep(logging.DEBUG if probed else logging.INFO)
+            elif not want:
+                self._spin()
+            else:  # sleeping and contended, perhaps only by sleeping itself: probe now and then
+                self._sleep_windows += 1
+                if self._sleep_windows >= self._probe_after:
+                    self._contended.clear()
+                    self._probing = True
+                    self._spin()
 
     def forget(self, reporter: int) -> None:
         """A reporter stopped (its worker ended): its verdict no longer counts."""
@@ -216,7 +243,7 @@ class Waiting:
             if self._keeper is not None:
                 self._spin()
 
-    def _sleep(self) -> None:
+    def _sleep(self, level: int = logging.INFO) -> None:
         ready, release = threading.Event(), threading.Event()
         team = self._team
 
@@ -231,14 +258,20 @@ class Waiting:
         if not ready.wait(60.0):
             logger.warning("OpenMP waits: the keeper thread did not start its team in 60 s")
         self._keeper, self._release = keeper, release
-        logger.info("OpenMP waits: sleeping (the engine's cores are shared)")
+        self._generation += 1
+        self._sleep_windows = 0
+        logger.log(level, "OpenMP waits: sleeping (the engine's cores are shared)")
 
     def _spin(self) -> None:
         assert self._keeper is not None and self._release is not None
         self._release.set()
         self._keeper.join(10.0)  # its team ends with it
         self._keeper = self._release = None
-        logger.info("OpenMP waits: spinning (the engine has its cores)")
+        self._generation += 1
+        if self._probing:
+            logger.debug("OpenMP waits: spinning for one window (a probe)")
+        else:
+            logger.info("OpenMP waits: spinning (the engine has its cores)")
 
 
 _waiting: list[Waiting | None] = []
@@ -270,9 +303,15 @@ class SpinControl:
         self._adaptive = wait_mode() == "adaptive"
         self._cpu = 0.0
         self._wall = 0.0
+        self._generation = target.generation
 
     def step(self, cpu_s: float, wall_s: float) -> None:
         if not self._adaptive:
+            return
+        generation = self._target.generation
+        if generation != self._generation:  # the mode changed within this window: drop it
+            self._generation = generation
+            self._cpu = self._wall = 0.0
             return
         self._cpu += cpu_s
         self._wall += wall_s
@@ -280,6 +319,7 @@ class SpinControl:
             share = self._cpu / self._wall
             self._cpu = self._wall = 0.0
             self._target.report(id(self), share < BUSY_SHARE)
+            self._generation = self._target.generation  # its own verdict's change: a new window
 
     def close(self) -> None:
         self._target.forget(id(self))

@@ -6,6 +6,7 @@ no earlier test's teams count)."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import os
 import subprocess
@@ -100,14 +101,73 @@ def test_spin_control_reports_windows_by_cpu_share(monkeypatch: pytest.MonkeyPat
         assert not waiting.sleeping  # half a window: no verdict yet
         control.step(0.2, 0.5)  # a window at 40% CPU: the cores were not the engine's
         assert waiting.sleeping
+        other.step(1.0, 1.0)  # its window spanned the change of mode: dropped
         other.step(1.0, 1.0)  # another engine had its cores: the first one still waits
         assert waiting.sleeping
         control.step(0.95, 1.0)
+        assert not waiting.sleeping
+        other.step(0.1, 1.0)  # spanned the change: dropped
         assert not waiting.sleeping
         other.step(0.1, 1.0)
         assert waiting.sleeping
         other.close()  # a stopped worker's verdict no longer counts
         assert not waiting.sleeping
+    finally:
+        control.close()
+        waiting.spin()
+
+
+def test_sleeping_probes_by_spinning_for_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sleeping team's steps have a low CPU share on free cores too (its engine thread
+    sleeps at every barrier), so sleeping alone cannot show that the cores are free: every
+    few contended windows it spins for one, whose share decides."""
+    monkeypatch.delenv(openmp.ENV_WAIT, raising=False)
+    waiting = openmp.Waiting(team=2)
+    control = openmp.SpinControl(waiting)
+
+    def windows(n: int, share: float) -> None:
+        for _ in range(n):
+            control.step(share, 1.0)
+
+    try:
+        windows(1, 0.5)
+        assert waiting.sleeping
+        windows(openmp.PROBE_AFTER - 1, 0.5)
+        assert waiting.sleeping
+        windows(1, 0.5)  # the PROBE_AFTER-th contended window asleep: a probe
+        assert not waiting.sleeping
+        windows(1, 0.5)  # the probe found the cores taken: back to sleep, probes rarer
+        assert waiting.sleeping
+        windows(2 * openmp.PROBE_AFTER - 1, 0.5)
+        assert waiting.sleeping
+        windows(1, 0.5)
+        assert not waiting.sleeping  # the second probe, twice as late
+        windows(1, 0.95)  # the cores are free: it stays spinning
+        assert not waiting.sleeping
+        windows(3, 0.95)
+        assert not waiting.sleeping
+        windows(1, 0.5)  # taken again: sleeping, probes at the first interval again
+        windows(openmp.PROBE_AFTER, 0.5)
+        assert not waiting.sleeping
+    finally:
+        control.close()
+        waiting.spin()
+
+
+def test_probes_back_off_to_at_most_probe_max(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(openmp.ENV_WAIT, raising=False)
+    waiting = openmp.Waiting(team=2)
+    control = openmp.SpinControl(waiting)
+    spinning_at = []
+    try:
+        for window in range(400):
+            if not waiting.sleeping:
+                spinning_at.append(window)
+            control.step(0.5, 1.0)  # the cores stay taken
+        gaps = [b - a for a, b in itertools.pairwise(spinning_at)]
+        assert gaps[:4] == [1 + openmp.PROBE_AFTER * k for k in (1, 2, 4, 8)]
+        assert max(gaps) == 1 + openmp.PROBE_MAX
+        assert len(spinning_at) < 400 / openmp.PROBE_MAX + 6  # ~3% of the windows spin
     finally:
         control.close()
         waiting.spin()
