@@ -22,16 +22,18 @@ against oneDNN's ~20); prefill chunks stay on a matrix product.
 `onednn_applies(dtype, device)` decides where it is used: on the CPU with oneDNN, float32
 always, bf16 with oneDNN's bf16 support (avx512_bf16 / AMX or the Arm equivalent).
 Everywhere else the model keeps `nn.Linear` (float16, CUDA). `KVFLOW_LINEAR` picks the
-backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "transposed" (the
-default where memory allows) as "gemv" with a second copy of each float32 decoder weight,
-transposed to [in, out] and contiguous, for products of more than 16 rows, prefill chunks
-above all: `torch.addmm` on it is MKL's plain (non-transposed) sgemm, which ran the decoder's
-products 3-12% faster than oneDNN on a prepacked weight here at 24-1,024 rows (30 layers of
-distinct weights, 2 threads; docs/performance.md); "prepacked" as "transposed" with the copy
-in oneDNN's blocked layout instead (`_reorder_linear_weight`, what vLLM's CPU backend does
-for float32; the previous default); "gemv" without the copy (the way out, and the default
-where the copy would take more than 1/16 of the memory available); "onednn" without the
-decode kernel; "aten" keeps `nn.Linear` everywhere. The copy costs the float32 decoder
+backend (the A/B switch of `kvflow.tools.bench.roofline --linears`): "transposed" as "gemv"
+with a second copy of each float32 decoder weight, transposed to [in, out] and contiguous,
+for products of more than 16 rows, prefill chunks above all: `torch.addmm` on it is MKL's
+plain (non-transposed) sgemm, which on an Intel Xeon (AVX-512) ran the decoder's products
+3-12% faster than oneDNN on a prepacked weight at 24-1,024 rows (30 layers of distinct
+weights, 2 threads; docs/performance.md); "prepacked" as "transposed" with the copy in
+oneDNN's blocked layout instead (`_reorder_linear_weight`, what vLLM's CPU backend does for
+float32), which on an AMD EPYC (AVX2) ran them 1-65% faster than MKL's sgemm (most at the
+fewest rows); "gemv" without the copy (the way out, and the default where the copy would
+take more than 1/16 of the memory available); "onednn" without the decode kernel; "aten"
+keeps `nn.Linear` everywhere. Unset, the copy's form is `default_copy_form()`: "transposed"
+on Intel CPUs with torch's MKL, "prepacked" elsewhere. The copy costs the float32 decoder
 linears' weights again (+405 MiB for SmolLM2-135M, per engine). The prefill rows' outputs
 differ between the backends by float32 rounding only (the order of the sums; ~1e-6
 relative). `prepack_planned` is the one place that decides whether the copy is made, for
@@ -40,6 +42,7 @@ the engine as it loads and for the server's memory plan (stages/serve/memory.py)
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -63,12 +66,38 @@ PREPACK_SHARE = 16
 (the share one KV pool gets, stages/serve/memory.py)."""
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """`vendor_id` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...), or "" where there
+    is none (another OS, Arm)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_copy_form(vendor: str | None = None) -> str:
+    """The prefill copy's form where `KVFLOW_LINEAR` is unset: "transposed" (MKL's sgemm) on
+    an Intel CPU (`vendor`, default `cpu_vendor()`) with torch's MKL, "prepacked" (oneDNN) on
+    every other CPU, where MKL's products were the slower: measured on one Intel Xeon and one
+    AMD EPYC (docs/performance.md)."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    if vendor == "GenuineIntel" and torch.backends.mkl.is_available():
+        return "transposed"
+    return "prepacked"
+
+
 def linear_backend() -> str:
-    """`KVFLOW_LINEAR` (default "transposed", which `prepack_planned` turns into "gemv" where
-    the copy does not fit): "prepacked" with the copy in oneDNN's layout, "gemv" without a
-    copy, "onednn" without the decode kernel either, "aten" keeps `nn.Linear` for every
-    dtype."""
-    value = os.environ.get(ENV_LINEAR, "transposed")
+    """`KVFLOW_LINEAR` (default `default_copy_form()`, which `prepack_planned` turns into
+    "gemv" where the copy does not fit): "transposed" or "prepacked" with a copy for prefill
+    rows, "gemv" without a copy, "onednn" without the decode kernel either, "aten" keeps
+    `nn.Linear` for every dtype."""
+    value = os.environ.get(ENV_LINEAR) or default_copy_form()
     if value not in LINEAR_BACKENDS:
         raise ValueError(f"{ENV_LINEAR} must be one of {LINEAR_BACKENDS}, got {value!r}")
     return value
@@ -180,7 +209,7 @@ def _onednn(linear: nn.Linear, packed: frozenset[int]) -> nn.Module:
         gemv = gemv_kernel() if backend in ("gemv", *COPY_BACKENDS) else None
         copy = None
         if id(linear) in packed:  # planned: the backend asked for, or the default's form
-            copy = backend if backend in COPY_BACKENDS else "transposed"
+            copy = backend if backend in COPY_BACKENDS else default_copy_form()
         return OneDNNDenseLinear(linear, gemv, copy)
     return OneDNNLinear(linear)
 

@@ -18,6 +18,8 @@ from kvflow.stages.engine.onednn_linear import (
     ENV_LINEAR,
     PREPACK_SHARE,
     OneDNNDenseLinear,
+    default_copy_form,
+    linear_backend,
     onednn_applies,
     prepack_planned,
     use_onednn_linears,
@@ -275,15 +277,36 @@ def test_prepack_planned_decides_by_dtype_memory_and_env(monkeypatch: pytest.Mon
         prepack_planned("float32", copy, None)
 
 
-@needs_kernel
-def test_default_copies_where_memory_allows_for_mkls_plain_product(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """KVFLOW_LINEAR unset: a transposed copy where it takes at most 1/PREPACK_SHARE of the
-    memory available, prefill rows through MKL's plain sgemm on it (`addmm`), the same
-    outputs as the no-copy (gemv) backend's up to float32 rounding, decode rows the same
-    bits; with less memory, the gemv backend (no copy)."""
+def test_the_default_copy_form_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the prefill copy is MKL's transposed weight on Intel CPUs (with torch's MKL) and
+    oneDNN's prepacked weight on the others; the vendor is /proc/cpuinfo's."""
     monkeypatch.delenv(ENV_LINEAR, raising=False)
+    mkl = torch.backends.mkl.is_available()
+    assert default_copy_form("GenuineIntel") == ("transposed" if mkl else "prepacked")
+    for vendor in ("AuthenticAMD", "HygonGenuine", ""):
+        assert default_copy_form(vendor) == "prepacked"
+    real = onednn_linear.cpu_vendor
+    monkeypatch.setattr(onednn_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    assert linear_backend() == "prepacked"
+    monkeypatch.setenv(ENV_LINEAR, "transposed")  # asked for: whatever the CPU
+    assert linear_backend() == "transposed"
+    if Path("/proc/cpuinfo").is_file():
+        real.cache_clear()
+        named = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "vendor_id" in ln]
+        assert real() == (named[0].split(":", 1)[1].strip() if named else "")
+
+
+@needs_kernel
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_default_copies_where_memory_allows(monkeypatch: pytest.MonkeyPatch, vendor: str) -> None:
+    """KVFLOW_LINEAR unset: a copy where it takes at most 1/PREPACK_SHARE of the memory
+    available, prefill rows on it (on an Intel CPU a transposed copy through MKL's plain
+    sgemm, `addmm`; elsewhere oneDNN's prepacked weight), the same outputs as the no-copy
+    (gemv) backend's up to float32 rounding, decode rows the same bits; with less memory,
+    the gemv backend (no copy)."""
+    monkeypatch.delenv(ENV_LINEAR, raising=False)
+    monkeypatch.setattr(onednn_linear, "cpu_vendor", lambda: vendor)
+    form = default_copy_form()
     gen = torch.Generator().manual_seed(7)
     torch.manual_seed(7)  # the linears' initial weights
     fits, tight = _Holder(), _Holder()
@@ -293,9 +316,13 @@ def test_default_copies_where_memory_allows_for_mkls_plain_product(
         assert use_onednn_linears(model) == 3
     for name in ("proj", "down"):
         mine = getattr(fits, name)
-        assert mine.transposed_weight is not None and mine.prefill_weight is None
-        assert torch.equal(mine.transposed_weight, mine.weight.t())
-        assert mine.transposed_weight.is_contiguous() and mine.has_copy
+        if form == "transposed":
+            assert mine.transposed_weight is not None and mine.prefill_weight is None
+            assert torch.equal(mine.transposed_weight, mine.weight.t())
+            assert mine.transposed_weight.is_contiguous() and mine.has_copy
+        else:
+            assert mine.prefill_weight is not None and mine.transposed_weight is None
+            assert mine.has_copy
         assert not getattr(tight, name).has_copy
         assert mine.gemv is not None and getattr(tight, name).gemv is not None
     assert not fits.lm_head.has_copy
@@ -309,7 +336,12 @@ def test_default_copies_where_memory_allows_for_mkls_plain_product(
                     assert torch.equal(got, other(xin))
                     continue
                 bias, weight_t = mine.bias, mine.weight.t().contiguous()
-                if bias is None:
+                if form == "prepacked":  # oneDNN's inner product: the dense one's bits
+                    dense = torch.ops.mkldnn._linear_pointwise(
+                        xin, mine.weight, bias, "none", [], ""
+                    )
+                    assert torch.equal(got, dense)
+                elif bias is None:
                     assert torch.equal(got, torch.mm(xin, weight_t))
                 else:
                     assert torch.equal(got, torch.addmm(bias, xin, weight_t))
