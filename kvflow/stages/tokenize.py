@@ -27,6 +27,10 @@ class TokenizeStage(Stage):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._max_model_len = max_model_len
+        # at start, not in the first request (its tokenize span was 87-113 ms on 2 cores):
+        # the longest vocabulary string (a scan of the vocabulary) and a first encode
+        if tokenizer.max_token_chars:
+            tokenizer.encode_prompt("warm-up")
 
     async def run(self, ctx: RequestContext[Any]) -> None:
         state: GenerateState = ctx.state

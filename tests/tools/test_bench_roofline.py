@@ -69,6 +69,16 @@ def test_docs_kernel_isa_block(tmp_path: Path) -> None:
     assert doc["summary"].startswith("bench_roofline SmolLM2-135M-Instruct")
 
 
+@pytest.mark.slow
+def test_docs_linears_ab_block(tmp_path: Path) -> None:
+    """The two prefill copies side by side on the default model (`--linears prepacked,
+    transposed`): each engine keeps its copy in its own form, the same weights."""
+    run_bash(block("performance.md", "performance-linears-ab"), tmp_path)
+    doc = json.loads((tmp_path / "roofline-linears.json").read_text())
+    assert set(doc["runs"]) == {"fused-float32-prepacked", "fused-float32-transposed"}
+    assert all(r["decode"][0]["tok_s"] > 0 for r in doc["runs"].values())
+
+
 def test_roofline_rejects_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         roofline.main(["--dtype", "float32,int3"])
