@@ -56,7 +56,11 @@ def test_small_load_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     doc = json.loads(out.read_text())
     for level in doc["results"].values():
         assert level["served"] == level["requests"] and level["http_5xx"] == 0
+        if Path("/proc/stat").is_file():  # who used the cores: the server it started, ...
+            assert set(level["cores"]) == {"host", "server", "client", "others"}
+            assert level["cores"]["server"] > 0
     assert set(doc["results"]) == {"closed_c1", "closed_c8", "open_1x"}
+    assert ", cores server " in line
 
 
 def test_config_fields_are_flags() -> None:

@@ -11,7 +11,9 @@ Two kinds of load through the OpenAI API (``/v1/completions``, streamed):
 Per level: goodput (requests served per second and their output tokens per second), TTFT and
 TPOT p50/p99 of the served ones, the admission queue's mean wait (the server's
 ``kvflow_admission_queue_seconds``, scraped before and after), and every refusal by its HTTP
-status (or ``conn`` for a connection error). Without ``--url`` it starts ``kvflow serve``
+status (or ``conn`` for a connection error), and the cores used meanwhile by the server (its
+process and descendants, when started here), the clients and every other process on the host
+(``_cores.py``: a level slowed by other work shows it). Without ``--url`` it starts ``kvflow serve``
 (the embedded server) in a process of its own on free ports, with ``--model`` (default: the
 tiny demo model) and stops it at the end.
 
@@ -46,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.tools.bench import _cli
+from kvflow.tools.bench._cores import CoreMeter
 from kvflow.tools.bench._servers import (
     Server,
     add_compare_arguments,
@@ -71,6 +74,7 @@ class Level:
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
     queue_s: float = 0.0  # mean admission wait (server side), when scraped
+    cores: dict[str, float] | None = None  # mean cores used: host, server, client, others
     outputs: dict[str, str] = field(default_factory=dict)  # prompt -> its served text
 
     def summary(self) -> dict[str, Any]:
@@ -94,6 +98,7 @@ class Level:
             "tpot_p50_ms": pct(tpot, 50),
             "tpot_p99_ms": pct(tpot, 99),
             "queue_mean_ms": self.queue_s * 1000,
+            "cores": self.cores,
             # prompt tokens the server said it had cached (None: it does not say)
             "cached_prompt_tokens": (
                 sum(o.cached_tokens or 0 for o in ok)
@@ -136,14 +141,18 @@ class Prompts:
 class Target:
     """The server's HTTP URL, its model name and (optionally) its metrics URL."""
 
-    def __init__(self, url: str, model: str, metrics_url: str | None) -> None:
+    def __init__(
+        self, url: str, model: str, metrics_url: str | None, pid: int | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.metrics_url = metrics_url
+        self.pid = pid  # the server's process, when started here (its cores per level)
 
     @classmethod
     def of(cls, server: Server) -> Target:
-        return cls(server.url, server.model, server.metrics_url)
+        pid = server.proc.pid if server.proc is not None else None
+        return cls(server.url, server.model, server.metrics_url, pid)
 
     def queue_totals(self) -> tuple[float, float] | None:
         """(sum, count) of kvflow_admission_queue_seconds, or None without metrics."""
@@ -244,10 +253,13 @@ async def run(args: argparse.Namespace, target: Target, capacity: float | None) 
     (None: measured here by the closed loop)."""
     prompts = Prompts(args.seed, args.prompt_words, args.shared_prefix_words)
     levels: dict[str, Level] = {}
+    meter = CoreMeter(target.pid)
     await closed_loop(target, [prompts.take(2) for _ in range(2)], args.max_tokens)  # warm-up
     for c in [int(x) for x in args.concurrency.split(",") if x]:
         texts = [prompts.take(args.requests_per_client) for _ in range(c)]
+        meter.start()
         level = await closed_loop(target, texts, args.max_tokens)
+        level.cores = meter.stop()
         levels[level.name] = level
         logger.warning("%s: %s", level.name, _short(level.summary()))
     rates = [float(x) for x in args.rates.split(",") if x]
@@ -255,10 +267,12 @@ async def run(args: argparse.Namespace, target: Target, capacity: float | None) 
         capacity = capacity if capacity is not None else _capacity(levels)
         for mult in rates:
             name = f"open_{mult:g}x"
+            meter.start()
             level = await open_loop(
                 target, mult * capacity, prompts.take(args.open_requests), args.max_tokens,
                 prompts.rng, name,
             )  # fmt: skip
+            level.cores = meter.stop()
             levels[name] = level
             logger.warning("%s (%.2f req/s): %s", name, mult * capacity, _short(level.summary()))
     return levels
@@ -282,8 +296,16 @@ def _short(s: dict[str, Any]) -> str:
         f"goodput {s['goodput_rps']:.2f} req/s {s['goodput_tokens_per_s']:.1f} tok/s, "
         f"ttft p50/p99 {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms, "
         f"tpot p50/p99 {s['tpot_p50_ms']:.1f}/{s['tpot_p99_ms']:.1f} ms, "
-        f"queue {s['queue_mean_ms']:.0f} ms"
+        f"queue {s['queue_mean_ms']:.0f} ms" + _cores_text(s["cores"])
     )
+
+
+def _cores_text(cores: dict[str, float] | None) -> str:
+    """The level's cores: the server's, the clients' and the other processes' (host's)."""
+    if cores is None:
+        return ""
+    names = ("server", "client", "others") if "server" in cores else ("host", "client")
+    return ", cores " + " ".join(f"{n} {cores[n]:.2f}" for n in names)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,0 +1,76 @@
+"""The cores a benchmark level used, by whom: the server under test (its process and every
+descendant: vLLM's engine runs in a child process), the benchmark's own process (the
+clients), and every other process on the host. A level that ran beside other work shows it
+in ``others`` (Linux; None where /proc cannot be read)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from kvflow.stages.runtime.step_trace import host_busy_s
+
+_TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
+def _stat(pid: int, proc: Path) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of ``pid`` from ``proc``/pid/stat, or None if it is gone."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK  # ppid; utime + stime
+
+
+def tree_cpu_s(pid: int, proc: Path = Path("/proc")) -> float | None:
+    """CPU seconds used so far by ``pid`` and its living descendants; None if ``pid`` is
+    gone or /proc cannot be read."""
+    try:
+        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return None
+    stats = {p: s for p in pids if (s := _stat(p, proc)) is not None}
+    if pid not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for p, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(p)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats[p][1]
+        todo.extend(children.get(p, []))
+    return total
+
+
+class CoreMeter:
+    """``start()`` then ``stop()`` around a level: the mean cores used meanwhile by the host
+    (``host``), this process (``client``) and, given the server's ``pid``, the server (it and
+    its descendants: ``server``) and every other process (``others``: the host less both)."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self._at: tuple[float, float | None, float | None, float] | None = None
+
+    def _sample(self) -> tuple[float, float | None, float | None, float]:
+        server = tree_cpu_s(self.pid) if self.pid is not None else None
+        return time.monotonic(), host_busy_s(), server, time.process_time()
+
+    def start(self) -> None:
+        self._at = self._sample()
+
+    def stop(self) -> dict[str, float] | None:
+        if self._at is None:
+            return None
+        (t0, host0, server0, own0), (t1, host1, server1, own1) = self._at, self._sample()
+        wall = t1 - t0
+        if host0 is None or host1 is None or wall <= 0:
+            return None
+        host, own = (host1 - host0) / wall, (own1 - own0) / wall
+        cores = {"host": host, "client": own}
+        if server0 is not None and server1 is not None:  # else the server is among the others
+            cores["server"] = max(0.0, server1 - server0) / wall
+            cores["others"] = max(0.0, host - cores["server"] - own)
+        return {k: round(v, 2) for k, v in cores.items()}
