@@ -48,7 +48,8 @@ class StepRecord:
     host_busy: float | None = None
 
 
-_TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+CLOCK_TICK_S = 1.0 / (float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0)
+"""Seconds in one clock tick, the unit of /proc's CPU times."""
 
 
 def host_busy_s(stat: Path = Path("/proc/stat")) -> float | None:
@@ -62,7 +63,7 @@ def host_busy_s(stat: Path = Path("/proc/stat")) -> float | None:
     if len(fields) < 6 or fields[0] != "cpu":
         return None
     ticks = [int(v) for v in fields[1:]]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TICK
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) * CLOCK_TICK_S
 
 
 class StepTrace:

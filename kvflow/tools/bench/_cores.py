@@ -9,9 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from kvflow.stages.runtime.step_trace import host_busy_s
-
-_TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+from kvflow.stages.runtime.step_trace import CLOCK_TICK_S, host_busy_s
 
 
 def _stat(pid: int, proc: Path) -> tuple[int, float] | None:
@@ -21,7 +19,7 @@ def _stat(pid: int, proc: Path) -> tuple[int, float] | None:
     except OSError:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK  # ppid; utime + stime
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) * CLOCK_TICK_S  # ppid; utime + stime
 
 
 def tree_cpu_s(pid: int, proc: Path = Path("/proc")) -> float | None:
