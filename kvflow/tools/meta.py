@@ -114,7 +114,7 @@ def run_meta(args: argparse.Namespace) -> int:
             + (f"; metrics on {metrics.url}" if metrics else ""),
             flush=True,
         )
-        stop.wait()
+        wait_for_stop(stop)
         return 0
     except ReplicationError as exc:
         print(f"kvflow meta: {exc}", file=sys.stderr)
@@ -152,6 +152,20 @@ def _serve_metrics(
 
 
 _Handler = signal.Handlers | int | None | object
+
+
+STOP_POLL_S = 0.5
+"""How often the main thread, waiting for a signal, wakes to run a pending handler."""
+
+
+def wait_for_stop(stop: threading.Event) -> None:
+    """Return once ``stop`` is set (by the SIGINT/SIGTERM handler), waking every
+    ``STOP_POLL_S``. Python runs a signal's handler in the main thread at its next bytecode,
+    but the kernel may deliver the signal to any thread (grpc's and Raft's among them): a
+    main thread blocked in ``stop.wait()`` is then never woken to run it. Seen in a loaded
+    test run: a metadata replica ignored SIGTERM for 20 s, its main thread still waiting."""
+    while not stop.wait(STOP_POLL_S):
+        pass
 
 
 def _install_handlers(stop: threading.Event) -> dict[int, _Handler]:
