@@ -9,12 +9,13 @@ so its results are the model's modules' bit for bit (tests/stages/engine/test_cp
 
 `build_decode_layers(model)` binds a model once (`CausalLM` keeps it): a `DecodeLayers` where
 the library is built and every layer's projections are fused and go to the matrix-vector
-kernel (the `gemv` linears of onednn_linear.py, float32 on the CPU); None otherwise, and the
-model runs its modules. `KVFLOW_DECODE=0` (the escape hatch and the benchmark's A/B switch;
-read at each forward) runs the modules too. `CausalLM.forward` takes it for a step of at
-most `cpu_gemv.MAX_ROWS` rows whose KV backend offers `paged_rows()` (a decode batch over a
-float32 CPU page pool with the paged attention kernel) and whose elementwise kernels are on
-(cpu_fused.py).
+kernel (the `gemv` linears of onednn_linear.py, float32 on the CPU), or, where a projection
+has a panel-packed copy (the "panel" linears), to cpu_panel.c's product on it, as its module
+does; None otherwise, and the model runs its modules. `KVFLOW_DECODE=0` (the escape hatch
+and the benchmark's A/B switch; read at each forward) runs the modules too.
+`CausalLM.forward` takes it for a step of at most `cpu_gemv.MAX_ROWS` rows whose KV backend
+offers `paged_rows()` (a decode batch over a float32 CPU page pool with the paged attention
+kernel) and whose elementwise kernels are on (cpu_fused.py).
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ def _gemv_weights(linear: nn.Module | None, name: str) -> tuple[torch.Tensor, to
     return _f32(weight.detach(), name), None if bias is None else _f32(bias.detach(), name)
 
 
+def _panel_weight(linear: nn.Module) -> torch.Tensor | None:
+    """A projection's panel-packed copy (cpu_panel.py), which the kernel then computes it on;
+    None where it has none."""
+    packed = getattr(linear, "panel_weight", None)
+    if packed is None or getattr(linear, "panel", None) is None:
+        return None
+    return _f32(packed, "a panel weight")
+
+
 class DecodeLayers:
     """A model's decoder layers bound to `kvflow_decode_layers`: the weights' addresses are
     taken once (the tensors are held, so they stay valid)."""
@@ -75,6 +85,7 @@ class DecodeLayers:
         held: list[torch.Tensor] = []
         weights: list[int | None] = []
         biases: list[int | None] = []
+        panels: list[int | None] = []
         norm_ptrs: list[int | None] = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -88,6 +99,10 @@ class DecodeLayers:
                 held += [w] if b is None else [w, b]
                 weights.append(w.data_ptr())
                 biases.append(None if b is None else b.data_ptr())
+                packed = _panel_weight(linear)
+                if packed is not None:
+                    held.append(packed)
+                panels.append(None if packed is None else packed.data_ptr())
             after = model.model.norm if i + 1 == len(layers) else layers[i + 1].input_layernorm
             for norm in (layer.post_attention_layernorm, after):
                 norms.append(norm)
@@ -102,6 +117,7 @@ class DecodeLayers:
         self._weights = (_ptr * len(weights))(*weights)
         self._biases = (_ptr * len(biases))(*biases)
         self._norms = (_ptr * len(norm_ptrs))(*norm_ptrs)
+        self._panels = (_ptr * len(panels))(*panels) if any(panels) else None
         self._scale = 1.0 / math.sqrt(self.head_dim)
         self._fn = lib.kvflow_decode_layers
         self._fn.restype = None
@@ -111,7 +127,7 @@ class DecodeLayers:
             + [_ptr, _ptr, _ptr]
             + [_long] * 6
             + [_ptr, _long, _ptr, _ptr, _float]
-            + [_ptr] * 5
+            + [_ptr] * 6
             + [_long]
         )
 
@@ -151,7 +167,7 @@ class DecodeLayers:
             _i64(table, (m, table.shape[1]), "table"), table.shape[1],
             _i64(ranges, (m, 2), "ranges"), _i64(slots, (m, 2), "slots"), self._scale,
             qkv.data_ptr(), attn.data_ptr(), delta.data_ptr(), gate_up.data_ptr(),
-            act.data_ptr(), torch.get_num_threads(),
+            act.data_ptr(), self._panels, torch.get_num_threads(),
         )  # fmt: skip
         return h
 

@@ -6,6 +6,8 @@
 
 void kvflow_gemv(const float *x, const float *w, const float *b, float *y, long M, long N, long K,
                  long threads);
+void kvflow_panel_gemm(const float *x, const float *p, const float *b, float *y, long M, long N,
+                       long K, long threads);
 void kvflow_rope(float *x, long ts, long hs, long heads, long d, const float *cos,
                  const float *sin, long cs, long rows, long threads);
 void kvflow_add_rms_norm(float *x, long xs, const float *delta, long ds, const float *w,

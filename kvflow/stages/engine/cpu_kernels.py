@@ -1,6 +1,7 @@
 """The project's C kernels for the CPU, compiled and loaded once per process (one library).
 
-`SOURCES` (cpu_gemv.c: the decode matrix-vector product; cpu_fused.c: the fused elementwise
+`SOURCES` (cpu_gemv.c: the decode matrix-vector product; cpu_panel.c: the matrix product on
+panel-packed weights; cpu_fused.c: the fused elementwise
 steps of a decoder layer; cpu_attn.c: paged decode attention; cpu_prefill.c: paged
 prefill attention; cpu_decode.c: a decode step's layers calling those in turn; `HEADERS`:
 what they share) are
@@ -37,7 +38,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_gemv.c", "cpu_fused.c", "cpu_attn.c", "cpu_prefill.c", "cpu_decode.c")
+    for n in (
+        "cpu_gemv.c",
+        "cpu_panel.c",
+        "cpu_fused.c",
+        "cpu_attn.c",
+        "cpu_prefill.c",
+        "cpu_decode.c",
+    )
 )
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_kernels.h"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")

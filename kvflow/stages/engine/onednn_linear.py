@@ -30,10 +30,14 @@ plain (non-transposed) sgemm, which on an Intel Xeon (AVX-512) ran the decoder's
 weights, 2 threads; docs/performance.md); "prepacked" as "transposed" with the copy in
 oneDNN's blocked layout instead (`_reorder_linear_weight`, what vLLM's CPU backend does for
 float32), which on an AMD EPYC (AVX2) ran them 1-65% faster than MKL's sgemm (most at the
-fewest rows); "gemv" without the copy (the way out, and the default where the copy would
+fewest rows); "panel" with the copy in panels of 16 outputs (cpu_panel.py), which takes
+every row count, decode steps too (cpu_decode.py calls the same kernel): on that AMD EPYC it
+ran them faster than the prepacked copy at 1-1,024 rows and than the decode kernel from 2
+rows on; "gemv" without the copy (the way out, and the default where the copy would
 take more than 1/16 of the memory available); "onednn" without the decode kernel; "aten"
-keeps `nn.Linear` everywhere. Unset, the copy's form is `default_copy_form()`: "transposed"
-on Intel CPUs with torch's MKL, "prepacked" elsewhere. The copy costs the float32 decoder
+keeps `nn.Linear` everywhere. Unset, the copy's form is `default_copy_form()`: "panel" where
+its vector kernel is built (AVX2 + FMA, no AVX-512), else "transposed" on Intel CPUs with
+torch's MKL, "prepacked" elsewhere. The copy costs the float32 decoder
 linears' weights again (+405 MiB for SmolLM2-135M, per engine). The prefill rows' outputs
 differ between the backends by float32 rounding only (the order of the sums; ~1e-6
 relative). `prepack_planned` is the one place that decides whether the copy is made, for
@@ -50,14 +54,15 @@ import torch
 from torch import nn
 
 from kvflow.stages.engine.cpu_gemv import Gemv, gemv_applies, gemv_kernel
+from kvflow.stages.engine.cpu_panel import PanelGemm, pack, panel_applies, panel_fast, panel_kernel
 from kvflow.stages.engine.linear_swap import swap_linears
 from kvflow.stages.engine.meminfo import available_at_start
 
 logger = logging.getLogger(__name__)
 
 ENV_LINEAR = "KVFLOW_LINEAR"
-LINEAR_BACKENDS = ("gemv", "onednn", "aten", "prepacked", "transposed")
-COPY_BACKENDS = ("prepacked", "transposed")
+LINEAR_BACKENDS = ("gemv", "onednn", "aten", "prepacked", "transposed", "panel")
+COPY_BACKENDS = ("prepacked", "transposed", "panel")
 """The backends that keep a second copy of each float32 decoder weight for prefill rows."""
 PACK_ROWS = 512
 """The rows oneDNN is told to expect when it prepares a float32 weight (the prefill chunk)."""
@@ -81,11 +86,15 @@ def cpu_vendor() -> str:
     return ""
 
 
-def default_copy_form(vendor: str | None = None) -> str:
-    """The prefill copy's form where `KVFLOW_LINEAR` is unset: "transposed" (MKL's sgemm) on
-    an Intel CPU (`vendor`, default `cpu_vendor()`) with torch's MKL, "prepacked" (oneDNN) on
-    every other CPU, where MKL's products were the slower: measured on one Intel Xeon and one
-    AMD EPYC (docs/performance.md)."""
+def default_copy_form(vendor: str | None = None, fast_panels: bool | None = None) -> str:
+    """The copy's form where `KVFLOW_LINEAR` is unset: "panel" (cpu_panel.py, every row
+    count) where its vector kernel is built (`fast_panels`, default `panel_fast()`: AVX2 +
+    FMA without AVX-512); else "transposed" (MKL's sgemm) on an Intel CPU (`vendor`, default
+    `cpu_vendor()`) with torch's MKL, "prepacked" (oneDNN) on every other CPU, where MKL's
+    products were the slower: measured on one Intel Xeon (AVX-512) and one AMD EPYC (AVX2;
+    docs/performance.md)."""
+    if panel_fast() if fast_panels is None else fast_panels:
+        return "panel"
     vendor = cpu_vendor() if vendor is None else vendor
     if vendor == "GenuineIntel" and torch.backends.mkl.is_available():
         return "transposed"
@@ -160,27 +169,47 @@ class OneDNNDenseLinear(nn.Module):
     transposed for MKL's sgemm or prepared for oneDNN."""
 
     def __init__(
-        self, linear: nn.Linear, gemv: Gemv | None = None, copy: str | None = None
+        self,
+        linear: nn.Linear,
+        gemv: Gemv | None = None,
+        copy: str | None = None,
+        panel: PanelGemm | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.gemv = gemv
-        weight = linear.weight.detach()
-        packed = transposed = None
-        if copy == "prepacked":  # oneDNN's blocked layout
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-        elif copy == "transposed":  # [in, out], contiguous: x @ it is a plain sgemm
-            transposed = weight.t().contiguous()
-        elif copy is not None:
+        self.panel = panel
+        if copy is not None and copy not in COPY_BACKENDS:
             raise ValueError(f"copy must be one of {COPY_BACKENDS} or None, got {copy!r}")
+        if copy == "panel" and panel is None:
+            raise ValueError("copy='panel' needs the panel kernel")
+        self.copy = copy
         self.prefill_weight: torch.Tensor | None
-        self.register_buffer("prefill_weight", packed, persistent=False)
         self.transposed_weight: torch.Tensor | None
+        self.panel_weight: torch.Tensor | None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """(Re)make the copy from `weight`: at construction, and after the weight was
+        changed in place (the copy does not follow it)."""
+        weight = self.weight.detach()
+        packed = transposed = panels = None
+        if self.copy == "prepacked":  # oneDNN's blocked layout
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        elif self.copy == "transposed":  # [in, out], contiguous: x @ it is a plain sgemm
+            transposed = weight.t().contiguous()
+        elif self.copy == "panel":  # panels of 16 outputs, for every row count
+            panels = pack(weight)
+        self.register_buffer("prefill_weight", packed, persistent=False)
         self.register_buffer("transposed_weight", transposed, persistent=False)
+        self.register_buffer("panel_weight", panels, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        panels = self.panel_weight
+        if panels is not None and self.panel is not None and panel_applies(x, panels):
+            return self.panel(x, panels, self.bias, self.out_features)
         if self.gemv is not None and gemv_applies(x, self.weight):
             return self.gemv(x, self.weight, self.bias)
         transposed = self.transposed_weight
@@ -194,12 +223,15 @@ class OneDNNDenseLinear(nn.Module):
     @property
     def has_copy(self) -> bool:
         """Whether prefill rows run on a second copy of the weight (either form)."""
-        return self.prefill_weight is not None or self.transposed_weight is not None
+        return any(
+            w is not None for w in (self.prefill_weight, self.transposed_weight, self.panel_weight)
+        )
 
     def extra_repr(self) -> str:
         kind = "onednn dense" + (", gemv" if self.gemv is not None else "")
         kind += ", prepacked" if self.prefill_weight is not None else ""
         kind += ", transposed" if self.transposed_weight is not None else ""
+        kind += ", panel" if self.panel_weight is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
@@ -210,7 +242,10 @@ def _onednn(linear: nn.Linear, packed: frozenset[int]) -> nn.Module:
         copy = None
         if id(linear) in packed:  # planned: the backend asked for, or the default's form
             copy = backend if backend in COPY_BACKENDS else default_copy_form()
-        return OneDNNDenseLinear(linear, gemv, copy)
+        panel = panel_kernel() if copy == "panel" else None
+        if copy == "panel" and panel is None:  # no kernel library here: oneDNN's copy
+            copy = "prepacked"
+        return OneDNNDenseLinear(linear, gemv, copy, panel)
     return OneDNNLinear(linear)
 
 

@@ -17,6 +17,7 @@ from kvflow.stages.engine import SamplingParams
 from kvflow.stages.engine.cpu_decode import ENV_DECODE, DecodeLayers
 from kvflow.stages.engine.cpu_fused import ENV_FUSED
 from kvflow.stages.engine.cpu_gemv import MAX_ROWS
+from kvflow.stages.engine.onednn_linear import ENV_LINEAR
 from kvflow.stages.engine.runner import ModelRunner
 from tests.stages.engine.conftest import open_engine
 from tests.stages.engine.hf_models import make_hf_model
@@ -69,11 +70,14 @@ def _decode(model_dir: Path, prompts: list[list[int]], steps: int) -> dict[str, 
     return logits
 
 
+@pytest.mark.parametrize("linear", ["gemv", "panel"])
 def test_layers_in_one_call_equal_the_modules_bit_for_bit(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, linear: str
 ) -> None:
     """Three requests (3, 21 and 40 tokens: one page, several, past the sliding window)
-    decoded together for 12 steps, then alone: every step's logits identical both ways."""
+    decoded together for 12 steps, then alone: every step's logits identical both ways, with
+    the projections on the matrix-vector kernel ("gemv") and on their panel copies."""
+    monkeypatch.setenv(ENV_LINEAR, linear)
     prompts = [[(7 * i + 3 * r) % 200 + 5 for i in range(n)] for r, n in enumerate((3, 21, 40))]
     calls = _counting(monkeypatch)
     runs, seen = {}, {}

@@ -278,9 +278,11 @@ def test_prepack_planned_decides_by_dtype_memory_and_env(monkeypatch: pytest.Mon
 
 
 def test_the_default_copy_form_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unset, the prefill copy is MKL's transposed weight on Intel CPUs (with torch's MKL) and
+    """Unset, without the panel kernel's vector form (test_cpu_panel.py has the other case),
+    the prefill copy is MKL's transposed weight on Intel CPUs (with torch's MKL) and
     oneDNN's prepacked weight on the others; the vendor is /proc/cpuinfo's."""
     monkeypatch.delenv(ENV_LINEAR, raising=False)
+    monkeypatch.setattr(onednn_linear, "panel_fast", lambda: False)
     mkl = torch.backends.mkl.is_available()
     assert default_copy_form("GenuineIntel") == ("transposed" if mkl else "prepacked")
     for vendor in ("AuthenticAMD", "HygonGenuine", ""):
@@ -297,15 +299,17 @@ def test_the_default_copy_form_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) 
 
 
 @needs_kernel
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", "panel"])
 def test_default_copies_where_memory_allows(monkeypatch: pytest.MonkeyPatch, vendor: str) -> None:
     """KVFLOW_LINEAR unset: a copy where it takes at most 1/PREPACK_SHARE of the memory
     available, prefill rows on it (on an Intel CPU a transposed copy through MKL's plain
-    sgemm, `addmm`; elsewhere oneDNN's prepacked weight), the same outputs as the no-copy
-    (gemv) backend's up to float32 rounding, decode rows the same bits; with less memory,
-    the gemv backend (no copy)."""
+    sgemm, `addmm`; elsewhere oneDNN's prepacked weight; with the panel kernel's vector
+    form, "panel", every row on panels), the same outputs as the no-copy (gemv) backend's up
+    to float32 rounding, decode rows the same bits (but on panels); with less memory, the
+    gemv backend (no copy)."""
     monkeypatch.delenv(ENV_LINEAR, raising=False)
     monkeypatch.setattr(onednn_linear, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(onednn_linear, "panel_fast", lambda: vendor == "panel")
     form = default_copy_form()
     gen = torch.Generator().manual_seed(7)
     torch.manual_seed(7)  # the linears' initial weights
@@ -320,6 +324,9 @@ def test_default_copies_where_memory_allows(monkeypatch: pytest.MonkeyPatch, ven
             assert mine.transposed_weight is not None and mine.prefill_weight is None
             assert torch.equal(mine.transposed_weight, mine.weight.t())
             assert mine.transposed_weight.is_contiguous() and mine.has_copy
+        elif form == "panel":
+            assert mine.panel_weight is not None and mine.prefill_weight is None
+            assert mine.has_copy and mine.panel is not None
         else:
             assert mine.prefill_weight is not None and mine.transposed_weight is None
             assert mine.has_copy
@@ -332,6 +339,15 @@ def test_default_copies_where_memory_allows(monkeypatch: pytest.MonkeyPatch, ven
             for name, xin in (("proj", x), ("down", h), ("lm_head", x)):
                 mine, other = getattr(fits, name), getattr(tight, name)
                 got = mine(xin)
+                if form == "panel" and name != "lm_head":  # every row count on the panels
+                    assert mine.panel is not None and mine.panel_weight is not None
+                    panels = (
+                        mine(xin),
+                        mine.panel(xin, mine.panel_weight, mine.bias, mine.out_features),
+                    )
+                    assert torch.equal(*panels)
+                    torch.testing.assert_close(got, other(xin), rtol=1e-5, atol=1e-5)
+                    continue
                 if rows <= cpu_gemv.MAX_ROWS or name == "lm_head":  # no copy involved
                     assert torch.equal(got, other(xin))
                     continue

@@ -131,6 +131,8 @@ def _dequantized_twin(cand_dir: Path, cand: nn.Module) -> nn.Module:
             assert isinstance(twin, (nn.Linear, OneDNNDenseLinear)), name  # weight: a parameter
             with torch.no_grad():
                 twin.weight.copy_(module.dequantized())
+            if isinstance(twin, OneDNNDenseLinear):
+                twin.refresh()  # its copy (prefill rows; with panels, every row) follows
     return ref
 
 
