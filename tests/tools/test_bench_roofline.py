@@ -79,6 +79,17 @@ def test_docs_linears_ab_block(tmp_path: Path) -> None:
     assert all(r["decode"][0]["tok_s"] > 0 for r in doc["runs"].values())
 
 
+@pytest.mark.slow
+def test_docs_panel_ab_block(tmp_path: Path) -> None:
+    """The prepacked and the panel copies side by side on the default model (`--linears
+    prepacked,panel`), the same weights."""
+    run_bash(block("performance.md", "performance-panel-ab"), tmp_path)
+    doc = json.loads((tmp_path / "roofline-panel.json").read_text())
+    assert set(doc["runs"]) == {"fused-float32-prepacked", "fused-float32-panel"}
+    assert all(r["decode"][0]["tok_s"] > 0 for r in doc["runs"].values())
+    assert all(r["prefill"][0]["tok_s"] > 0 for r in doc["runs"].values())
+
+
 def test_roofline_rejects_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         roofline.main(["--dtype", "float32,int3"])

@@ -13,9 +13,10 @@ kernel (the `gemv` linears of onednn_linear.py, float32 on the CPU), or, where a
 has a panel-packed copy (the "panel" linears), to cpu_panel.c's product on it, as its module
 does; None otherwise, and the model runs its modules. `KVFLOW_DECODE=0` (the escape hatch
 and the benchmark's A/B switch; read at each forward) runs the modules too.
-`CausalLM.forward` takes it for a step of at most `cpu_gemv.MAX_ROWS` rows whose KV backend
-offers `paged_rows()` (a decode batch over a float32 CPU page pool with the paged attention
-kernel) and whose elementwise kernels are on (cpu_fused.py).
+`CausalLM.forward` takes it for a step of at most `max_rows` rows (`cpu_gemv.MAX_ROWS`, or any
+decode batch where every projection has a panel copy) whose KV backend offers
+`paged_rows()` (a decode batch over a float32 CPU page pool with the paged attention kernel)
+and whose elementwise kernels are on (cpu_fused.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from kvflow.stages.engine.cpu_gemv import MAX_ROWS
 from kvflow.stages.engine.cpu_kernels import library
 
 ENV_DECODE = "KVFLOW_DECODE"
+PANEL_ROWS = 1 << 16
+"""The most rows of a call whose every projection has a panel copy: that kernel takes any
+row count (cpu_panel.py), so every decode batch goes through the call; with the
+matrix-vector kernel, at most `MAX_ROWS`."""
 log = logging.getLogger(__name__)
 
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -118,6 +123,7 @@ class DecodeLayers:
         self._biases = (_ptr * len(biases))(*biases)
         self._norms = (_ptr * len(norm_ptrs))(*norm_ptrs)
         self._panels = (_ptr * len(panels))(*panels) if any(panels) else None
+        self.max_rows = PANEL_ROWS if all(panels) else MAX_ROWS
         self._scale = 1.0 / math.sqrt(self.head_dim)
         self._fn = lib.kvflow_decode_layers
         self._fn.restype = None
@@ -142,8 +148,8 @@ class DecodeLayers:
         pool, table, ranges, slots = rows
         _f32(x, "x")
         h = _f32(normed, "normed")
-        if x.shape != (m, hidden) or h.shape != (m, hidden) or not 0 < m <= MAX_ROWS:
-            raise ValueError(f"x and normed must be [1..{MAX_ROWS}, {hidden}], got {x.shape}")
+        if x.shape != (m, hidden) or h.shape != (m, hidden) or not 0 < m <= self.max_rows:
+            raise ValueError(f"x and normed must be [1..{self.max_rows}, {hidden}], got {x.shape}")
         for name, t in (("cos", cos), ("sin", sin)):
             if _f32(t, name).shape != (m, 1, d):
                 raise ValueError(f"{name} must be [{m}, 1, {d}], got {list(t.shape)}")

@@ -27,7 +27,6 @@ from torch import nn
 
 from kvflow.stages.engine.cpu_decode import DecodeLayers, build_decode_layers, decode_enabled
 from kvflow.stages.engine.cpu_fused import FusedKernels, fused_kernels
-from kvflow.stages.engine.cpu_gemv import MAX_ROWS
 from kvflow.stages.engine.rope import Rotary, apply_rotary
 from kvflow.stages.engine.spec import ModelSpec
 
@@ -236,13 +235,14 @@ class CausalLM(nn.Module):
         layers = self.model.layers
         x, h = add_rms_norm(x, None, layers[0].input_layernorm, fused)
         paged_rows = getattr(kv, "paged_rows", None)
-        if fused is not None and paged_rows is not None and x.shape[0] <= MAX_ROWS:
-            rows = paged_rows()
-            if rows is not None and decode_enabled():
-                if not self._decode:
-                    self._decode.append(build_decode_layers(self))
-                if self._decode[0] is not None:
-                    return self._decode[0](x, h, cos, sin, rows)
+        if fused is not None and paged_rows is not None and decode_enabled():
+            if not self._decode:
+                self._decode.append(build_decode_layers(self))
+            decode = self._decode[0]
+            if decode is not None and x.shape[0] <= decode.max_rows:
+                rows = paged_rows()
+                if rows is not None:
+                    return decode(x, h, cos, sin, rows)
         for i, layer in enumerate(layers):
             last = i + 1 == len(layers)
             next_norm = self.model.norm if last else layers[i + 1].input_layernorm

@@ -96,11 +96,36 @@ def test_layers_in_one_call_equal_the_modules_bit_for_bit(
             assert torch.equal(a, b), key
 
 
+def test_panels_take_a_decode_batch_past_the_matrix_vector_kernels_rows(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every projection on a panel copy the call takes any decode batch: 20 requests
+    decoding together (more rows than `MAX_ROWS`), the same logits bit for bit as the
+    modules'."""
+    monkeypatch.setenv(ENV_LINEAR, "panel")
+    prompts = [[(5 * i + 3 * r) % 200 + 5 for i in range(3)] for r in range(MAX_ROWS + 4)]
+    calls = _counting(monkeypatch)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(ENV_DECODE, flag)
+        calls.clear()
+        runs[flag] = _decode(llama_dir, prompts, 8)
+        if flag == "1":
+            assert max(calls) > MAX_ROWS, calls
+    assert calls == []
+    for key, steps in runs["1"].items():
+        assert len(steps) == len(runs["0"][key]) == 8
+        for a, b in zip(steps, runs["0"][key], strict=True):
+            assert torch.equal(a, b), key
+
+
 def test_the_modules_run_where_the_call_does_not_apply(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without the fused elementwise kernels, with torch's attention, or with more rows than
-    the matrix-vector kernel takes, decode steps run the modules (and still decode)."""
+    the matrix-vector kernel takes (KVFLOW_LINEAR=gemv: no panel copy), decode steps run the
+    modules (and still decode)."""
+    monkeypatch.setenv(ENV_LINEAR, "gemv")
     calls = _counting(monkeypatch)
     prompts = [[(5 * i + r) % 200 + 5 for i in range(6)] for r in range(17)]
     for env, value in ((ENV_FUSED, "0"), ("KVFLOW_ATTN", "torch")):
