@@ -63,7 +63,8 @@ logger = logging.getLogger(__name__)
 ENV_LINEAR = "KVFLOW_LINEAR"
 LINEAR_BACKENDS = ("gemv", "onednn", "aten", "prepacked", "transposed", "panel")
 COPY_BACKENDS = ("prepacked", "transposed", "panel")
-"""The backends that keep a second copy of each float32 decoder weight for prefill rows."""
+"""The backends that keep a second copy of each float32 decoder weight: for prefill rows
+("prepacked", "transposed"), for every row ("panel")."""
 PACK_ROWS = 512
 """The rows oneDNN is told to expect when it prepares a float32 weight (the prefill chunk)."""
 PREPACK_SHARE = 16
@@ -222,7 +223,7 @@ class OneDNNDenseLinear(nn.Module):
 
     @property
     def has_copy(self) -> bool:
-        """Whether prefill rows run on a second copy of the weight (either form)."""
+        """Whether rows run on a second copy of the weight (any form)."""
         return any(
             w is not None for w in (self.prefill_weight, self.transposed_weight, self.panel_weight)
         )

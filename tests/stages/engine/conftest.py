@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import platform
+import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,3 +92,22 @@ def isa_library(
             lib = cpu_kernels._load()
     assert lib is not None
     return lib
+
+
+class ProjAndHead(torch.nn.Module):
+    """A decoder-like float32 linear with a bias (`proj`, 64 -> `out`) and an lm_head
+    (`out` -> 200, no bias): what the linear backends give a copy and what they do not."""
+
+    def __init__(self, out: int = 96) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, out, bias=True)
+        self.lm_head = torch.nn.Linear(out, 200, bias=False)
+
+
+needs_onednn_kernel = pytest.mark.skipif(
+    sys.platform != "linux"
+    or shutil.which("cc") is None
+    or not torch.backends.mkldnn.is_available(),
+    reason="the kernel is built on Linux with a C compiler, beside oneDNN",
+)
+"""The CPU kernels' tests beside oneDNN's linears (test_cpu_gemv.py, test_cpu_panel.py)."""

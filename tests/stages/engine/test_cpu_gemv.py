@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,14 +22,9 @@ from kvflow.stages.engine.onednn_linear import (
     prepack_planned,
     use_onednn_linears,
 )
-from tests.stages.engine.conftest import cpu_has
+from tests.stages.engine.conftest import ProjAndHead, cpu_has, needs_onednn_kernel
 
-needs_kernel = pytest.mark.skipif(
-    sys.platform != "linux"
-    or shutil.which("cc") is None
-    or not torch.backends.mkldnn.is_available(),
-    reason="the kernel is built on Linux with a C compiler, beside oneDNN",
-)
+needs_kernel = needs_onednn_kernel
 
 
 @needs_kernel
@@ -220,14 +213,7 @@ def test_prepacked_backend_prefill_rows_on_a_packed_copy(monkeypatch: pytest.Mon
     no copy; a bias is added."""
     monkeypatch.setenv(ENV_LINEAR, "prepacked")
     gen = torch.Generator().manual_seed(2)
-
-    class Holder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = torch.nn.Linear(64, 96, bias=True)
-            self.lm_head = torch.nn.Linear(96, 200, bias=False)
-
-    holder = Holder()
+    holder = ProjAndHead()
     weight, bias = holder.proj.weight, holder.proj.bias
     assert use_onednn_linears(holder) == 2
     proj, head = holder.proj, holder.lm_head

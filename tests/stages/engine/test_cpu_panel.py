@@ -5,8 +5,6 @@ count, and the "panel" linear backend sending every row count to it."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import sys
 
 import pytest
 import torch
@@ -19,13 +17,9 @@ from kvflow.stages.engine.onednn_linear import (
     default_copy_form,
     use_onednn_linears,
 )
+from tests.stages.engine.conftest import ProjAndHead, needs_onednn_kernel
 
-needs_kernel = pytest.mark.skipif(
-    sys.platform != "linux"
-    or shutil.which("cc") is None
-    or not torch.backends.mkldnn.is_available(),
-    reason="the kernel is built on Linux with a C compiler, beside oneDNN",
-)
+needs_kernel = needs_onednn_kernel
 
 # N: a whole panel, several, and a partial last one; K: odd, short and long
 SHAPES = ((16, 8), (37, 13), (100, 64), (576, 576), (960, 1536), (5, 3))
@@ -114,14 +108,7 @@ def test_panel_backend_sends_every_row_count_to_the_copy(monkeypatch: pytest.Mon
     kernel on that copy, F.linear's within float32 rounding."""
     monkeypatch.setenv(ENV_LINEAR, "panel")
     gen = torch.Generator().manual_seed(2)
-
-    class Holder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = torch.nn.Linear(64, 100, bias=True)
-            self.lm_head = torch.nn.Linear(100, 200, bias=False)
-
-    holder = Holder()
+    holder = ProjAndHead(out=100)  # a partial last panel
     weight, bias = holder.proj.weight, holder.proj.bias
     assert use_onednn_linears(holder) == 2
     proj, head = holder.proj, holder.lm_head
