@@ -7,8 +7,8 @@ registers (BLIS' Haswell kernel form). On a 2-core AMD EPYC (AVX2 + FMA, no AVX-
 SmolLM2-135M's decoder linears faster than oneDNN on its prepacked weight at every row count
 measured, 1 to 1,024 (most at 4-128 rows, a decode batch and a short prompt), and faster than
 the matrix-vector kernel of cpu_gemv.py from 2 rows on (docs/performance.md "Panel-packed
-linears"). Each output is one running sum over k in order, so a row's result does not depend
-on the batch it is in.
+linears"). Each output sums its products in chunks of 256 over k, in order, so a row's result
+does not depend on the batch it is in or the thread count.
 
 `panel_kernel()` is None where the kernel library cannot be built or loaded; `panel_fast()`
 says whether it has the vector kernel (an AVX2 + FMA build without AVX-512): elsewhere a
@@ -19,7 +19,7 @@ another (onednn_linear.py).
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 from collections.abc import Callable
 
 import torch
@@ -30,9 +30,6 @@ PANEL = 16
 """Outputs per panel (cpu_panel.c's NR)."""
 
 PanelGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-
-_lock = threading.Lock()
-_loaded: dict[str, tuple[PanelGemm, bool] | None] = {}
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -69,18 +66,17 @@ def bind(lib: ctypes.CDLL) -> PanelGemm:
     return gemm
 
 
+@functools.cache
 def _load() -> tuple[PanelGemm, bool] | None:
-    with _lock:
-        if "panel" not in _loaded:
-            lib = library()
-            if lib is None:
-                _loaded["panel"] = None
-            else:
-                fast = lib.kvflow_panel_fast
-                fast.restype = ctypes.c_long
-                fast.argtypes = []
-                _loaded["panel"] = (bind(lib), bool(fast()))
-        return _loaded["panel"]
+    """The bound kernel and whether it is the vector one, once per process (`library()`
+    builds and loads under its own lock)."""
+    lib = library()
+    if lib is None:
+        return None
+    fast = lib.kvflow_panel_fast
+    fast.restype = ctypes.c_long
+    fast.argtypes = []
+    return bind(lib), bool(fast())
 
 
 def panel_kernel() -> PanelGemm | None:
