@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.stages.serve.colocation import COLOCATED_MIXED_CHUNK
-from kvflow.stages.serve.config import DRAM_WRITE_AHEAD_BYTES, DTYPES, ServeConfig
+from kvflow.stages.serve.config import (
+    DRAM_WRITE_AHEAD_BYTES,
+    DTYPES,
+    EngineStoreConfig,
+    ServeConfig,
+)
 from kvflow.stages.serve.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -66,6 +71,15 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         "between tokens; while more than one prompt waits (no --tbt-target-ms) such a step "
         "takes up to --prefill-chunk; "
         f"default: {COLOCATED_MIXED_CHUNK} colocated, else --prefill-chunk",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=EngineStoreConfig.max_batch,
+        help="most running requests one engine step decodes together (vLLM's --max-num-seqs, "
+        "SGLang's --max-running-requests, though more may wait prefilled: each step decodes "
+        f"the least recently decoded); default: {EngineStoreConfig.max_batch} "
+        "(docs/performance.md, 'Step sizes')",
     )
     p.add_argument(
         "--tbt-target-ms",
@@ -140,6 +154,7 @@ def engine_store_values(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
         "prefill_chunk": args.prefill_chunk,
         "mixed_chunk": args.mixed_chunk,
         "tbt_target_ms": args.tbt_target_ms,
+        "max_batch": args.max_batch,
         "dram_capacity_bytes": plan.dram_bytes,
         "ssd_capacity_bytes": plan.ssd_bytes,
         "dram_prefault": args.dram_prefault,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.stages.engine import write_demo_model
+from kvflow.stages.engine import EngineConfig, write_demo_model
 from kvflow.tools.bench import roofline
 from tests.docs.blocks import block
 from tests.docs.shell import run_bash
@@ -149,3 +149,15 @@ def test_roofline_quick_attention_paged_and_torch(
     assert "KVFLOW_ATTN" not in os.environ  # restored after each run
     with pytest.raises(SystemExit):
         roofline.main(["--attention", "paged,flash"])
+
+
+def test_decode_rate_of_a_batch_whose_prompts_outlast_the_timed_steps(tmp_path: Path) -> None:
+    """The first prompts decode while the last ones prefill (several steps of 64 tokens
+    here): each request's token budget covers that, every request is still running when the
+    timed steps start, and all are gone after."""
+    model = write_demo_model(tmp_path / "tiny", "tiny", seed=0)
+    config = EngineConfig(num_pages=64, max_batch=8, prefill_chunk=64)
+    engine = roofline.open_engine(model, config, fuse=True)
+    assert roofline.decode_tokens(8, 40, 2, 64) > 2 + 5  # 5 steps of prompts, 1 a prompt
+    assert roofline.decode_tok_s(engine, batch=8, context=40, steps=2, seed=0) > 0
+    assert not engine.has_unfinished() and engine.num_free_pages == 64

@@ -129,7 +129,7 @@ class EngineStoreConfig:
     prefill_chunk: int = 1024
     mixed_chunk: int | None = None
     tbt_target_ms: float | None = None
-    max_batch: int = 32
+    max_batch: int = 64
     staging_pages: int = 512
     kv_prefault: bool = True
     dram_capacity_bytes: int = 1 << 30

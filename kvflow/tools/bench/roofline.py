@@ -188,17 +188,37 @@ def prefill_s(engine: Engine, n: int, seed: int) -> float:
     return time.perf_counter() - start
 
 
+def decode_tokens(batch: int, context: int, steps: int, prefill_chunk: int) -> int:
+    """A decode request's token budget in `decode_tok_s`: a token a step while the batch's
+    prompts are computed (at most one step a chunk, and one a prompt), then ``steps``."""
+    return -(-batch * context // prefill_chunk) + batch + steps + 1
+
+
 def decode_tok_s(engine: Engine, batch: int, context: int, steps: int, seed: int) -> float:
-    sampling = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-    for i in range(batch):
-        prompt = _prompt(context, seed * 1000 + i, engine.spec.vocab_size)
-        engine.add_request(f"d{seed}-{batch}-{i}", prompt, sampling)
-    while any(engine.num_computed_tokens(f"d{seed}-{batch}-{i}") < context for i in range(batch)):
+    """Tokens per second of ``steps`` decode steps of ``batch`` requests of ``context``
+    prompt tokens each, timed once every prompt is computed. The early prompts decode
+    while the later ones prefill (untimed), so each may decode a step per prefill step
+    before the timed ones: its token budget covers both."""
+    sampling = SamplingParams(
+        max_tokens=decode_tokens(batch, context, steps, engine.config.prefill_chunk),
+        ignore_eos=True,
+    )
+    ids = [f"d{seed}-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, _prompt(context, seed * 1000 + i, engine.spec.vocab_size), sampling)
+    while any(engine.num_computed_tokens(rid) < context for rid in ids):
         engine.step()  # prefills (and the first tokens), untimed
+    before = sum(len(engine.token_ids(rid)) for rid in ids)
     start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    made = sum(len(engine.token_ids(rid)) for rid in ids) - before
+    for rid in ids:
+        engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return batch * steps / (time.perf_counter() - start)
+    return made / elapsed
 
 
 def bench_engine(engine: Engine, args: argparse.Namespace, bandwidth: float) -> dict:
@@ -329,8 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="kvflow-roofline-") as tmp:
         model_dir = args.model or ensure_default_model(args.data_dir or Path(tmp))
-        longest = max(*args.prefill_lens, args.decode_context + args.decode_steps + 1)
         batch = max(args.decode_batches)
+        chunk = EngineConfig().prefill_chunk
+        decoded = decode_tokens(batch, args.decode_context, args.decode_steps, chunk)
+        longest = max(*args.prefill_lens, args.decode_context + decoded)
         config = EngineConfig(
             num_pages=(batch + 1) * -(-longest // EngineConfig().block_size) + 4,
             max_batch=batch,
