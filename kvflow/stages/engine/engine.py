@@ -45,8 +45,10 @@ from kvflow.stages.engine.runner import ModelRunner
 from kvflow.stages.engine.sampler import (
     argmax_rows,
     plain_greedy,
+    plain_sampled,
     prompt_logprobs,
     sample,
+    sample_rows,
     token_logprobs,
 )
 from kvflow.stages.engine.scheduler import StepPlan, plan_step
@@ -617,12 +619,24 @@ class Engine:
         if decode_logits is not None:
             plain = [plain_greedy(seq.sampling, seq.constraint) for seq in plan.decode]
             argmax = argmax_rows(decode_logits) if sum(plain) > 1 else None
+            drawn = self._sample_rows(plan.decode, decode_logits)
             for row, seq in enumerate(plan.decode):
                 start = seq.num_computed
                 seq.num_computed += 1
                 seq.last_decode_step = self._steps
-                token = argmax[row] if argmax is not None and plain[row] else None
+                token = argmax[row] if argmax is not None and plain[row] else drawn.get(row)
                 outputs.append(self._advance(seq, start, decode_logits[row : row + 1], token=token))
+
+    @staticmethod
+    def _sample_rows(decode: Seq[Sequence], logits: torch.Tensor) -> dict[int, int]:
+        """The tokens of a decode batch's `plain_sampled` rows (row -> token) where there
+        are several, drawn together (`sample_rows`); the other rows sample one by one."""
+        rows = [r for r, seq in enumerate(decode) if plain_sampled(seq.sampling, seq.constraint)]
+        if len(rows) < 2:
+            return {}
+        temps = [decode[r].sampling.temperature for r in rows]
+        tokens = sample_rows(logits[rows], temps, [decode[r].generator for r in rows])
+        return dict(zip(rows, tokens, strict=True))
 
     def _one_forward(self, chunks: Seq[tuple[Sequence, int]], decode: Seq[Sequence]) -> bool:
         """Whether a step's work runs as one forward pass: more than one part (chunks, the

@@ -51,6 +51,44 @@ def plain_greedy(params: SamplingParams, constraint: Constraint | None) -> bool:
     return params.greedy and not params.penalized and not params.logit_bias and constraint is None
 
 
+def plain_sampled(params: SamplingParams, constraint: Constraint | None) -> bool:
+    """Whether `sample` takes a row of these params as a draw from softmax(logits /
+    temperature) over every token: a temperature only (no top-k, top-p, penalty, logit bias
+    or grammar)."""
+    return (
+        not params.greedy
+        and params.top_k == 0
+        and params.top_p >= 1.0
+        and not params.penalized
+        and not params.logit_bias
+        and constraint is None
+    )
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """`sample`'s token for every row of float32 logits [N, vocab] as if each were
+    `plain_sampled` with its temperature and generator: the same draws, from the same
+    generators, as row by row, but each step of it one operation over the rows (a decode
+    batch of 64 sampled rows: one softmax, not 64)."""
+    x = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"))
+    best = x.argmax(-1)
+    temps = torch.tensor(list(temperatures), dtype=torch.float32, device=x.device)
+    probs = (x / temps[:, None]).softmax(-1)
+    finite = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0.0)).tolist()
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    u = torch.zeros(len(finite), dtype=torch.float64, device=x.device)
+    for row, (ok, gen) in enumerate(zip(finite, generators, strict=True)):
+        if ok:  # as `_sample_row`: a row that falls back to its argmax draws nothing
+            u[row] = torch.rand((), generator=gen, dtype=torch.float64, device=x.device)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    ok_rows = torch.tensor(finite, dtype=torch.bool, device=x.device)
+    return torch.where(ok_rows, drawn, best).tolist()
+
+
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """`sample`'s token for every row of float32 logits [N, vocab] as if each were
     `plain_greedy`, in one reduction and one read back to the host (a GPU batch then waits
@@ -106,7 +144,22 @@ def _sample_row(
     probs = scaled.softmax(-1)
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
         return fallback
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return draw(probs, gen)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """A token from one row of probabilities [vocab] (finite, summing to more than 0), by
+    the inverse of its distribution function: one uniform number u from ``gen``, and the
+    first token whose running sum (in float64) exceeds u times the total. A token of
+    probability 0 is never drawn.
+
+    One random number a row: torch.multinomial draws one sample as the argmax of
+    probs / Exp(1) over the whole vocabulary, an exponential number (a log each, on one
+    thread) for each of the 49,152 tokens of the default model: ~2.5 ms a row here, 160 ms of
+    a 64-row decode step (docs/performance.md, "Sampling")."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    u = torch.rand((), generator=gen, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return int(torch.searchsorted(cdf, u.reshape(1), right=True)[0])
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:

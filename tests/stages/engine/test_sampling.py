@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kvflow.stages.engine import EngineConfig, SamplingParams
-from kvflow.stages.engine.sampler import argmax_rows, plain_greedy, sample
+from kvflow.stages.engine.sampler import (
+    argmax_rows,
+    draw,
+    plain_greedy,
+    plain_sampled,
+    sample,
+    sample_rows,
+)
 from tests.stages.engine.conftest import open_engine
 
 
@@ -142,3 +149,75 @@ def test_argmax_rows_is_what_sample_picks_for_plain_greedy_rows() -> None:
     assert not plain_greedy(SamplingParams(logit_bias=((3, 1.0),)), None)
     want = sample(logits, [greedy] * 6, [None] * 6)
     assert argmax_rows(logits) == want and want[1] == 7 and want[5] == 20
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero() -> None:
+    """One uniform number a row: the frequencies of 20,000 draws are the probabilities
+    (within 5 standard errors), a token of probability 0 never comes, and the first and
+    last tokens can."""
+    probs = torch.tensor([0.1, 0.0, 0.45, 0.0, 0.3, 0.15])
+    gen = torch.Generator().manual_seed(5)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(n)]), minlength=6)
+    assert counts[1] == counts[3] == 0
+    stderr = (probs * (1 - probs) / n).sqrt()
+    assert ((counts / n - probs).abs() <= 5 * stderr + 1e-9).all(), counts
+    edges = torch.tensor([0.5, 0.0, 0.5])
+    assert {draw(edges, gen) for _ in range(200)} == {0, 2}
+
+
+def test_sample_rows_draws_what_sample_draws_row_by_row() -> None:
+    """The decode batch's sampled rows at once (sample_rows) against `sample` row by row,
+    each row with its own temperature and seeded generator: the same tokens, and the
+    generators left in the same states (a row that is not finite falls back to its argmax
+    and draws nothing, as one by one)."""
+    n, vocab = 12, 3000
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(4)) * 4
+    logits[3, :] = float("nan")
+    logits[5, :] = float("-inf")
+    logits[7, 9] = float("nan")
+    temps = [0.2 + 0.15 * i for i in range(n)]
+
+    def gens() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(100 + i) for i in range(n)]
+
+    batch, alone = gens(), gens()
+    got = sample_rows(logits, temps, batch)
+    want = [
+        sample(logits[r : r + 1], [SamplingParams(temperature=temps[r])], [alone[r]])[0]
+        for r in range(n)
+    ]
+    assert got == want
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(batch, alone, strict=True))
+    assert len(set(sample_rows(logits[:1].expand(64, vocab), [1.0] * 64, (gens() * 6)[:64]))) > 1
+    assert plain_sampled(SamplingParams(temperature=0.7), None)
+    assert not plain_sampled(SamplingParams(), None)  # greedy
+    for fields in ({"top_k": 5}, {"top_p": 0.9}, {"presence_penalty": 0.5}):
+        assert not plain_sampled(SamplingParams(temperature=0.7, **fields), None)
+
+
+def test_a_decode_batch_samples_each_row_as_alone(tiny_dir: Path) -> None:
+    """Seeded requests at a temperature decoded together (their rows drawn at once) give
+    each the tokens it gets alone, beside a greedy row and a top-p row."""
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [11, 12], [20, 21, 22], [5, 5, 5, 5, 5]]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.8 + 0.1 * i, seed=40 + i, ignore_eos=True)
+        for i in range(3)
+    ]
+    params.append(SamplingParams(max_tokens=10, ignore_eos=True))
+    params.append(
+        SamplingParams(max_tokens=10, temperature=1.2, top_p=0.8, seed=3, ignore_eos=True)
+    )
+    engine = open_engine(tiny_dir)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    together: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    batches = []
+    while engine.has_unfinished():
+        outs = engine.step()
+        batches.append(sum(1 for o in outs if o.new_token_ids))
+        for o in outs:
+            together[o.request_id] += o.new_token_ids
+    assert max(batches) == len(prompts)  # they decoded in one batch
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        assert together[f"r{i}"] == open_engine(tiny_dir).generate([prompt], p)[0]
