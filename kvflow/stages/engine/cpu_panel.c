@@ -7,8 +7,9 @@
  * panel's 2 vectors once for the 6 rows and broadcasts each row's x[m, k] once for both: 8
  * loads per 12 FMAs, no horizontal sums (the dot-product form of cpu_gemv.c reduces each
  * accumulator across its lanes at the end, and above 2 rows re-reads its weight block per
- * pair of rows). The panels are split in contiguous ranges over the OpenMP threads; a thread
- * runs all M rows on a panel, 6 at a time, while the panel (K x 64 bytes) stays in its L2.
+ * pair of rows). The panels are handed out two at a time to the OpenMP threads as they come
+ * free; a thread runs all M rows on a panel, 6 at a time, while the panel (K x 64 bytes)
+ * stays in its L2.
  * Measured on a 2-core AMD EPYC (Zen 3) against oneDNN on its prepacked weight, SmolLM2-135M's
  * decoder linears: faster at every row count from 1 to 1,024 (docs/performance.md).
  *
@@ -134,10 +135,10 @@ void kvflow_panel_gemm(const float *x, const float *p, const float *b, float *y,
         for (long q = 0; q < panels; q++) panel(x, p, b, y, M, N, K, q);
         return;
     }
-#pragma omp parallel num_threads(threads)
-    {
-        long t = omp_get_thread_num(), n = omp_get_num_threads();
-        long lo = panels * t / n, hi = panels * (t + 1) / n;
-        for (long q = lo; q < hi; q++) panel(x, p, b, y, M, N, K, q);
-    }
+    /* Two panels at a time to whichever thread is free: a thread that the server's other
+     * threads (its event loop, the streams) take a core from does fewer, rather than the
+     * other waiting for it at the end (docs/performance.md, "Panels handed out as threads
+     * come free"). */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
+    for (long q = 0; q < panels; q++) panel(x, p, b, y, M, N, K, q);
 }
