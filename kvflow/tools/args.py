@@ -79,7 +79,7 @@ def add_engine_store_flags(p: argparse.ArgumentParser | Any) -> None:
         help="most running requests one engine step decodes together (vLLM's --max-num-seqs, "
         "SGLang's --max-running-requests, though more may wait prefilled: each step decodes "
         f"the least recently decoded); default: {EngineStoreConfig.max_batch} "
-        "(docs/performance.md, 'Step sizes')",
+        "(docs/performance.md, 'A step decodes up to 64 requests')",
     )
     p.add_argument(
         "--tbt-target-ms",
