@@ -38,7 +38,8 @@ take more than 1/16 of the memory available); "onednn" without the decode kernel
 keeps `nn.Linear` everywhere. Unset, the copy's form is `default_copy_form()`: "panel" where
 its vector kernel is built (AVX2 + FMA, no AVX-512), else "transposed" on Intel CPUs with
 torch's MKL, "prepacked" elsewhere. The copy costs the float32 decoder
-linears' weights again (+405 MiB for SmolLM2-135M, per engine). The prefill rows' outputs
+linears' weights again (+405 MiB for SmolLM2-135M, per engine); in panels the lm_head's too
+(+108 MiB: `copies_lm_head`). The prefill rows' outputs
 differ between the backends by float32 rounding only (the order of the sums; ~1e-6
 relative). `prepack_planned` is the one place that decides whether the copy is made, for
 the engine as it loads and for the server's memory plan (stages/serve/memory.py).
@@ -242,23 +243,54 @@ def _onednn(linear: nn.Linear, packed: frozenset[int]) -> nn.Module:
         gemv = gemv_kernel() if backend in ("gemv", *COPY_BACKENDS) else None
         copy = None
         if id(linear) in packed:  # planned: the backend asked for, or the default's form
-            copy = backend if backend in COPY_BACKENDS else default_copy_form()
+            copy = copy_form()
         panel = panel_kernel() if copy == "panel" else None
-        if copy == "panel" and panel is None:  # no kernel library here: oneDNN's copy
-            copy = "prepacked"
         return OneDNNDenseLinear(linear, gemv, copy, panel)
     return OneDNNLinear(linear)
 
 
+def copy_form() -> str:
+    """The form of the second copy where one is made: the backend asked for
+    (`KVFLOW_LINEAR`), else `default_copy_form()`; "prepacked" (oneDNN's) for panels where
+    the kernel library cannot be built or loaded here."""
+    backend = linear_backend()
+    form = backend if backend in COPY_BACKENDS else default_copy_form()
+    return "prepacked" if form == "panel" and panel_kernel() is None else form
+
+
+def copies_lm_head(form: str) -> bool:
+    """Whether a copy of `form` includes the lm_head's weight (the vocabulary, again:
+    +108 MiB for SmolLM2-135M). Panels only: they take every row count, and a decode batch
+    computes one lm_head row per sequence, up to ``--max-batch``. On the unprepared weight
+    (cpu_gemv's kernel up to 16 rows, oneDNN above) those products ran 1.2-1.6x slower than
+    on panels at 8-64 rows on a 2-core AMD EPYC (about the same at 1), and decode steps of
+    8-64 rows took 5-13 ms more (docs/performance.md "The lm_head on panels"). The prefill
+    copies serve prompt rows only, and a prompt computes one lm_head row (its last)."""
+    return form == "panel"
+
+
+def copied_params(linear_params: int, head_params: int) -> int:
+    """The weights a float32 engine's copy holds: the decoder linears' (`linear_params`,
+    `ModelSpec.linear_params`) and, where `copies_lm_head`, the lm_head's (`head_params`,
+    vocabulary x hidden). What `prepack_planned` weighs for the engine and the server's
+    memory plan alike."""
+    return linear_params + (head_params if copies_lm_head(copy_form()) else 0)
+
+
 def prepack_candidates(model: nn.Module) -> list[nn.Linear]:
-    """The float32 linears that would get a prefill copy: all but the lm_head, which
-    computes one row of a prompt (its last): no second copy of the vocabulary."""
+    """The float32 linears that would get a copy: the decoder's, and the lm_head where
+    `copies_lm_head` (and only beside them: an int8/int4 model's float32 lm_head alone gets
+    none, as its memory plan has no copy)."""
     lm_head = getattr(model, "lm_head", None)
-    return [
+    chosen = [
         m
         for m in model.modules()
         if isinstance(m, nn.Linear) and m is not lm_head and m.weight.dtype == torch.float32
     ]
+    head_too = isinstance(lm_head, nn.Linear) and lm_head.weight.dtype == torch.float32
+    if chosen and head_too and copies_lm_head(copy_form()):
+        chosen.append(lm_head)
+    return chosen
 
 
 def use_onednn_linears(model: nn.Module) -> int:

@@ -21,7 +21,7 @@ fixed default: ``plan_memory`` sizes each one left unset.
   demotions cost the 32 x 2 burst 8-12% of its time on 2 cores (docs/performance.md).
 - SSD tier per shard: a quarter of the free disk under the data directory, at most 8 GiB.
 - Weights per engine: the parameters in the engine's dtype and, for float32, the second
-  (transposed) copy of the decoder linears' weights that prefill multiplies by where it fits
+  copy of the decoder linears' weights (with panels, the lm_head's too) where it fits
   (`onednn_linear.prepack_planned`, the engine's own decision; ``KVFLOW_LINEAR=gemv`` drops
   it).
 
@@ -109,7 +109,7 @@ class MemoryPlan:
         prepacked = ""
         if self.prepack_bytes:
             prepacked = (
-                f" + {mib(self.copies * self.prepack_bytes)} copied for prefill "
+                f" + {mib(self.copies * self.prepack_bytes)} copied for the CPU products "
                 "(KVFLOW_LINEAR=gemv drops it)"
             )
         where = "" if self.device == "cpu" else f" on {self.device}"
@@ -170,8 +170,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan for a process of ``engines`` engines and ``shards`` shards of this model.
     ``available`` / ``free_disk``: the machine's (None: unknown; the caps are used);
-    ``linear_params``: the decoder linears' weights (`ModelSpec.linear_params`), which a
-    float32 engine copies for prefill where `prepack_planned` says (on the CPU only).
+    ``linear_params``: the weights a float32 engine copies where `prepack_planned` says (on
+    the CPU only): the decoder linears' and, with panels, the lm_head's
+    (`onednn_linear.copied_params`).
     ``device``: the engines' ("cpu" or "cuda[:N]"); on a GPU the pages and weights are
     in its memory, sized the same way (the host holds a mirror of each pool, mapped as it
     is written)."""
@@ -227,6 +228,7 @@ def plan_for_model(
 ) -> MemoryPlan:
     """``plan_memory`` for the model in ``model_dir`` (its config.json only; no weights are
     read) on this machine."""
+    from kvflow.stages.engine.onednn_linear import copied_params
     from kvflow.stages.engine.spec import load_spec
 
     spec, _ = load_spec(model_dir)
@@ -236,7 +238,7 @@ def plan_for_model(
         head_dim=spec.head_dim,
         max_model_len=spec.max_position_embeddings,
         num_params=spec.num_params,
-        linear_params=spec.linear_params,
+        linear_params=copied_params(spec.linear_params, spec.vocab_size * spec.hidden_size),
         dtype=dtype,
         device=device,
         block_size=block_size,

@@ -243,7 +243,8 @@ class _Holder(torch.nn.Module):
         self.lm_head = torch.nn.Linear(64, 200, bias=False)
 
 
-COPY_BYTES = 4 * (64 * 96 + 96 * 64)  # proj and down; the lm_head keeps no copy
+COPY_BYTES = 4 * (64 * 96 + 96 * 64)  # proj and down; the lm_head's copy only in panels
+HEAD_BYTES = 4 * 64 * 200
 
 
 def test_prepack_planned_decides_by_dtype_memory_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,9 +291,9 @@ def test_default_copies_where_memory_allows(monkeypatch: pytest.MonkeyPatch, ven
     """KVFLOW_LINEAR unset: a copy where it takes at most 1/PREPACK_SHARE of the memory
     available, prefill rows on it (on an Intel CPU a transposed copy through MKL's plain
     sgemm, `addmm`; elsewhere oneDNN's prepacked weight; with the panel kernel's vector
-    form, "panel", every row on panels), the same outputs as the no-copy (gemv) backend's up
-    to float32 rounding, decode rows the same bits (but on panels); with less memory, the
-    gemv backend (no copy)."""
+    form, "panel", every row on panels, the lm_head's too, counted in the copy's size), the
+    same outputs as the no-copy (gemv) backend's up to float32 rounding, decode rows the same
+    bits (but on panels); with less memory, the gemv backend (no copy)."""
     monkeypatch.delenv(ENV_LINEAR, raising=False)
     monkeypatch.setattr(onednn_linear, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(onednn_linear, "panel_fast", lambda: vendor == "panel")
@@ -301,7 +302,8 @@ def test_default_copies_where_memory_allows(monkeypatch: pytest.MonkeyPatch, ven
     torch.manual_seed(7)  # the linears' initial weights
     fits, tight = _Holder(), _Holder()
     tight.load_state_dict(fits.state_dict())
-    for model, available in ((fits, PREPACK_SHARE * COPY_BYTES), (tight, COPY_BYTES)):
+    copy_bytes = COPY_BYTES + (HEAD_BYTES if form == "panel" else 0)
+    for model, available in ((fits, PREPACK_SHARE * copy_bytes), (tight, copy_bytes)):
         monkeypatch.setattr(onednn_linear, "available_at_start", lambda a=available: a)
         assert use_onednn_linears(model) == 3
     for name in ("proj", "down"):
@@ -318,14 +320,14 @@ def test_default_copies_where_memory_allows(monkeypatch: pytest.MonkeyPatch, ven
             assert mine.has_copy
         assert not getattr(tight, name).has_copy
         assert mine.gemv is not None and getattr(tight, name).gemv is not None
-    assert not fits.lm_head.has_copy
+    assert fits.lm_head.has_copy == (form == "panel") and not tight.lm_head.has_copy
     with torch.inference_mode():
         for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 512):
             x, h = torch.randn(rows, 64, generator=gen), torch.randn(rows, 96, generator=gen)
             for name, xin in (("proj", x), ("down", h), ("lm_head", x)):
                 mine, other = getattr(fits, name), getattr(tight, name)
                 got = mine(xin)
-                if form == "panel" and name != "lm_head":  # every row count on the panels
+                if form == "panel":  # every row count on the panels, the lm_head's too
                     assert mine.panel is not None and mine.panel_weight is not None
                     panels = (
                         mine(xin),

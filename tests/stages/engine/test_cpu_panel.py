@@ -103,18 +103,19 @@ def test_panel_applies_to_contiguous_float32_rows_of_its_k() -> None:
 
 @needs_kernel
 def test_panel_backend_sends_every_row_count_to_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVFLOW_LINEAR=panel: the decoder's linears get a panel copy (the lm_head none) and
-    every row count, a decode step's and a prefill chunk's, goes to it: the same bits as the
+    """KVFLOW_LINEAR=panel: the decoder's linears and the lm_head get a panel copy and every
+    row count, a decode step's and a prefill chunk's, goes to it: the same bits as the
     kernel on that copy, F.linear's within float32 rounding."""
     monkeypatch.setenv(ENV_LINEAR, "panel")
     gen = torch.Generator().manual_seed(2)
     holder = ProjAndHead(out=100)  # a partial last panel
     weight, bias = holder.proj.weight, holder.proj.bias
+    head_weight = holder.lm_head.weight
     assert use_onednn_linears(holder) == 2
     proj, head = holder.proj, holder.lm_head
     assert isinstance(proj, OneDNNDenseLinear) and isinstance(head, OneDNNDenseLinear)
     assert proj.panel_weight is not None and proj.has_copy and "panel" in repr(proj)
-    assert head.panel_weight is None and not head.has_copy
+    assert head.panel_weight is not None and head.has_copy and head.weight is head_weight
     assert proj.weight is weight
     gemm = cpu_panel.panel_kernel()
     assert gemm is not None

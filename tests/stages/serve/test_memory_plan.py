@@ -88,6 +88,32 @@ def test_plan_for_a_model_directory(tiny_model: Path, tmp_path: Path) -> None:
     assert "1 instance(s)" in plan.describe() and "(auto)" in plan.describe()
 
 
+@pytest.mark.parametrize("form", ["panel", "transposed"])
+def test_a_model_directory_plans_the_copy_the_engine_makes(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """The plan for a model counts the decoder linears' copy and, in panels, the lm_head's
+    (the vocabulary again): the same linears the engine copies (`prepack_candidates`)."""
+    import torch
+
+    from kvflow.stages.engine.cpu_panel import panel_kernel
+    from kvflow.stages.engine.loader import load_weights
+    from kvflow.stages.engine.onednn_linear import OneDNNDenseLinear
+    from kvflow.stages.engine.spec import load_spec
+
+    if form == "panel" and panel_kernel() is None:
+        pytest.skip("the panel kernel is not built here")
+    monkeypatch.setenv(ENV_LINEAR, form)
+    spec, _ = load_spec(tiny_model)
+    plan = plan_for_model(tiny_model, dtype="float32", block_size=16, engines=1, shards=1,
+                          data_dir=tmp_path / "not-yet")  # fmt: skip
+    head = spec.vocab_size * spec.hidden_size if form == "panel" else 0
+    assert plan.prepack_bytes == 4 * (spec.linear_params + head)
+    model = load_weights(tiny_model, spec, torch.float32, torch.device("cpu"))
+    copied = [m for m in model.modules() if isinstance(m, OneDNNDenseLinear) and m.has_copy]
+    assert sum(4 * m.weight.numel() for m in copied) == plan.prepack_bytes
+
+
 def test_float32_plans_the_prefill_copy_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan counts the float32 prefill copy the engines make (onednn_linear's
     `prepack_planned`), says so, and names the way out; not where it does not fit, not for
@@ -96,7 +122,7 @@ def test_float32_plans_the_prefill_copy_where_it_fits(monkeypatch: pytest.Monkey
     copy = 4 * LINEAR_PARAMS
     plan = smol(available=24 * GIB)
     assert plan.prepack_bytes == copy  # type: ignore[attr-defined]
-    assert "+ 810 MiB copied for prefill (KVFLOW_LINEAR=gemv drops it)" in plan.describe()  # type: ignore[attr-defined]
+    assert "+ 810 MiB copied for the CPU products (KVFLOW_LINEAR=gemv drops it)" in plan.describe()  # type: ignore[attr-defined]
     assert smol(available=PREPACK_SHARE * copy).prepack_bytes == copy  # type: ignore[attr-defined]
     small = smol(available=PREPACK_SHARE * copy - 1)
     assert small.prepack_bytes == 0 and "copied" not in small.describe()  # type: ignore[attr-defined]
