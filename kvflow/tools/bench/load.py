@@ -22,6 +22,11 @@ OpenAI-compatible server (e.g. vLLM serving the same weights), after kvflow's se
 stopped; with ``--compare-cmd`` the benchmark starts that server itself, waits for its
 ``/health``, and stops it after, so only one server runs at a time.
 
+Requests carry no temperature unless ``--temperature`` gives one: each server then samples
+at its own default (kvflow greedily unless the model's generation_config.json names a
+temperature, vLLM at 1.0, the OpenAI API's default); ``--temperature 0`` makes both greedy,
+``--temperature 1`` both sampled.
+
 Seeded (prompts, arrivals); prints one summary line; ``--json PATH`` writes every number.
 
     python -m kvflow.tools.bench.load --concurrency 1,8,64 --rates 0.5,1,2,4
@@ -63,6 +68,9 @@ from kvflow.tools.bench._servers import (
 from kvflow.tools.bench._stream import Outcome, one_request
 
 logger = logging.getLogger(__name__)
+
+MAX_TEMPERATURE = 2.0
+"""The largest --temperature: the OpenAI API's range is [0, 2]."""
 
 WORDS = ["kv", "cache", "prefix", "block", "token", "store", "tier", "moon"]
 WORDS += ["cake", "flow", "page", "decode", "prefill", "route"]
@@ -198,9 +206,16 @@ async def closed_loop(
 
 
 async def open_loop(
-    target: Target, rate: float, texts: list[str], max_tokens: int, rng: random.Random, name: str
+    target: Target,
+    rate: float,
+    texts: list[str],
+    max_tokens: int,
+    rng: random.Random,
+    name: str,
+    extra: dict[str, Any] | None = None,
 ) -> Level:
-    """Each of ``texts`` sent at Poisson arrivals of ``rate`` per second."""
+    """Each of ``texts`` sent at Poisson arrivals of ``rate`` per second, with ``extra`` body
+    fields."""
     import aiohttp
 
     gaps = [rng.expovariate(rate) for _ in texts]
@@ -217,13 +232,19 @@ async def open_loop(
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             tasks.append(
                 asyncio.create_task(
-                    one_request(session, target.url, target.model, text, max_tokens)
+                    one_request(session, target.url, target.model, text, max_tokens, extra)
                 )
             )
         level.outcomes = list(await asyncio.gather(*tasks))
         level.wall_s = time.perf_counter() - start
     level.queue_s = _queue_mean(before, target.queue_totals())
     return level
+
+
+def sampling_body(temperature: float | None) -> dict[str, Any] | None:
+    """The body fields every request carries: the temperature where one is given (None: no
+    field, each server's default)."""
+    return None if temperature is None else {"temperature": temperature}
 
 
 def _queue_mean(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float:
@@ -254,11 +275,13 @@ async def run(args: argparse.Namespace, target: Target, capacity: float | None) 
     prompts = Prompts(args.seed, args.prompt_words, args.shared_prefix_words)
     levels: dict[str, Level] = {}
     meter = CoreMeter(target.pid)
-    await closed_loop(target, [prompts.take(2) for _ in range(2)], args.max_tokens)  # warm-up
+    extra = sampling_body(args.temperature)
+    warm = [prompts.take(2) for _ in range(2)]
+    await closed_loop(target, warm, args.max_tokens, extra=extra)  # warm-up
     for c in [int(x) for x in args.concurrency.split(",") if x]:
         texts = [prompts.take(args.requests_per_client) for _ in range(c)]
         meter.start()
-        level = await closed_loop(target, texts, args.max_tokens)
+        level = await closed_loop(target, texts, args.max_tokens, extra=extra)
         level.cores = meter.stop()
         levels[level.name] = level
         logger.warning("%s: %s", level.name, _short(level.summary()))
@@ -270,7 +293,7 @@ async def run(args: argparse.Namespace, target: Target, capacity: float | None) 
             meter.start()
             level = await open_loop(
                 target, mult * capacity, prompts.take(args.open_requests), args.max_tokens,
-                prompts.rng, name,
+                prompts.rng, name, extra,
             )  # fmt: skip
             level.cores = meter.stop()
             levels[name] = level
@@ -337,6 +360,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "many, before its own --prompt-words",
     )
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="send this temperature with every request (default: none, so each server "
+        "samples at its own default: kvflow greedily unless the model's "
+        "generation_config.json names one, vLLM at 1.0); 0 makes both greedy",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.set_defaults(func=run_bench)
@@ -351,6 +381,13 @@ def run_bench(args: argparse.Namespace) -> int:
         print("bench-load: --url needs --model-name", file=sys.stderr)
         return 2
     if _cli.compare_flags_wrong("bench-load", args):
+        return 2
+    if args.temperature is not None and not 0.0 <= args.temperature <= MAX_TEMPERATURE:
+        print(
+            f"bench-load: --temperature must be in [0, {MAX_TEMPERATURE:g}] (the OpenAI API's "
+            f"range), got {args.temperature:g}",
+            file=sys.stderr,
+        )
         return 2
     if args.baseline_python:  # absolute, not resolved: a venv's python is a symlink
         args.baseline_python = os.path.abspath(args.baseline_python)
@@ -388,6 +425,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompt_words": args.prompt_words,
         "shared_prefix_words": args.shared_prefix_words,
         "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
         "requests_per_client": args.requests_per_client,
         "open_requests": args.open_requests,
         "seed": args.seed,

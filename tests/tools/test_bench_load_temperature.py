@@ -1,0 +1,75 @@
+"""`kvflow bench-load --temperature`: every request of every level carries it (none without
+the flag, so each server samples at its own default); a value outside the OpenAI API's
+[0, 2] is refused before any server starts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from kvflow.tools import cli
+from kvflow.tools.bench import load
+
+
+async def _levels_against_a_recorder(flags: list[str]) -> list[dict[str, Any]]:
+    """Run bench-load's levels against an HTTP server on 127.0.0.1 that streams a two-token
+    completion and records each request body."""
+    bodies: list[dict[str, Any]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in ("a", "b"):
+            event = {"choices": [{"index": 0, "text": piece}]}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        args = load.add_arguments(argparse.ArgumentParser()).parse_args(
+            ["--concurrency", "2", "--requests-per-client", "2", "--rates", "1",
+             "--open-requests", "3", "--max-tokens", "2", *flags]
+        )  # fmt: skip
+        target = load.Target(f"http://127.0.0.1:{port}", "m", None)
+        levels = await load.run(args, target, None)
+    finally:
+        await runner.cleanup()
+    assert set(levels) == {"closed_c2", "open_1x"}
+    for level in levels.values():
+        assert level.summary()["served"] == level.summary()["requests"]
+    return bodies
+
+
+def test_every_request_carries_the_temperature() -> None:
+    bodies = asyncio.run(_levels_against_a_recorder(["--temperature", "0.7"]))
+    assert len(bodies) == 4 + 4 + 3  # the warm-up, the closed level, the open level
+    assert all(body["temperature"] == 0.7 for body in bodies)
+    assert all(body["stream"] and body["ignore_eos"] for body in bodies)
+
+
+def test_without_the_flag_no_request_names_a_temperature() -> None:
+    bodies = asyncio.run(_levels_against_a_recorder([]))
+    assert bodies and not any("temperature" in body for body in bodies)
+
+
+@pytest.mark.parametrize("value", ["-0.5", "2.5"])
+def test_a_temperature_outside_the_openai_range_is_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench-load", "--temperature", value, "--concurrency", "1"]) == 2
+    assert "--temperature must be in [0, 2]" in capsys.readouterr().err
