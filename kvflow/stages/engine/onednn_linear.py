@@ -115,11 +115,12 @@ def linear_backend() -> str:
 
 
 def prepack_planned(dtype: str, copy_bytes: int, available: int | None) -> bool:
-    """Whether a `dtype` engine on the CPU keeps a prefill copy of `copy_bytes` (its float32
-    decoder linears' weights) for prefill, with `available` bytes of memory (None: unknown).
-    The one place that decides, for the engine (`use_onednn_linears`) and the server's memory
-    plan: float32 only; `KVFLOW_LINEAR=transposed` or `prepacked` always, another value
-    never; unset, where the copy takes at most 1/`PREPACK_SHARE` of `available`."""
+    """Whether a `dtype` engine on the CPU keeps a copy of `copy_bytes` (`copied_params`: its
+    float32 decoder linears' weights, with panels the lm_head's too), with `available` bytes
+    of memory (None: unknown). The one place that decides, for the engine
+    (`use_onednn_linears`) and the server's memory plan: float32 only; `KVFLOW_LINEAR` set to
+    a copy backend (`COPY_BACKENDS`) always, another value never; unset, where the copy takes
+    at most 1/`PREPACK_SHARE` of `available`."""
     if dtype != "float32":
         return False
     backend = linear_backend()
