@@ -96,7 +96,8 @@ def isa_library(
 
 class ProjAndHead(torch.nn.Module):
     """A decoder-like float32 linear with a bias (`proj`, 64 -> `out`) and an lm_head
-    (`out` -> 200, no bias): what the linear backends give a copy and what they do not."""
+    (`out` -> 200, no bias): the decoder's linears get every backend's copy, the lm_head only
+    the panels' (`onednn_linear.copies_lm_head`)."""
 
     def __init__(self, out: int = 96) -> None:
         super().__init__()
