@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import urllib.request
 from pathlib import Path
@@ -44,6 +45,12 @@ def test_rows_must_be_known(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["bench-side", "--rows", "burst,nope"])
     assert exited.value.code == 2
     assert "unknown row(s) ['nope']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--cold-samples"])
+def test_counts_below_one_are_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench-side", flag, "0"]) == 2
+    assert f"{flag} must be at least 1, not 0" in capsys.readouterr().err
 
 
 def test_compare_server_args_exclude_a_compare_url(capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,6 +92,7 @@ def test_texts_are_sized_in_tokens_and_share_no_prefix(tmp_path: Path) -> None:
     assert 490 <= texts.count(short) <= 520 and 1960 <= texts.count(long) <= 2010
     assert texts.text("cold-long", 2000) == long  # seeded
     assert short[:24] != long[:24]  # each cold row its own text: no accidental prefix hit
+    assert texts.text("cold-short-1", 512)[:24] != short[:24]  # and each cold sample
     assert side.Texts(tmp_path / "tiny", seed=1).text("cold-long", 2000) != long
 
 
@@ -119,7 +127,9 @@ def test_table_says_who_is_ahead() -> None:
         "0.50x (kvflow behind)"
     )
     assert rows["startup_s"]["ratio"] == [] and rows["startup_s"]["kvflow_ahead"] is None
-    assert rows["ttft_cold_long_s"]["label"] == "TTFT, cold ~2,000 tokens"
+    assert rows["ttft_cold_long_s"]["label"] == "TTFT, cold ~2,000 tokens (median of 5)"
+    one = side.add_arguments(argparse.ArgumentParser()).parse_args(["--cold-samples", "1"])
+    assert side.labels(one)["ttft_cold_short_s"] == "TTFT, cold ~512 tokens"
 
 
 def test_greedy_match_names_the_requests_that_differ() -> None:
@@ -149,6 +159,10 @@ def test_doc_block_runs_every_row_against_kvflow(
     assert r["kvflow"]["prefix_cache"]["hit_row_cached_tokens"] > 0
     assert r["kvflow"]["prefix_cache"]["counters"]["hit_tokens"] > 0
     assert r["kvflow"]["texts"]["settle/0"]  # the untimed cold prompt before the rows
+    samples = r["kvflow"]["samples"]  # each cold row: the median of 5 prompts of their own
+    for row, key in (("ttft_cold_short_s", "cold_short"), ("ttft_cold_long_s", "cold_long")):
+        assert len(samples[row]) == 5 and values[row] == statistics.median(samples[row])
+        assert {key, *(f"{key}/{i}" for i in range(1, 5))} <= set(r["kvflow"]["texts"])
     assert printed.splitlines()[-1].startswith("bench side kvflow (round 1, seed 0)")
 
 
@@ -211,10 +225,25 @@ def test_interleaved_rounds_alternate_the_servers_row_by_row(
     assert mine["values"]["burst_all_done_s"] > 0 and other["values"]["burst_all_done_s"] > 0
     at = [(mine["groups_at"][g], other["groups_at"][g]) for g in ("single", "clients", "burst")]
     assert at[0][0] < at[0][1] < at[1][1] < at[1][0] < at[2][0] < at[2][1]  # A B, B A, A B
+    # the cold rows' 5 samples take turns the same way, before the rest of the group
+    cold = [(mine["groups_at"][f"cold/{i}"], other["groups_at"][f"cold/{i}"]) for i in range(5)]
+    turns = [x for i, (a, b) in enumerate(cold) for x in ((a, b) if i % 2 == 0 else (b, a))]
+    assert turns == sorted(turns) and turns[-1] < at[0][0], (cold, at)
+    for run in (mine, other):
+        assert len(run["samples"]["ttft_cold_short_s"]) == 5
+        assert run["values"]["ttft_cold_short_s"] == statistics.median(
+            run["samples"]["ttft_cold_short_s"]
+        )
+    assert mine["texts"]["cold_short/4"] == other["texts"]["cold_short/4"]
     assert mine["texts"]["settle/0"] == other["texts"]["settle/0"]  # each settled, untimed
     # each server's group waited for quiet cores first, within --quiet-s (default 10 s)
     for run in (mine, other):
-        assert set(run["quiet_s"]) == {"single", "clients", "burst"}
+        assert set(run["quiet_s"]) == {
+            "single",
+            "clients",
+            "burst",
+            *(f"cold/{i}" for i in range(5)),
+        }
         assert all(0 <= w < 10 + 5 for w in run["quiet_s"].values()), run["quiet_s"]
     assert r["greedy"]["identical"] == r["greedy"]["compared"] > 0
 

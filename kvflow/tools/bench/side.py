@@ -8,8 +8,9 @@ same seeded prompts, sized in tokens with the model's own tokenizer, through str
 requests (chat where the row is chat) at temperature 0:
 
 - start-up: the server's process start to its first served request;
-- TTFT, cold prompt of ~512 tokens; cold ~2,000 tokens; the same 2,000 tokens again (a prefix
-  hit); each cold row its own seeded text, so nothing is a prefix hit by accident;
+- TTFT, cold prompt of ~512 tokens; cold ~2,000 tokens (each the median of ``--cold-samples``
+  prompts); the first of those 2,000 tokens again (a prefix hit); each cold prompt its own
+  seeded text, so nothing is a prefix hit by accident;
 - TTFT of 7 chat questions after a shared ~1,500-token system prompt (primed by one question
   first; the median of the 7);
 - decode, one request: output tokens/s between the first and the last token;
@@ -145,8 +146,8 @@ class Row:
 BURST = "{burst} clients x {burst_requests} requests, ~{burst_tokens}-token prompts: all done"
 ROWS = [
     Row("startup_s", "start-up (process start to first served request)", "s", True),
-    Row("ttft_cold_short_s", "TTFT, cold ~{cold} tokens", "s", True),
-    Row("ttft_cold_long_s", "TTFT, cold ~{long} tokens", "s", True),
+    Row("ttft_cold_short_s", "TTFT, cold ~{cold} tokens{median}", "s", True),
+    Row("ttft_cold_long_s", "TTFT, cold ~{long} tokens{median}", "s", True),
     Row("ttft_hit_long_s", "TTFT, the same ~{long} tokens again (prefix hit)", "s", True),
     Row(
         "ttft_system_s",
@@ -185,6 +186,7 @@ class Run:
     prefix_cache: dict[str, Any] = field(default_factory=dict)
     groups_at: dict[str, float] = field(default_factory=dict)  # row group -> its start (epoch s)
     quiet_s: dict[str, float] = field(default_factory=dict)  # row group -> wait for quiet cores
+    samples: dict[str, list[float | None]] = field(default_factory=dict)  # cold row -> TTFTs
 
     def keep(self, key: str, outcome: Outcome) -> Outcome:
         if outcome.status == "200":
@@ -223,10 +225,11 @@ ROW_GROUPS = ("single", "clients", "long", "shared", "burst")
 
 async def rows(
     args: argparse.Namespace, target: Target, texts: Texts, run: Run,
-    groups: list[str] | None = None,
+    groups: list[str] | None = None, cold: bool = True,
 ) -> None:  # fmt: skip
     """Every row of ``groups`` (default ``args.rows``) but start-up, in the table's order,
-    against ``target``."""
+    against ``target``; with ``cold`` False, the single-request group without its cold
+    samples (the caller took them)."""
     chosen = set(args.rows if groups is None else groups)
 
     def starts(group: str) -> bool:
@@ -235,7 +238,7 @@ async def rows(
         return group in chosen
 
     if starts("single"):
-        await _single_rows(args, target, texts, run)
+        await _single_rows(args, target, texts, run, cold)
     if starts("clients"):
         await _level(args, target, texts, run, "clients", args.client_prompt_tokens)
     if starts("long"):
@@ -255,8 +258,44 @@ async def rows(
         run.values["burst_all_done_s"] = level.wall_s if done else None
 
 
-async def _single_rows(args: argparse.Namespace, target: Target, texts: Texts, run: Run) -> None:
-    """The one-request-at-a-time rows: cold and prefix-hit TTFT, a system prompt, decode."""
+COLD_KEYS = {"ttft_cold_short_s": ("cold-short", "cold_short"),
+             "ttft_cold_long_s": ("cold-long", "cold_long")}  # fmt: skip
+"""Each cold row's seeded text key and served text key (sample i > 0 appends ``-i`` / ``/i``)."""
+
+
+async def cold_sample(
+    args: argparse.Namespace, target: Target, texts: Texts, run: Run, i: int
+) -> None:  # fmt: skip
+    """Sample ``i`` of the two cold TTFT rows: a ~``--cold-tokens`` and a ~``--long-tokens``
+    prompt, each its own seeded text (sample 0 first serves two short warm-up prompts). The
+    rows' values are the medians over ``--cold-samples`` samples, set after each one, None
+    while any sample failed."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+
+        async def one(key: str, prompt: str, tokens: int) -> Outcome:
+            o = await one_request(session, target.url, target.model, prompt, tokens, GREEDY)
+            return run.keep(key, o)
+
+        if i == 0:
+            for w in range(2):  # warm-up: short prompts of their own
+                await one(f"warmup/{w}", texts.text(f"warmup-{w}", 32), args.ttft_max_tokens)
+        for row, (text_key, served_key) in COLD_KEYS.items():
+            size = args.cold_tokens if row == "ttft_cold_short_s" else args.long_tokens
+            mine = (text_key, served_key) if i == 0 else (f"{text_key}-{i}", f"{served_key}/{i}")
+            o = await one(mine[1], texts.text(mine[0], size), args.ttft_max_tokens)
+            samples = run.samples.setdefault(row, [])
+            samples.append(o.ttft_s if o.status == "200" else None)
+            served = [s for s in samples if s is not None]
+            run.values[row] = statistics.median(served) if len(served) == len(samples) else None
+
+
+async def _single_rows(
+    args: argparse.Namespace, target: Target, texts: Texts, run: Run, cold: bool = True
+) -> None:  # fmt: skip
+    """The one-request-at-a-time rows: the cold TTFT samples (unless ``cold`` is False: the
+    caller took them), then prefix-hit TTFT, a system prompt, decode."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=1800)
@@ -269,12 +308,10 @@ async def _single_rows(args: argparse.Namespace, target: Target, texts: Texts, r
         def ttft(o: Outcome) -> float | None:
             return o.ttft_s if o.status == "200" else None
 
-        for i in range(2):  # warm-up: short prompts of their own
-            await one(f"warmup/{i}", texts.text(f"warmup-{i}", 32), args.ttft_max_tokens)
-        short = texts.text("cold-short", args.cold_tokens)
-        run.values["ttft_cold_short_s"] = ttft(await one("cold_short", short, args.ttft_max_tokens))
-        long = texts.text("cold-long", args.long_tokens)
-        run.values["ttft_cold_long_s"] = ttft(await one("cold_long", long, args.ttft_max_tokens))
+        if cold:
+            for i in range(args.cold_samples):
+                await cold_sample(args, target, texts, run, i)
+        long = texts.text(COLD_KEYS["ttft_cold_long_s"][0], args.long_tokens)  # sample 0's
         hit = await one("hit_long", long, args.ttft_max_tokens)
         run.values["ttft_hit_long_s"] = ttft(hit)
         run.prefix_cache["hit_row_cached_tokens"] = hit.cached_tokens
@@ -418,7 +455,9 @@ def run_interleaved(
     while the other server idles); then each row group runs on one server and then on the
     other, ``first`` first in the first group and the order swapped in every next group
     (A B, B A, A B, ...), so that a change in the machine's pace lands on both columns; each
-    server's group first waits for quiet cores (``wait_quiet``, ``--quiet-s``)."""
+    server's group first waits for quiet cores (``wait_quiet``, ``--quiet-s``). The cold
+    TTFT rows' samples take turns the same way, sample by sample, before the rest of the
+    single-request group: each sample is one prompt, so the pace of one moment decides it."""
     second = "other" if first == "kvflow" else "kvflow"
     groups = [g for g in ROW_GROUPS if g in set(args.rows)]
 
@@ -431,9 +470,18 @@ def run_interleaved(
             for who in (first, second):  # after both start-ups: each one's idle spell ends
                 settle(args, servers[who], texts, runs[who])
             for g, group in enumerate(groups):
+                if group == "single":  # its cold samples first, the servers taking turns
+                    for i in range(args.cold_samples):
+                        for who in (first, second) if i % 2 == 0 else (second, first):
+                            run = runs[who]
+                            run.quiet_s[f"cold/{i}"] = wait_quiet(args.quiet_s)
+                            run.groups_at[f"cold/{i}"] = time.time()
+                            target = Target.of(servers[who])
+                            asyncio.run(cold_sample(args, target, texts, run, i))
                 for who in (first, second) if g % 2 == 0 else (second, first):
                     runs[who].quiet_s[group] = wait_quiet(args.quiet_s)
-                    asyncio.run(rows(args, Target.of(servers[who]), texts, runs[who], [group]))
+                    target = Target.of(servers[who])
+                    asyncio.run(rows(args, target, texts, runs[who], [group], cold=False))
             cache_report(kvflow, runs["kvflow"], kvflow=True)
             cache_report(other, runs["other"], kvflow=other_is_kvflow)
             return runs
@@ -483,7 +531,7 @@ def _keep(result: dict[str, Any], who: str, run: Run, i: int) -> None:
     result[who] = {
         "values": run.values, "failed": run.failed, "prefix_cache": run.prefix_cache,
         "prompt_tokens": run.prompt_tokens, "texts": run.texts, "groups_at": run.groups_at,
-        "quiet_s": run.quiet_s,
+        "quiet_s": run.quiet_s, "samples": run.samples,
     }  # fmt: skip
     logger.warning(
         "round %d: %s measured: %s", i + 1, who,
@@ -501,6 +549,7 @@ def greedy_match(a: Run, b: Run) -> dict[str, Any]:
 def labels(args: argparse.Namespace) -> dict[str, str]:
     sizes = {
         "cold": args.cold_tokens, "long": f"{args.long_tokens:,}",
+        "median": f" (median of {args.cold_samples})" if args.cold_samples > 1 else "",
         "system": f"{args.system_tokens:,}", "questions": args.questions,
         "clients": args.clients, "burst": args.burst,
         "burst_requests": args.burst_requests, "burst_tokens": args.burst_tokens,
@@ -615,6 +664,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold-tokens", type=int, default=512, help="the cold short prompt")
+    p.add_argument(
+        "--cold-samples",
+        type=int,
+        default=5,
+        help="each cold TTFT row is the median of this many cold prompts, each its own seeded "
+        "text (interleaved: the servers take turns sample by sample, A B, B A, ...)",
+    )
     p.add_argument("--long-tokens", type=int, default=2000, help="cold long prompts")
     p.add_argument("--system-tokens", type=int, default=1500, help="and the shared prefix")
     p.add_argument("--questions", type=int, default=7, help="after the system prompt")
@@ -656,9 +712,10 @@ def run_bench(args: argparse.Namespace) -> int:
         print("bench-side: --compare-server-args and --compare-url exclude each other",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.rounds < 1:
-        print("bench-side: --rounds must be at least 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--rounds", args.rounds), ("--cold-samples", args.cold_samples)):
+        if value < 1:
+            print(f"bench-side: {flag} must be at least 1, not {value}", file=sys.stderr)
+            return 2
     rounds: list[dict[str, Any]] = []
     error = None
     load_start = os.getloadavg()
