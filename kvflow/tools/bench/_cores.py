@@ -43,6 +43,20 @@ def tree_cpu_s(pid: int, proc: Path = Path("/proc")) -> float | None:
     return total
 
 
+DISTURBED_SHARE = 0.05
+"""The share of the host's cores that other processes may use during a level before the
+level counts as disturbed (0.1 of 2 cores; a quiet host here: 0.00-0.04)."""
+
+
+def disturbed(cores: dict[str, float] | None, cpus: int | None = None) -> bool | None:
+    """Whether other processes than the server and the clients used at least
+    ``DISTURBED_SHARE`` of the host's ``cpus`` (default: this host's) during a level: its
+    numbers then measured the server beside other work. None where that is not known."""
+    if cores is None or "others" not in cores:
+        return None
+    return cores["others"] >= DISTURBED_SHARE * (cpus or os.cpu_count() or 1)
+
+
 class CoreMeter:
     """``start()`` then ``stop()`` around a level: the mean cores used meanwhile by the host
     (``host``), this process (``client``) and, given the server's ``pid``, the server (it and

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.tools.bench import _cli
-from kvflow.tools.bench._cores import CoreMeter
+from kvflow.tools.bench._cores import CoreMeter, disturbed
 from kvflow.tools.bench._servers import (
     Server,
     add_compare_arguments,
@@ -107,6 +107,7 @@ class Level:
             "tpot_p99_ms": pct(tpot, 99),
             "queue_mean_ms": self.queue_s * 1000,
             "cores": self.cores,
+            "disturbed": disturbed(self.cores),  # other processes used the host's cores
             # prompt tokens the server said it had cached (None: it does not say)
             "cached_prompt_tokens": (
                 sum(o.cached_tokens or 0 for o in ok)
@@ -328,7 +329,10 @@ def _cores_text(cores: dict[str, float] | None) -> str:
     if cores is None:
         return ""
     names = ("server", "client", "others") if "server" in cores else ("host", "client")
-    return ", cores " + " ".join(f"{n} {cores[n]:.2f}" for n in names)
+    text = ", cores " + " ".join(f"{n} {cores[n]:.2f}" for n in names)
+    if disturbed(cores):
+        text += f", DISTURBED (other processes used {cores['others']:.2f} cores)"
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -450,6 +454,15 @@ def run_bench(args: argparse.Namespace) -> int:
     parts = [f"{name}: {_short(s)}" for name, s in summaries.items()]
     parts += [f"baseline {name}: {_short(s)}" for name, s in doc["baseline"].items()]
     parts += [f"compare {name}: {_short(s)}" for name, s in doc["compare"].items()]
+    beside = [
+        f"{who}{name}"
+        for who, levels in (("", summaries), ("baseline ", doc["baseline"]),
+                            ("compare ", doc["compare"]))
+        for name, s in levels.items()
+        if s["disturbed"]
+    ]  # fmt: skip
+    if beside:
+        parts.append(f"DISTURBED by other processes: {', '.join(beside)}")
     print(
         f"bench load ({served}; {shared}{args.prompt_words} words + {args.max_tokens} tokens): "
         f"{served_all}/{total} served, {five} 5xx; "
