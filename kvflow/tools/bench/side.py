@@ -263,6 +263,20 @@ COLD_KEYS = {"ttft_cold_short_s": ("cold-short", "cold_short"),
 """Each cold row's seeded text key and served text key (sample i > 0 appends ``-i`` / ``/i``)."""
 
 
+async def _kept(
+    session: Any, target: Target, run: Run, key: str, prompt: str | list[dict[str, str]],
+    tokens: int,
+) -> Outcome:  # fmt: skip
+    """One greedy streamed request to ``target`` (chat for a message list), its outcome kept
+    in ``run`` under ``key``."""
+    o = await one_request(session, target.url, target.model, prompt, tokens, GREEDY)
+    return run.keep(key, o)
+
+
+def _ttft(o: Outcome) -> float | None:
+    return o.ttft_s if o.status == "200" else None
+
+
 async def cold_sample(
     args: argparse.Namespace, target: Target, texts: Texts, run: Run, i: int
 ) -> None:  # fmt: skip
@@ -275,8 +289,7 @@ async def cold_sample(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
 
         async def one(key: str, prompt: str, tokens: int) -> Outcome:
-            o = await one_request(session, target.url, target.model, prompt, tokens, GREEDY)
-            return run.keep(key, o)
+            return await _kept(session, target, run, key, prompt, tokens)
 
         if i == 0:
             for w in range(2):  # warm-up: short prompts of their own
@@ -286,7 +299,7 @@ async def cold_sample(
             mine = (text_key, served_key) if i == 0 else (f"{text_key}-{i}", f"{served_key}/{i}")
             o = await one(mine[1], texts.text(mine[0], size), args.ttft_max_tokens)
             samples = run.samples.setdefault(row, [])
-            samples.append(o.ttft_s if o.status == "200" else None)
+            samples.append(_ttft(o))
             served = [s for s in samples if s is not None]
             run.values[row] = statistics.median(served) if len(served) == len(samples) else None
 
@@ -302,18 +315,14 @@ async def _single_rows(
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         async def one(key: str, prompt: str | list[dict[str, str]], tokens: int) -> Outcome:
-            o = await one_request(session, target.url, target.model, prompt, tokens, GREEDY)
-            return run.keep(key, o)
-
-        def ttft(o: Outcome) -> float | None:
-            return o.ttft_s if o.status == "200" else None
+            return await _kept(session, target, run, key, prompt, tokens)
 
         if cold:
             for i in range(args.cold_samples):
                 await cold_sample(args, target, texts, run, i)
         long = texts.text(COLD_KEYS["ttft_cold_long_s"][0], args.long_tokens)  # sample 0's
         hit = await one("hit_long", long, args.ttft_max_tokens)
-        run.values["ttft_hit_long_s"] = ttft(hit)
+        run.values["ttft_hit_long_s"] = _ttft(hit)
         run.prefix_cache["hit_row_cached_tokens"] = hit.cached_tokens
         system = texts.text("system", args.system_tokens)
         times = []
