@@ -73,3 +73,23 @@ def test_a_temperature_outside_the_openai_range_is_refused(
 ) -> None:
     assert cli.main(["bench-load", "--temperature", value, "--concurrency", "1"]) == 2
     assert "--temperature must be in [0, 2]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rates", "0"], "--rates values must be above 0, not 0"),
+        (["--rates", "1,-2"], "--rates values must be above 0, not -2"),
+        (["--rates", "fast"], "--rates takes comma-separated numbers, not 'fast'"),
+        (["--concurrency", "8,0"], "--concurrency values must be above 0, not 0"),
+        (["--concurrency", "1.5"], "--concurrency takes comma-separated numbers, not '1.5'"),
+        (["--requests-per-client", "0"], "--requests-per-client must be at least 1, not 0"),
+        (["--open-requests", "0"], "--open-requests must be at least 1, not 0"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1, not 0"),
+    ],
+)
+def test_level_flags_that_make_no_level_are_refused(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench-load", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -380,11 +380,38 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 register, main = _cli.entry_points("bench-load", __doc__, add_arguments)
 
 
+def _counts_wrong(args: argparse.Namespace) -> str | None:
+    """What is wrong with the level flags, decided before any server starts (None: nothing)."""
+    for flag, text, kind in (
+        ("--concurrency", args.concurrency, int),
+        ("--rates", args.rates, float),
+    ):
+        for item in (x.strip() for x in text.split(",") if x.strip()):
+            try:
+                value = kind(item)
+            except ValueError:
+                return f"{flag} takes comma-separated numbers, not {item!r}"
+            if not value > 0:  # also refuses nan
+                return f"{flag} values must be above 0, not {item}"
+    for flag, count in (
+        ("--requests-per-client", args.requests_per_client),
+        ("--open-requests", args.open_requests),
+        ("--max-tokens", args.max_tokens),
+    ):
+        if count < 1:
+            return f"{flag} must be at least 1, not {count}"
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.url and not args.model_name:
         print("bench-load: --url needs --model-name", file=sys.stderr)
         return 2
     if _cli.compare_flags_wrong("bench-load", args):
+        return 2
+    wrong = _counts_wrong(args)
+    if wrong:
+        print(f"bench-load: {wrong}", file=sys.stderr)
         return 2
     if args.temperature is not None and not 0.0 <= args.temperature <= MAX_TEMPERATURE:
         print(
