@@ -86,3 +86,25 @@ class CoreMeter:
             cores["server"] = max(0.0, server1 - server0) / wall
             cores["others"] = max(0.0, host - cores["server"] - own)
         return {k: round(v, 2) for k, v in cores.items()}
+
+
+QUIET_BUSY = 0.15
+"""The share of the host's cores (all of them together) below which they count as quiet."""
+
+
+def wait_quiet(max_s: float, busy_below: float = QUIET_BUSY, window_s: float = 0.5) -> float:
+    """Wait, at most ``max_s``, until the host's cores were busy less than ``busy_below`` of a
+    ``window_s`` window (``/proc/stat``; no wait where it cannot be read); returns the
+    seconds waited. Interleaved, a server can keep the cores busy for a while after its last
+    answer (vLLM's CPU build spun ~1 s on both cores here), which the next server's row would
+    otherwise pay for."""
+    start = time.monotonic()
+    cores = os.cpu_count() or 1
+    before, at = host_busy_s(), start
+    while before is not None and time.monotonic() - start < max_s:
+        time.sleep(window_s)
+        busy, now = host_busy_s(), time.monotonic()
+        if busy is None or (busy - before) / ((now - at) * cores) < busy_below:
+            break
+        before, at = busy, now
+    return time.monotonic() - start

@@ -194,14 +194,16 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that name another OpenAI-compatible server to run the same load against."""
     p.add_argument(
         "--compare-url",
-        help="after kvflow's server stopped, the same requests (same seed and prompts) "
-        "against this other OpenAI-compatible server, e.g. vLLM on the same weights",
+        help="after kvflow's server stopped (--interleave: beside it, taking turns), the same "
+        "requests (same seed and prompts) against this other OpenAI-compatible server, e.g. "
+        "vLLM on the same weights",
     )
     p.add_argument("--compare-model-name", help="with --compare-url: its served model's name")
     p.add_argument(
         "--compare-cmd",
         help="with --compare-url: the command that starts that server (one string); it is "
-        "started after kvflow's server stopped and stopped at the end",
+        "started after kvflow's server stopped (--interleave: after it started) and stopped "
+        "at the end",
     )
     p.add_argument("--compare-start-s", type=float, default=900, help="its start-up deadline")
 

@@ -20,7 +20,10 @@ tiny demo model) and stops it at the end.
 ``--compare-url`` then runs the same levels, same seed and prompts, against any other
 OpenAI-compatible server (e.g. vLLM serving the same weights), after kvflow's server has
 stopped; with ``--compare-cmd`` the benchmark starts that server itself, waits for its
-``/health``, and stops it after, so only one server runs at a time.
+``/health``, and stops it after, so only one server runs at a time. With ``--interleave`` both
+servers are up at once and take turns level by level (kvflow, other; other, kvflow; ...), each
+turn after a wait for quiet cores: the two numbers of a level are then measured a minute apart,
+not the whole run apart, on a machine whose pace drifts.
 
 Requests carry no temperature unless ``--temperature`` gives one: each server then samples
 at its own default (kvflow greedily unless the model's generation_config.json names a
@@ -33,7 +36,7 @@ Seeded (prompts, arrivals); prints one summary line; ``--json PATH`` writes ever
     python -m kvflow.tools.bench.load --url http://127.0.0.1:8000 --metrics-url \\
         http://127.0.0.1:9464/metrics --model-name SmolLM2-135M-Instruct
     python -m kvflow.tools.bench.load --model DIR --compare-url http://127.0.0.1:8011 \\
-        --compare-cmd "vllm serve DIR --port 8011" --compare-model-name DIR
+        --compare-cmd "vllm serve DIR --port 8011" --compare-model-name DIR [--interleave]
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.tools.bench import _cli
-from kvflow.tools.bench._cores import CoreMeter, disturbed
+from kvflow.tools.bench._cores import QUIET_BUSY, CoreMeter, disturbed, wait_quiet
 from kvflow.tools.bench._servers import (
     Server,
     add_compare_arguments,
@@ -208,18 +211,16 @@ async def closed_loop(
 
 async def open_loop(
     target: Target,
-    rate: float,
     texts: list[str],
+    gaps: list[float],
     max_tokens: int,
-    rng: random.Random,
     name: str,
     extra: dict[str, Any] | None = None,
 ) -> Level:
-    """Each of ``texts`` sent at Poisson arrivals of ``rate`` per second, with ``extra`` body
-    fields."""
+    """Each of ``texts`` sent ``gaps`` seconds after the one before (the first: after the
+    start), with ``extra`` body fields."""
     import aiohttp
 
-    gaps = [rng.expovariate(rate) for _ in texts]
     level = Level(name)
     before = target.queue_totals()
     connector = aiohttp.TCPConnector(limit=0)
@@ -270,36 +271,119 @@ def _capacity(levels: dict[str, Level]) -> float:
     return max(levels[top].summary()["goodput_rps"], 1e-3)
 
 
+@dataclass
+class Plan:
+    """One level's requests, drawn before it runs: a closed level's prompts, one list per
+    client, or an open level's prompts and the gaps between their arrivals (``rate`` per
+    second)."""
+
+    name: str
+    clients: list[list[str]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    rate: float = 0.0
+
+
+def _numbers(text: str, kind: type[int] | type[float]) -> list[Any]:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def closed_plans(args: argparse.Namespace, prompts: Prompts) -> tuple[list[list[str]], list[Plan]]:
+    """The warm-up's prompts (two clients of two) and the closed levels' plans."""
+    warm = [prompts.take(2) for _ in range(2)]
+    plans = [
+        Plan(f"closed_c{c}", clients=[prompts.take(args.requests_per_client) for _ in range(c)])
+        for c in _numbers(args.concurrency, int)
+    ]
+    return warm, plans
+
+
+def open_plans(args: argparse.Namespace, prompts: Prompts, capacity: float) -> list[Plan]:
+    """The open levels' plans: ``--open-requests`` prompts each, arriving as a Poisson process
+    at its multiple of ``capacity``; drawn after the closed levels' (the same seed, the same
+    prompts and arrivals against every server)."""
+    plans = []
+    for mult in _numbers(args.rates, float):
+        texts = prompts.take(args.open_requests)
+        rate = mult * capacity
+        gaps = [prompts.rng.expovariate(rate) for _ in texts]
+        plans.append(Plan(f"open_{mult:g}x", texts=texts, gaps=gaps, rate=rate))
+    return plans
+
+
+async def measure(args: argparse.Namespace, target: Target, plan: Plan) -> Level:
+    """One level against ``target``, with the cores used meanwhile."""
+    meter = CoreMeter(target.pid)
+    extra = sampling_body(args.temperature)
+    meter.start()
+    if plan.gaps:
+        level = await open_loop(target, plan.texts, plan.gaps, args.max_tokens, plan.name, extra)
+    else:
+        level = await closed_loop(target, plan.clients, args.max_tokens, plan.name, extra)
+    level.cores = meter.stop()
+    rate = f" ({plan.rate:.2f} req/s)" if plan.gaps else ""
+    logger.warning("%s%s: %s", plan.name, rate, _short(level.summary()))
+    return level
+
+
 async def run(args: argparse.Namespace, target: Target, capacity: float | None) -> dict[str, Level]:
     """Every level against ``target``; the open loop's rates are multiples of ``capacity``
     (None: measured here by the closed loop)."""
     prompts = Prompts(args.seed, args.prompt_words, args.shared_prefix_words)
-    levels: dict[str, Level] = {}
-    meter = CoreMeter(target.pid)
-    extra = sampling_body(args.temperature)
-    warm = [prompts.take(2) for _ in range(2)]
-    await closed_loop(target, warm, args.max_tokens, extra=extra)  # warm-up
-    for c in [int(x) for x in args.concurrency.split(",") if x]:
-        texts = [prompts.take(args.requests_per_client) for _ in range(c)]
-        meter.start()
-        level = await closed_loop(target, texts, args.max_tokens, extra=extra)
-        level.cores = meter.stop()
-        levels[level.name] = level
-        logger.warning("%s: %s", level.name, _short(level.summary()))
-    rates = [float(x) for x in args.rates.split(",") if x]
-    if rates and levels:
+    warm, closed = closed_plans(args, prompts)
+    await closed_loop(target, warm, args.max_tokens, extra=sampling_body(args.temperature))
+    levels = {plan.name: await measure(args, target, plan) for plan in closed}
+    if levels:
         capacity = capacity if capacity is not None else _capacity(levels)
-        for mult in rates:
-            name = f"open_{mult:g}x"
-            meter.start()
-            level = await open_loop(
-                target, mult * capacity, prompts.take(args.open_requests), args.max_tokens,
-                prompts.rng, name, extra,
-            )  # fmt: skip
-            level.cores = meter.stop()
-            levels[name] = level
-            logger.warning("%s (%.2f req/s): %s", name, mult * capacity, _short(level.summary()))
+        for plan in open_plans(args, prompts, capacity):
+            levels[plan.name] = await measure(args, target, plan)
     return levels
+
+
+def _interleaved(
+    args: argparse.Namespace, model: Path, where: Path
+) -> tuple[dict[str, Level], dict[str, Level], list[dict[str, Any]]]:
+    """kvflow's server and the other one up at once (kvflow started first), both warmed,
+    then each level run on one and then on the other, kvflow first in the first level and
+    the order swapped in every next one (A B, B A, ...), so that a change in the machine's
+    pace lands on both; each turn first waits for quiet cores (``--quiet-s``: a server may
+    keep the cores busy a while after its last answer). The open levels' rates are multiples
+    of kvflow's capacity. Returns kvflow's levels, the other's and the turns taken."""
+    server = start_embedded(model, where / "server", args.server_args.split())
+    try:
+        return against_other(
+            args, where / "compare", lambda other: _turns(args, Target.of(server), Target.of(other))
+        )
+    finally:
+        stop_embedded(server.proc)
+
+
+def _turns(
+    args: argparse.Namespace, kvflow: Target, other: Target
+) -> tuple[dict[str, Level], dict[str, Level], list[dict[str, Any]]]:
+    prompts = Prompts(args.seed, args.prompt_words, args.shared_prefix_words)
+    warm, closed = closed_plans(args, prompts)
+    targets = {"kvflow": kvflow, "compare": other}
+    extra = sampling_body(args.temperature)
+    for target in targets.values():
+        asyncio.run(closed_loop(target, warm, args.max_tokens, extra=extra))
+    levels: dict[str, dict[str, Level]] = {"kvflow": {}, "compare": {}}
+    turns: list[dict[str, Any]] = []
+
+    def play(plans: list[Plan]) -> None:
+        for plan in plans:
+            done = len(levels["kvflow"])  # levels played so far: even, kvflow first
+            order = ("kvflow", "compare") if done % 2 == 0 else ("compare", "kvflow")
+            for who in order:
+                quiet = wait_quiet(args.quiet_s)
+                turns.append({"level": plan.name, "server": who, "at": time.time(),
+                              "quiet_s": round(quiet, 2)})  # fmt: skip
+                levels[who][plan.name] = asyncio.run(measure(args, targets[who], plan))
+
+    play(closed)
+    if levels["kvflow"]:
+        play(open_plans(args, prompts, _capacity(levels["kvflow"])))
+    return levels["kvflow"], levels["compare"], turns
 
 
 def _against(
@@ -371,6 +455,20 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "samples at its own default: kvflow greedily unless the model's "
         "generation_config.json names one, vLLM at 1.0); 0 makes both greedy",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --compare-url: both servers up at once, each level run on one and then on "
+        "the other, the order swapped from level to level (default: kvflow's every level, "
+        "then the other server's)",
+    )
+    p.add_argument(
+        "--quiet-s",
+        type=float,
+        default=10.0,
+        help="interleaved: before each server's level, wait up to this long for the host's "
+        f"cores to be quiet (under {QUIET_BUSY * 100:.0f}%% busy over half a second); 0: no wait",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.set_defaults(func=run_bench)
@@ -413,6 +511,14 @@ def run_bench(args: argparse.Namespace) -> int:
     if wrong:
         print(f"bench-load: {wrong}", file=sys.stderr)
         return 2
+    if args.interleave and (not args.compare_url or args.url or args.baseline_python):
+        print(
+            "bench-load: --interleave takes turns between the kvflow server started here and "
+            "--compare-url's: it needs --compare-url, and takes neither --url nor "
+            "--baseline-python",
+            file=sys.stderr,
+        )
+        return 2
     if args.temperature is not None and not 0.0 <= args.temperature <= MAX_TEMPERATURE:
         print(
             f"bench-load: --temperature must be in [0, {MAX_TEMPERATURE:g}] (the OpenAI API's "
@@ -426,8 +532,19 @@ def run_bench(args: argparse.Namespace) -> int:
     compare: dict[str, Level] = {}
     compare_error = None
     checkouts: dict[str, str] = {}
+    turns: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        if args.url:
+        if args.interleave:
+            model = model_dir(args.model, Path(tmp), args.seed)
+            served = f"kvflow serve --model {model.name} {args.server_args}".strip()
+            checkouts["server"] = checkout(sys.executable, Path(tmp))
+            try:
+                levels, compare, turns = _interleaved(args, model, Path(tmp))
+            except RuntimeError as e:  # the other server did not start: nothing was measured
+                levels = {}
+                compare_error = f"{e}: {log_tail(Path(tmp) / 'compare' / 'compare.log')}"
+                print(f"bench-load: compare: {compare_error}", file=sys.stderr)
+        elif args.url:
             target = Target(args.url, args.model_name, args.metrics_url)
             served = args.url
             levels = asyncio.run(run(args, target, None))
@@ -441,7 +558,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 baseline = _against(
                     args, model, Path(tmp) / "baseline", args.baseline_python, _capacity(levels)
                 )
-        if args.compare_url:  # the same prompts and rates against the other server
+        if args.compare_url and not args.interleave:  # the same prompts and rates there
             capacity = _capacity(levels) if levels else None
             try:
                 compare = _against_other(args, Path(tmp) / "compare", capacity)
@@ -468,6 +585,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "compare_cmd": args.compare_cmd,
         "compare": {name: level.summary() for name, level in compare.items()},
         "compare_error": compare_error,
+        "interleave": args.interleave,
+        "turns": turns,  # interleaved: each server's turn at each level, in order
         "load_avg": load,
         "cpus": os.cpu_count(),
         "platform": platform.platform(),

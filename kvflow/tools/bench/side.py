@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvflow.stages.runtime.step_trace import host_busy_s
 from kvflow.tools.bench import _cli
+from kvflow.tools.bench._cores import QUIET_BUSY, wait_quiet
 from kvflow.tools.bench._servers import (
     Server,
     add_compare_arguments,
@@ -498,28 +498,6 @@ def run_interleaved(
         return with_other(args, where / "other", model, alternate)
 
     return with_kvflow(model, where / "kvflow", args.server_args, both)
-
-
-QUIET_BUSY = 0.15
-"""The share of the host's cores (all of them together) below which they count as quiet."""
-
-
-def wait_quiet(max_s: float, busy_below: float = QUIET_BUSY, window_s: float = 0.5) -> float:
-    """Wait, at most ``max_s``, until the host's cores were busy less than ``busy_below`` of a
-    ``window_s`` window (``/proc/stat``; no wait where it cannot be read); returns the
-    seconds waited. Interleaved, a server can keep the cores busy for a while after its last
-    answer (vLLM's CPU build spun ~1 s on both cores here), which the next server's row would
-    otherwise pay for."""
-    start = time.monotonic()
-    cores = os.cpu_count() or 1
-    before, at = host_busy_s(), start
-    while before is not None and time.monotonic() - start < max_s:
-        time.sleep(window_s)
-        busy, now = host_busy_s(), time.monotonic()
-        if busy is None or (busy - before) / ((now - at) * cores) < busy_below:
-            break
-        before, at = busy, now
-    return time.monotonic() - start
 
 
 def _interleaved_round(
