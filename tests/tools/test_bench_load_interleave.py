@@ -22,6 +22,7 @@ from aiohttp import web
 from kvflow.tools import cli
 from kvflow.tools.bench import _servers, load
 from tests.docs.blocks import block
+from tests.tools.completion_stub import two_token_completion
 
 
 class Recorder:
@@ -39,15 +40,7 @@ class Recorder:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append((time.monotonic(), body["prompt"]))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for piece in ("a", "b"):
-            event = {"choices": [{"index": 0, "text": piece}]}
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
-        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-        await resp.write_eof()
-        return resp
+        return await two_token_completion(request)
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)

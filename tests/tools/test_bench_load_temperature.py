@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ from aiohttp import web
 
 from kvflow.tools import cli
 from kvflow.tools.bench import load
+from tests.tools.completion_stub import two_token_completion
 
 
 async def _levels_against_a_recorder(flags: list[str]) -> list[dict[str, Any]]:
@@ -23,15 +23,7 @@ async def _levels_against_a_recorder(flags: list[str]) -> list[dict[str, Any]]:
 
     async def completions(request: web.Request) -> web.StreamResponse:
         bodies.append(await request.json())
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for piece in ("a", "b"):
-            event = {"choices": [{"index": 0, "text": piece}]}
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
-        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-        await resp.write_eof()
-        return resp
+        return await two_token_completion(request)
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
