@@ -169,3 +169,32 @@ def test_the_documented_interleaved_run(tmp_path: Path, capsys: pytest.CaptureFi
             assert level["cores"]["server"] > 0
     with pytest.raises(OSError):  # the compare server was stopped
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_a_dropped_connection_says_what_it_raised() -> None:
+    """A server that closes the connection without an answer: a ``conn`` refusal, and the
+    level's summary and line name the error."""
+
+    async def drop(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.close()
+        raise web.HTTPInternalServerError()  # never sent: the connection is gone
+
+    async def level() -> load.Level:
+        app = web.Application()
+        app.router.add_post("/v1/completions", drop)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            target = load.Target(f"http://127.0.0.1:{port}", "m", None)
+            return await load.closed_loop(target, [["one prompt"]], 2)
+        finally:
+            await runner.cleanup()
+
+    summary = asyncio.run(level()).summary()
+    assert summary["refused"] == {"conn": 1}
+    assert list(summary["conn_errors"]) == ["ServerDisconnectedError: Server disconnected"]
+    assert "refused conn:1 (1 x ServerDisconnectedError" in load._short(summary)

@@ -16,7 +16,8 @@ from typing import Any
 class Outcome:
     """One request: ``status`` 200 when served (``ttft_s``, ``tpot_s`` set), else its HTTP
     status, ``conn`` or ``stream-CODE``. ``gaps``: the seconds between consecutive pieces of
-    text as they arrived (each a token, where the server streams one a chunk)."""
+    text as they arrived (each a token, where the server streams one a chunk). ``error``:
+    what a ``conn`` outcome's connection raised (its type and message)."""
 
     status: str
     ttft_s: float = 0.0
@@ -26,6 +27,7 @@ class Outcome:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     gaps: tuple[float, ...] = ()
+    error: str = ""
 
 
 async def one_request(
@@ -72,8 +74,8 @@ async def one_request(
                 if piece:
                     arrivals.append(time.perf_counter())
                     pieces.append(piece)
-    except (TimeoutError, aiohttp.ClientError, OSError):
-        return Outcome("conn")
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        return Outcome("conn", error=f"{type(e).__name__}: {e}".rstrip(": "))
     if not arrivals:
         return Outcome("empty")
     tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else None

@@ -72,6 +72,14 @@ from kvflow.tools.bench._stream import Outcome, one_request
 
 logger = logging.getLogger(__name__)
 
+KEEPALIVE_S = 4.0
+"""How long the clients keep an idle connection for the next request: under the 5 s after
+which kvflow's HTTP server (``--http-keep-alive-s``) and vLLM's (uvicorn's default) close
+one. A client that reuses a connection as the server closes it gets ServerDisconnectedError
+for a request the server never read. (A run against kvflow lost one request of 873 to a
+connection error whose type was not kept then; this race is the likely cause, not a proven
+one.)"""
+
 MAX_TEMPERATURE = 2.0
 """The largest --temperature: the OpenAI API's range is [0, 2]."""
 
@@ -91,9 +99,12 @@ class Level:
     def summary(self) -> dict[str, Any]:
         ok = [o for o in self.outcomes if o.status == "200"]
         refused: dict[str, int] = {}
+        errors: dict[str, int] = {}  # what the connection errors were
         for o in self.outcomes:
             if o.status != "200":
                 refused[o.status] = refused.get(o.status, 0) + 1
+            if o.error:
+                errors[o.error] = errors.get(o.error, 0) + 1
         ttft = [o.ttft_s * 1000 for o in ok]
         tpot = [o.tpot_s * 1000 for o in ok if o.tpot_s is not None]
         wall = max(self.wall_s, 1e-9)
@@ -102,6 +113,7 @@ class Level:
             "served": len(ok),
             "refused": refused,
             "http_5xx": sum(n for s, n in refused.items() if s.startswith("5")),
+            "conn_errors": errors,
             "goodput_rps": len(ok) / wall,
             "goodput_tokens_per_s": sum(o.tokens for o in ok) / wall,
             "ttft_p50_ms": pct(ttft, 50),
@@ -189,7 +201,7 @@ async def closed_loop(
 
     level = Level(name or f"closed_c{len(texts)}")
     before = target.queue_totals()
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
@@ -223,7 +235,7 @@ async def open_loop(
 
     level = Level(name)
     before = target.queue_totals()
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter()
@@ -399,6 +411,8 @@ def _against(
 
 def _short(s: dict[str, Any]) -> str:
     refused = ",".join(f"{k}:{v}" for k, v in sorted(s["refused"].items())) or "none"
+    if s["conn_errors"]:  # what the connection errors were
+        refused += " (" + "; ".join(f"{n} x {e}" for e, n in sorted(s["conn_errors"].items())) + ")"
     return (
         f"{s['served']}/{s['requests']} served, 5xx {s['http_5xx']}, refused {refused}, "
         f"goodput {s['goodput_rps']:.2f} req/s {s['goodput_tokens_per_s']:.1f} tok/s, "
