@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -18,3 +19,18 @@ async def two_token_completion(request: web.Request) -> web.StreamResponse:
     await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
     await resp.write_eof()
     return resp
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def serve_completions(handler: Handler) -> tuple[web.AppRunner, int]:
+    """An HTTP server on 127.0.0.1 (a free port) answering ``/v1/completions`` with
+    ``handler``: its runner (``cleanup()`` stops it) and its port."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

@@ -22,7 +22,7 @@ from aiohttp import web
 from kvflow.tools import cli
 from kvflow.tools.bench import _servers, load
 from tests.docs.blocks import block
-from tests.tools.completion_stub import two_token_completion
+from tests.tools.completion_stub import serve_completions, two_token_completion
 
 
 class Recorder:
@@ -181,13 +181,7 @@ def test_a_dropped_connection_says_what_it_raised() -> None:
         raise web.HTTPInternalServerError()  # never sent: the connection is gone
 
     async def level() -> load.Level:
-        app = web.Application()
-        app.router.add_post("/v1/completions", drop)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await serve_completions(drop)
         try:
             target = load.Target(f"http://127.0.0.1:{port}", "m", None)
             return await load.closed_loop(target, [["one prompt"]], 2)

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from kvflow.tools import cli
 from kvflow.tools.bench import load
-from tests.tools.completion_stub import two_token_completion
+from tests.tools.completion_stub import serve_completions, two_token_completion
 
 
 async def _levels_against_a_recorder(flags: list[str]) -> list[dict[str, Any]]:
@@ -25,13 +25,7 @@ async def _levels_against_a_recorder(flags: list[str]) -> list[dict[str, Any]]:
         bodies.append(await request.json())
         return await two_token_completion(request)
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_completions(completions)
     try:
         args = load.add_arguments(argparse.ArgumentParser()).parse_args(
             ["--concurrency", "2", "--requests-per-client", "2", "--rates", "1",
