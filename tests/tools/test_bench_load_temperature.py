@@ -72,6 +72,7 @@ def test_a_temperature_outside_the_openai_range_is_refused(
         (["--requests-per-client", "0"], "--requests-per-client must be at least 1, not 0"),
         (["--open-requests", "0"], "--open-requests must be at least 1, not 0"),
         (["--max-tokens", "0"], "--max-tokens must be at least 1, not 0"),
+        (["--quiet-s", "-1"], "--quiet-s must be 0 or more seconds, not -1"),
     ],
 )
 def test_level_flags_that_make_no_level_are_refused(

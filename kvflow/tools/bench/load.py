@@ -512,6 +512,8 @@ def _counts_wrong(args: argparse.Namespace) -> str | None:
     ):
         if count < 1:
             return f"{flag} must be at least 1, not {count}"
+    if not args.quiet_s >= 0:  # also refuses nan
+        return f"--quiet-s must be 0 or more seconds, not {args.quiet_s:g}"
     return None
 
 
